@@ -1,0 +1,131 @@
+"""Run kernels recorded by the aten capture on one torch device.
+
+:class:`AtenProgram` owns the device memory of one plan's buffers (an arena:
+one flat uint8 tensor per buffer) and pre-binds every kernel to tensor views
+into it, so running a segment is a loop of op calls with no per-step
+decoding.  Blocking: every method runs torch work synchronously on the
+calling thread (device actors call it from their worker thread).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from tessera_actors.capture.aten import dtype_from_name
+from tessera_actors.graph import KernelGraph
+
+
+class BackendError(RuntimeError):
+    """A kernel that cannot be bound or run on this device."""
+
+
+def resolve_op(name: str):
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``."""
+    try:
+        ns, op, overload = name.split(".")
+        return getattr(getattr(getattr(torch.ops, ns), op), overload)
+    except (ValueError, AttributeError) as e:
+        raise BackendError(f"unknown op {name!r} in this torch {torch.__version__}") from e
+
+
+class AtenProgram:
+    def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
+                 memory_limit: int | None = None) -> None:
+        self.graph = graph
+        self.device = device
+        ids = sorted(set(buffer_ids))
+        need = sum(graph.buffers[b].nbytes for b in ids)
+        if memory_limit is not None and need > memory_limit:
+            raise BackendError(f"{device}: plan needs {need} bytes of buffers, budget is {memory_limit}")
+        self.arena: dict[int, torch.Tensor] = {
+            b: torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, device=device) for b in ids}
+        self.nbytes = need
+        self._bound: dict[int, Callable[[], None]] = {}
+
+    # -- memory ---------------------------------------------------------
+    def view(self, ref: Sequence[Any]) -> torch.Tensor:
+        b, off, shape, stride, dt = ref
+        dtype = dtype_from_name(dt)
+        item = torch.empty((), dtype=dtype).element_size()
+        try:
+            base = self.arena[b]
+        except KeyError:
+            raise BackendError(f"buffer {b} is not resident on {self.device}") from None
+        return torch.empty(0, dtype=dtype, device=self.device).set_(
+            base.untyped_storage(), off // item, tuple(shape), tuple(stride))
+
+    def load(self, values: dict[int, torch.Tensor]) -> None:
+        """Copy initial bytes (flat uint8) into resident buffers; others ignored."""
+        for b, v in values.items():
+            if b in self.arena:
+                self.arena[b][: v.numel()].copy_(v.reshape(-1).view(torch.uint8))
+
+    def read(self, buffer: int, ranges: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The bytes of ``ranges`` concatenated (a new tensor: a snapshot)."""
+        a = self.arena[buffer]
+        if len(ranges) == 1:
+            s, e = ranges[0]
+            return a[s:e].clone()
+        return torch.cat([a[s:e] for s, e in ranges])
+
+    def write(self, buffer: int, ranges: Sequence[Sequence[int]], data: torch.Tensor) -> None:
+        a = self.arena[buffer]
+        data = data.reshape(-1).view(torch.uint8)
+        pos = 0
+        for s, e in ranges:
+            a[s:e].copy_(data[pos:pos + e - s], non_blocking=True)
+            pos += e - s
+        if pos != data.numel():
+            raise BackendError(f"buffer {buffer}: received {data.numel()} bytes for ranges of {pos}")
+
+    # -- kernels --------------------------------------------------------
+    def _arg(self, v: Any) -> Any:
+        if isinstance(v, dict):
+            if "t" in v:
+                return self.view(v["t"])
+            if "dt" in v:
+                return dtype_from_name(v["dt"])
+            if "dev" in v:
+                return self.device
+            if "layout" in v:
+                return getattr(torch, v["layout"])
+            if "mf" in v:
+                return getattr(torch, v["mf"])
+            raise BackendError(f"unknown argument record {v!r}")
+        if isinstance(v, list):
+            return [self._arg(x) for x in v]
+        return v
+
+    def bind(self, kid: int) -> Callable[[], None]:
+        fn = self._bound.get(kid)
+        if fn is None:
+            fn = self._bound[kid] = self._bind(kid)
+        return fn
+
+    def _bind(self, kid: int) -> Callable[[], None]:
+        k = self.graph.kernels[kid]
+        p = k.payload
+        op = resolve_op(p["op"])
+        args = self._arg(p["args"])
+        kwargs = {n: self._arg(v) for n, v in p["kwargs"].items()}
+        copies = [(i, self.view(o["ref"]["t"])) for i, o in enumerate(p["outs"])
+                  if o is not None and not o["alias"]]
+        if not copies:
+            return lambda: op(*args, **kwargs)
+        if len(p["outs"]) == 1:
+            dst = copies[0][1]
+
+            def run_one() -> None:
+                dst.copy_(op(*args, **kwargs))
+            return run_one
+
+        def run_many() -> None:
+            res = op(*args, **kwargs)
+            for i, d in copies:
+                d.copy_(res[i])
+        return run_many
+
+    def run(self, kernel_ids: Iterable[int]) -> None:
+        for kid in kernel_ids:
+            self.bind(kid)()

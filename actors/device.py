@@ -1,0 +1,232 @@
+"""The device actor: owns one device (its memory and its worker) and runs its
+part of installed plans, step by step.
+
+Contract:
+* ``InstallPlan`` allocates the device's buffers and pre-binds its kernels;
+  ``LoadValues`` fills weights and state; ``Uninstall`` frees them.
+* ``RunStep`` is answered with ``StepDone`` when this device has finished its
+  program for that step.  Steps of one plan run in the order they arrive, one
+  at a time; the mailbox stays open meanwhile, so ``Deliver`` messages (the
+  bytes of cross-device transfers, possibly ahead of their step) are taken
+  while a step waits for them.
+* Torch work never runs on the event loop: it goes to the device's single
+  worker thread (its "stream"), so the actor keeps answering while a segment
+  runs, and a step costs O(segments) loop work.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from actors.backends.aten import AtenProgram, BackendError
+from tessera_actors.actor import Actor, handler
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.graph import KernelGraph
+from tessera_actors.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
+                                     Ship, Stats, StepDone, Uninstall)
+from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.runner import write_inputs
+
+log = logging.getLogger("tessera_actors.device")
+
+
+def torch_device(spec: DeviceSpec) -> torch.device:
+    return torch.device("cpu") if spec.kind == "cpu" else torch.device("cuda", spec.index)
+
+
+@dataclass
+class _Installed:
+    graph: KernelGraph
+    plan: Plan
+    device: int
+    prog: AtenProgram
+    steps: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: dict = field(default_factory=dict)   # (step, tag) -> future of bytes
+    runner: asyncio.Task | None = None
+
+
+class DeviceActor(Actor):
+    def __init__(self, spec: DeviceSpec, transfer: str = "transfer") -> None:
+        self.spec = spec
+        self.transfer_name = transfer
+        self.plans: dict[str, _Installed] = {}
+        self.steps_run = 0
+        self.busy_s = 0.0
+
+    async def on_start(self) -> None:
+        threads = self.spec.threads
+
+        def init() -> None:
+            if threads:
+                torch.set_num_threads(threads)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"dev-{self.spec.name}", initializer=init)
+        self.device = torch_device(self.spec)
+        self.transfer = self.system.ref(self.transfer_name)
+
+    async def on_stop(self) -> None:
+        for inst in self.plans.values():
+            self._fail_plan(inst, "device stopped")
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    # -- installation ---------------------------------------------------
+    @handler(InstallPlan)
+    async def install(self, msg: InstallPlan) -> Installed:
+        if msg.plan_id in self.plans:
+            raise ValueError(f"plan {msg.plan_id!r} is already installed on {self.spec.name}")
+        graph = KernelGraph.from_dict(msgpack.unpackb(msg.graph, strict_map_key=False))
+        plan = plan_from_dict(msgpack.unpackb(msg.plan, strict_map_key=False))
+        d = msg.device
+        if not 0 <= d < len(plan.devices):
+            raise ValueError(f"device index {d} not in plan {msg.plan_id!r} ({len(plan.devices)} devices)")
+        mine = [s for s in plan.segments if s.device == d]
+
+        def build() -> AtenProgram:
+            prog = AtenProgram(graph, self.device, plan.resident[d], memory_limit=self.spec.mem)
+            for s in mine:
+                for k in s.kernels:
+                    prog.bind(k)
+            return prog
+        prog = await self._on_worker(build)
+        inst = _Installed(graph, plan, d, prog)
+        inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
+        self.plans[msg.plan_id] = inst
+        return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine))
+
+    @handler(LoadValues)
+    async def load(self, msg: LoadValues) -> Ok:
+        inst = self._plan(msg.plan_id)
+        await self._on_worker(inst.prog.load, dict(zip(msg.buffers, msg.data)))
+        return Ok(f"{len(msg.buffers)} buffers offered")
+
+    @handler(Uninstall)
+    def uninstall(self, msg: Uninstall) -> Ok:
+        inst = self.plans.pop(msg.plan_id, None)
+        if inst is not None:
+            self._fail_plan(inst, "plan uninstalled")
+        return Ok()
+
+    @handler(GetStats)
+    def stats(self, msg: GetStats) -> Stats:
+        return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans)})
+
+    def _plan(self, plan_id: str) -> _Installed:
+        try:
+            return self.plans[plan_id]
+        except KeyError:
+            raise KeyError(f"plan {plan_id!r} is not installed on {self.spec.name}") from None
+
+    def _fail_plan(self, inst: _Installed, why: str) -> None:
+        if inst.runner is not None:
+            inst.runner.cancel()
+        while not inst.steps.empty():
+            _, fut = inst.steps.get_nowait()
+            if not fut.done():
+                fut.set_exception(BackendError(f"{self.spec.name}: {why}"))
+
+    # -- steps ----------------------------------------------------------
+    @handler(RunStep)
+    def run_step(self, msg: RunStep) -> asyncio.Future:
+        """Deferred reply: the returned future resolves to ``StepDone``."""
+        inst = self._plan(msg.plan_id)
+        fut = asyncio.get_running_loop().create_future()
+        inst.steps.put_nowait((msg, fut))
+        return fut
+
+    @handler(Deliver)
+    def deliver(self, msg: Deliver) -> None:
+        inst = self.plans.get(msg.plan_id)
+        if inst is None:
+            log.warning("%s: dropped transfer %d of step %d for unknown plan %r",
+                        self.spec.name, msg.tag, msg.step, msg.plan_id)
+            return
+        fut = self._arrival(inst, msg.step, msg.tag)
+        if not fut.done():
+            fut.set_result(msg.data)
+
+    def _arrival(self, inst: _Installed, step: int, tag: int) -> asyncio.Future:
+        key = (step, tag)
+        fut = inst.arrived.get(key)
+        if fut is None:
+            fut = inst.arrived[key] = asyncio.get_running_loop().create_future()
+        return fut
+
+    async def _run_steps(self, plan_id: str, inst: _Installed) -> None:
+        while True:
+            msg, fut = await inst.steps.get()
+            if fut.done():
+                continue
+            try:
+                done = await self._run_one(plan_id, inst, msg)
+            except asyncio.CancelledError:
+                if not fut.done():
+                    fut.set_exception(BackendError(f"{self.spec.name}: step {msg.step} cancelled"))
+                raise
+            except Exception as exc:  # the asker gets the error; the device keeps serving
+                if not fut.done():
+                    fut.set_exception(exc)
+                continue
+            if not fut.done():
+                fut.set_result(done)
+
+    async def _run_one(self, plan_id: str, inst: _Installed, msg: RunStep) -> StepDone:
+        plan, d, prog, graph = inst.plan, inst.device, inst.prog, inst.graph
+        transfers = {t.tag: t for t in plan.transfers}
+        busy = wait = 0.0
+        feed = plan.inputs[d]
+        if feed:
+            await self._on_worker(write_inputs, prog, graph, msg.inputs, feed)
+        program = plan.programs[d]
+        i = 0
+        while i < len(program):
+            st = program[i]
+            if st.op == "recv":
+                t0 = time.perf_counter()
+                fut = self._arrival(inst, msg.step, st.ref)
+                data = await fut
+                del inst.arrived[(msg.step, st.ref)]
+                wait += time.perf_counter() - t0
+                t = transfers[st.ref]
+                await self._on_worker(prog.write, t.buffer, t.ranges, data)
+                i += 1
+                continue
+            # a run step and the sends that follow it go to the worker together
+            j = i
+            kernels: list[int] = []
+            sends: list[int] = []
+            while j < len(program) and program[j].op != "recv":
+                if program[j].op == "run":
+                    if sends:
+                        break
+                    kernels.extend(plan.segments[program[j].ref].kernels)
+                else:
+                    sends.append(program[j].ref)
+                j += 1
+
+            def work(kernels=kernels, sends=sends) -> tuple[list[Any], float]:
+                t0 = time.perf_counter()
+                prog.run(kernels)
+                out = [prog.read(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
+                return out, time.perf_counter() - t0
+            payloads, spent = await self._on_worker(work)
+            busy += spent
+            for tag, data in zip(sends, payloads):
+                await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
+            i = j
+        mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
+
+        def outputs() -> list[Any]:
+            return [prog.read(b, [(s, e)]) for b, s, e in mine]
+        data = await self._on_worker(outputs) if mine else []
+        self.steps_run += 1
+        self.busy_s += busy
+        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait)

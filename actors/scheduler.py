@@ -1,0 +1,130 @@
+"""The scheduler actor: knows the nodes and their devices, plans placements
+and sends them out as placement messages.
+
+* Nodes ``Register`` (reply ``Registered``) and ``Heartbeat``; a node silent
+  for ``heartbeat_timeout`` seconds is considered lost (reported in
+  ``Stats``; plans that used it must be re-placed).
+* The device inventory is the registered devices in registration order; a
+  plan's device ``i`` is inventory entry ``i``.
+* ``Place`` asks the graph actor for the graph, runs the planner (in a
+  thread: planning may take seconds) on the live inventory and deploys;
+  ``Deploy`` deploys a given plan.  Deploying = ``InstallPlan`` to every
+  plan device, ``Routes`` to every node's transfer actor, ``LoadValues``
+  with the weights/state each device holds.  Reply: ``Deployment``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from tessera_actors.actor import Actor, ActorRef, handler
+from tessera_actors.graph import KernelGraph
+from tessera_actors.messages import (Deploy, Deployment, GetGraph, GetStats, Heartbeat, InstallPlan, LoadValues,
+                                     Place, Register, Registered, Routes, Stats)
+from tessera_actors.plan import Plan, Planner, PlanError, plan_from_dict, plan_to_dict
+
+log = logging.getLogger("tessera_actors.scheduler")
+
+
+@dataclass
+class _Node:
+    name: str
+    endpoint: str
+    devices: list[str]
+    first: int
+    last_seen: float
+
+
+class SchedulerActor(Actor):
+    def __init__(self, planner: Planner, values: dict[int, torch.Tensor] | None = None,
+                 graph_actor: str = "graph", heartbeat_timeout: float = 5.0, install_timeout: float = 60.0) -> None:
+        self.planner = planner
+        self.values = values or {}
+        self.graph_actor = graph_actor
+        self.heartbeat_timeout = heartbeat_timeout
+        self.install_timeout = install_timeout
+        self.nodes: dict[str, _Node] = {}
+        self.inventory: list[tuple[str, int, str]] = []   # (node, local index, device spec)
+        self.plans: dict[str, Plan] = {}
+
+    @handler(Register)
+    def register(self, msg: Register) -> Registered:
+        old = self.nodes.get(msg.node)
+        if old is not None and (old.endpoint, old.devices) == (msg.endpoint, list(msg.devices)):
+            old.last_seen = time.monotonic()
+            return Registered(msg.node, old.first)
+        if old is not None:
+            raise ValueError(f"node {msg.node!r} is already registered at {old.endpoint}")
+        node = _Node(msg.node, msg.endpoint, list(msg.devices), len(self.inventory), time.monotonic())
+        self.nodes[msg.node] = node
+        self.inventory += [(msg.node, i, d) for i, d in enumerate(msg.devices)]
+        log.info("node %s at %s registered devices %s", msg.node, msg.endpoint, msg.devices)
+        return Registered(msg.node, node.first)
+
+    @handler(Heartbeat)
+    def heartbeat(self, msg: Heartbeat) -> None:
+        node = self.nodes.get(msg.node)
+        if node is not None:
+            node.last_seen = time.monotonic()
+
+    def lost_nodes(self) -> list[str]:
+        now = time.monotonic()
+        return [n.name for n in self.nodes.values() if now - n.last_seen > self.heartbeat_timeout]
+
+    @handler(GetStats)
+    def stats(self, msg: GetStats) -> Stats:
+        return Stats({"nodes": list(self.nodes), "devices": [d for _, _, d in self.inventory],
+                      "lost": self.lost_nodes(), "plans": list(self.plans)})
+
+    @handler(Place)
+    async def place(self, msg: Place) -> Deployment:
+        blob = await self.system.ref(self.graph_actor).ask(GetGraph())
+        graph = KernelGraph.from_dict(msgpack.unpackb(blob.data, strict_map_key=False))
+        lost = set(self.lost_nodes())
+        live = [d for d, (node, _, _) in enumerate(self.inventory) if node not in lost]
+        if not live:
+            raise PlanError("no live devices registered")
+        specs = [self.inventory[d][2] for d in live]
+        plan = await asyncio.to_thread(self.planner.plan, graph, specs, msg.mode)
+        return await self._deploy(msg.plan_id, graph, plan, live, blob.data)
+
+    @handler(Deploy)
+    async def deploy(self, msg: Deploy) -> Deployment:
+        blob = await self.system.ref(self.graph_actor).ask(GetGraph())
+        graph = KernelGraph.from_dict(msgpack.unpackb(blob.data, strict_map_key=False))
+        plan = plan_from_dict(msgpack.unpackb(msg.plan, strict_map_key=False))
+        if len(plan.devices) > len(self.inventory):
+            raise PlanError(f"plan needs {len(plan.devices)} devices, {len(self.inventory)} registered")
+        if msg.buffers:
+            self.values = dict(zip(msg.buffers, msg.data))
+        return await self._deploy(msg.plan_id, graph, plan, list(range(len(plan.devices))), blob.data)
+
+    async def _deploy(self, plan_id: str, graph: KernelGraph, plan: Plan, devs: list[int],
+                      graph_bytes: bytes) -> Deployment:
+        routes = []
+        for i, d in enumerate(devs):
+            node, local, _ = self.inventory[d]
+            routes.append([i, self.nodes[node].endpoint, f"device{local}"])
+        plan_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
+        refs: list[ActorRef] = [await self._ref(ep, name) for _, ep, name in routes]
+        await asyncio.gather(*(ref.ask(InstallPlan(plan_id, i, graph_bytes, plan_bytes, routes),
+                                       timeout=self.install_timeout) for i, ref in enumerate(refs)))
+        for node in {self.inventory[d][0] for d in devs}:
+            ref = await self._ref(self.nodes[node].endpoint, "transfer")
+            await ref.ask(Routes(plan_id, routes))
+        for i, ref in enumerate(refs):
+            held = [b for b in plan.resident[i] if b in self.values]
+            await ref.ask(LoadValues(plan_id, held, [self.values[b] for b in held]), timeout=self.install_timeout)
+        self.plans[plan_id] = plan
+        log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])
+        return Deployment(plan_id, routes, plan_bytes)
+
+    async def _ref(self, endpoint: str, name: str) -> ActorRef:
+        if not endpoint or endpoint == self.system.address:
+            return self.system.ref(name)
+        return await self.system.remote_ref(endpoint, name)

@@ -1,0 +1,160 @@
+"""Messaging benchmark: ask round trips in-process and across processes, and
+64 MiB tensor-frame throughput across processes (tcp loopback).
+
+    python benchmarks/bench_messaging.py [--rounds 5000] [--frames 40]
+
+Prints a table with the targets and writes benchmarks/results/messaging.json.
+The second process is this program run with ``--serve``; it hosts the echo
+actor and prints its address.  Everything runs under uvloop.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+import uvloop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from tessera_actors.actor import Actor, handler  # noqa: E402
+from tessera_actors.messages import Ok, Ping, Pong, message  # noqa: E402
+from tessera_actors.system import ActorSystem  # noqa: E402
+
+TARGETS = {"in_process_p50_us": 20.0, "cross_process_p50_us": 150.0, "frames_64mib_gbps": 1.5}
+FRAME_BYTES = 64 << 20
+
+
+@message
+class BenchTensor:
+    tensor: object = None
+
+
+class Echo(Actor):
+    mailbox_size = 64
+
+    @handler(Ping)
+    def ping(self, msg):
+        return Pong(msg.payload)
+
+    @handler(BenchTensor)
+    def take(self, msg):
+        return Ok(str(msg.tensor.nbytes))   # received (decoded zero-copy), not sent back
+
+
+def percentiles(samples: list[float]) -> dict:
+    samples = sorted(samples)
+    pick = lambda q: samples[min(len(samples) - 1, int(q * len(samples)))] * 1e6  # noqa: E731
+    return {"p50_us": round(pick(0.50), 2), "p99_us": round(pick(0.99), 2), "n": len(samples)}
+
+
+async def round_trips(ref, rounds: int) -> dict:
+    ping = Ping()
+    for _ in range(min(500, rounds)):   # warm-up
+        await ref.ask(ping)
+    clock, samples = time.perf_counter, []
+    for _ in range(rounds):
+        start = clock()
+        await ref.ask(ping)
+        samples.append(clock() - start)
+    return percentiles(samples)
+
+
+async def frame_throughput(ref, count: int) -> dict:
+    import torch
+    tensor = torch.ones(FRAME_BYTES // 4)
+    msg = BenchTensor(tensor)
+    for _ in range(3):
+        await ref.ask(msg, timeout=30)
+    window = 4   # asks in flight: sending overlaps with the receiver's decoding
+    start = time.perf_counter()
+    pending: set = set()
+    for _ in range(count):
+        pending.add(asyncio.ensure_future(ref.ask(msg, timeout=30)))
+        if len(pending) >= window:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                fut.result()
+    for fut in pending:
+        await fut
+    seconds = time.perf_counter() - start
+    return {"frames": count, "frame_bytes": FRAME_BYTES, "seconds": round(seconds, 3),
+            "gbps": round(count * FRAME_BYTES / seconds / 1e9, 3)}
+
+
+async def serve() -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    async with ActorSystem("bench-server") as system:
+        await system.spawn(Echo(), "echo")
+        print(await system.listen("tcp://127.0.0.1:0"), flush=True)
+        await stop.wait()
+
+
+async def run(args) -> dict:
+    results: dict = {}
+    async with ActorSystem("bench") as system:
+        local = await system.spawn(Echo(), "echo")
+        results["in_process"] = await round_trips(local, args.rounds)
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve"],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            address = (await asyncio.to_thread(child.stdout.readline)).strip()
+            remote = await system.remote_ref(address, "echo")
+            results["cross_process"] = await round_trips(remote, args.rounds)
+            results["frames_64mib"] = await frame_throughput(remote, args.frames)
+        finally:
+            child.terminate()
+            results["server_exit_code"] = await asyncio.to_thread(child.wait, 10)
+    return results
+
+
+def report(results: dict) -> list[tuple]:
+    rows = [
+        ("in-process ask round trip", results["in_process"]["p50_us"], results["in_process"]["p99_us"],
+         "us", f"p50 <= {TARGETS['in_process_p50_us']:g}",
+         results["in_process"]["p50_us"] <= TARGETS["in_process_p50_us"]),
+        ("cross-process ask round trip (tcp)", results["cross_process"]["p50_us"],
+         results["cross_process"]["p99_us"], "us", f"p50 <= {TARGETS['cross_process_p50_us']:g}",
+         results["cross_process"]["p50_us"] <= TARGETS["cross_process_p50_us"]),
+        ("64 MiB tensor frames cross-process", results["frames_64mib"]["gbps"], None, "GB/s",
+         f">= {TARGETS['frames_64mib_gbps']:g}", results["frames_64mib"]["gbps"] >= TARGETS["frames_64mib_gbps"]),
+    ]
+    print(f"{'measurement':<38}{'p50 / rate':>12}{'p99':>10}  {'unit':<6}{'target':<12}{'met'}")
+    for name, value, p99, unit, target, met in rows:
+        p99_text = f"{p99:.1f}" if p99 is not None else "-"
+        print(f"{name:<38}{value:>12.2f}{p99_text:>10}  {unit:<6}{target:<12}{'yes' if met else 'NO'}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", action="store_true", help="run as the echo server (internal)")
+    parser.add_argument("--rounds", type=int, default=5000)
+    parser.add_argument("--frames", type=int, default=40)
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "messaging.json"))
+    args = parser.parse_args()
+    if args.serve:
+        uvloop.run(serve())
+        return
+    results = uvloop.run(run(args))
+    rows = report(results)
+    results["targets"] = TARGETS
+    results["all_targets_met"] = all(row[-1] for row in rows)
+    results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                          "platform": platform.platform()}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""``tessera demo``: a Llama-style decoder split across devices hosted by node
+processes, greedy decoding through the actor system, checked against the
+single-device run.
+
+Steps: capture the decode step as a kernel graph; run it on one device for
+the reference tokens; start the nodes, let them register with the scheduler,
+place the graph (one plan over all registered devices), deploy, decode
+through the engine; print the placement, bytes moved and tokens; compare.
+Exit status 0 only if the split tokens (and logits, bitwise on CPU) equal
+the single-device ones.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from actors.graph import GraphActor
+from actors.scheduler import SchedulerActor
+from .capture import capture_module
+from .cluster import LocalCluster
+from .engine import Engine, greedy_decode
+from .graph import KernelGraph
+from .messages import GetStats, Place
+from .plan import Plan, plan_from_dict, single_device_plan
+from .planners import get_planner
+from .runner import PlanRunner
+from .system import ActorSystem
+
+
+@dataclass
+class DemoConfig:
+    model: str = "llama"
+    size: str = "tiny"
+    nodes: tuple[str, ...] = ("cpu?threads=1", "cpu?threads=1")
+    planner: str = "contiguous"
+    mode: str = "latency"
+    prompt_len: int = 8
+    new_tokens: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.new_tokens < 1:
+            raise ValueError("--prompt-len and --new-tokens must be at least 1")
+        if not self.nodes:
+            raise ValueError("at least one node is needed")
+
+
+def describe_placement(graph: KernelGraph, plan: Plan, routes: list) -> str:
+    where = {d: f"{ep.rsplit(':', 1)[-1] if ep else 'local'}/{name}" for d, ep, name in routes}
+    lines = [plan.describe(graph), "  segments:"]
+    for s in plan.segments:
+        first, last = graph.kernels[s.kernels[0]], graph.kernels[s.kernels[-1]]
+        lines.append(f"    #{s.id:<3} {plan.devices[s.device]:<16} port/actor {where[s.device]:<16} kernels "
+                     f"{first.id:>4}-{last.id:<4} {first.scope or first.name} .. {last.scope or last.name}")
+    if plan.transfers:
+        lines.append("  transfers per step:")
+        for t in plan.transfers:
+            b = graph.buffers[t.buffer]
+            lines.append(f"    tag {t.tag:<3} device {t.src} -> {t.dst}: {t.nbytes:>8} bytes of buffer {t.buffer}"
+                         f" ({b.role}{' ' + b.name if b.name else ''})")
+    return "\n".join(lines)
+
+
+async def run_demo(cfg: DemoConfig, out=print) -> int:
+    from . import models
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(1)  # the nodes run cpu?threads=1: same kernels, same bits
+    model = models.get(cfg.model, cfg.size, dtype=torch.float32, seed=cfg.seed)
+    vocab = model.cfg.vocab_size
+    prompt = torch.randint(0, vocab, (cfg.prompt_len,), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    t0 = time.perf_counter()
+    cap = capture_module(model, model.example_inputs("decode", batch=1), meta={"model": cfg.model, "bucket": "decode:1"})
+    g = cap.graph
+    s = g.summary()
+    out(f"captured {cfg.model}/{cfg.size} decode step in {time.perf_counter() - t0:.2f} s: {s['kernels']} kernels, "
+        f"{s['buffers']} buffers, edges {s['edges']}")
+
+    ref_runner = PlanRunner(g, single_device_plan(g, "cpu"), cap.values)
+    ref_tokens, ref_logits = await greedy_decode(_sync_step(ref_runner), prompt, cfg.new_tokens)
+    out(f"single device : {ref_tokens}")
+
+    async with ActorSystem("demo") as system:
+        address = await system.listen("tcp://127.0.0.1:0")
+        await system.spawn(GraphActor(g), "graph")
+        sched = await system.spawn(SchedulerActor(get_planner(cfg.planner), cap.values), "scheduler")
+        cluster = LocalCluster(cfg.nodes, scheduler=address)
+        async with cluster:
+            out(f"nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in cluster.nodes))
+            deadline = time.monotonic() + 30
+            while len((await sched.ask(GetStats())).values["nodes"]) < len(cfg.nodes):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("nodes did not register with the scheduler within 30 s")
+                await asyncio.sleep(0.05)
+            dep = await sched.ask(Place("demo", cfg.mode), timeout=120)
+            plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
+            out(describe_placement(g, plan, dep.routes))
+            refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]
+            engine = Engine(g, plan, "demo", refs)
+            t0 = time.perf_counter()
+            tokens, logits = await greedy_decode(engine.step, prompt, cfg.new_tokens)
+            dt = time.perf_counter() - t0
+            moved = 0
+            for n in {ep for _, ep, _ in dep.routes}:
+                st = await (await system.remote_ref(n, "transfer")).ask(GetStats())
+                moved += st.values["remote_bytes"] + st.values["local_bytes"]
+        codes = [n.exit_code for n in cluster.nodes]
+    steps = engine.steps
+    out(f"split         : {tokens}")
+    out(f"{steps} steps in {dt:.3f} s ({steps / dt:.1f} steps/s); bytes moved between devices: {moved} "
+        f"({moved / max(steps, 1):.0f} per step, plan predicts {plan.bytes_per_step()})")
+    out(f"nodes exited with {codes}")
+    same_tokens = tokens == ref_tokens
+    same_logits = all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    out(f"check         : tokens {'IDENTICAL' if same_tokens else 'DIFFER'}, logits "
+        f"{'bitwise equal' if same_logits else 'differ'} (fp32, CPU)")
+    return 0 if same_tokens and same_logits and all(c == 0 for c in codes) else 1
+
+
+def _sync_step(runner: PlanRunner):
+    async def step(inputs):
+        return runner.step(inputs)
+    return step
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="llama", help="reference model (llama, moe, mamba2, smollm2)")
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--nodes", default="cpu?threads=1;cpu?threads=1",
+                    help="devices of each node process, nodes separated by ';' (e.g. 'cpu;cpu?threads=1')")
+    ap.add_argument("--planner", default="contiguous", help="contiguous | milp")
+    ap.add_argument("--mode", default="latency", choices=["latency", "throughput"])
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = DemoConfig(args.model, args.size, tuple(n for n in args.nodes.split(";") if n.strip()), args.planner,
+                     args.mode, args.prompt_len, args.new_tokens, args.seed)
+    try:
+        import uvloop
+        return uvloop.run(run_demo(cfg))
+    except ImportError:
+        return asyncio.run(run_demo(cfg))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    sys.exit(main(ap.parse_args()))

@@ -1,0 +1,90 @@
+"""Device specifications: ``cpu``, ``cpu?threads=1``, ``cuda:0``,
+``cuda:1?sms=32&mem=24GiB&price=1.2&label=H200-32``.
+
+Pure Python. A spec names a device and its limits; the device backends
+(`actors/backends`) turn it into streams and memory."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qsl
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_KEYS = {"sms", "threads", "mem", "price", "label"}
+
+
+class DeviceSpecError(ValueError):
+    """A device string that cannot be parsed."""
+
+
+def parse_bytes(text: str) -> int:
+    """``24GiB`` -> 25769803776; plain integers are bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise DeviceSpecError(f"cannot read a byte size from {text!r} (e.g. 24GiB, 512MB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    kind: str                  # "cpu" | "cuda"
+    index: int = 0
+    sms: int | None = None     # SM limit through a green context (cuda only)
+    threads: int | None = None # intra-op threads (cpu only)
+    mem: int | None = None     # memory budget in bytes enforced by the allocator; None = physical
+    price: float = 1.0         # $/hour, for cost efficiency
+    label: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> "DeviceSpec":
+        base, _, query = text.strip().partition("?")
+        m = re.fullmatch(r"(cpu|cuda)(?::(\d+))?", base)
+        if not m:
+            raise DeviceSpecError(f"unknown device {text!r}: expected cpu, cpu?threads=N, cuda:I or cuda:I?sms=N&mem=24GiB")
+        kind, index = m.group(1), int(m.group(2) or 0)
+        opts = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False)) if query else {}
+        unknown = set(opts) - _KEYS
+        if unknown:
+            raise DeviceSpecError(f"device {text!r}: unknown option(s) {sorted(unknown)}; known: {sorted(_KEYS)}")
+        try:
+            sms = int(opts["sms"]) if "sms" in opts else None
+            threads = int(opts["threads"]) if "threads" in opts else None
+            price = float(opts.get("price", 1.0))
+        except ValueError as e:
+            raise DeviceSpecError(f"device {text!r}: {e}") from e
+        if sms is not None and (kind != "cuda" or sms <= 0):
+            raise DeviceSpecError(f"device {text!r}: sms= needs a cuda device and a positive count")
+        if threads is not None and (kind != "cpu" or threads <= 0):
+            raise DeviceSpecError(f"device {text!r}: threads= needs a cpu device and a positive count")
+        mem = parse_bytes(opts["mem"]) if "mem" in opts else None
+        return cls(kind, index, sms, threads, mem, price, opts.get("label", ""))
+
+    @property
+    def name(self) -> str:
+        """Canonical string; ``DeviceSpec.parse(spec.name) == spec``."""
+        base = "cpu" if self.kind == "cpu" and self.index == 0 else f"{self.kind}:{self.index}"
+        opts = []
+        if self.sms is not None:
+            opts.append(f"sms={self.sms}")
+        if self.threads is not None:
+            opts.append(f"threads={self.threads}")
+        if self.mem is not None:
+            opts.append(f"mem={self.mem}")
+        if self.price != 1.0:
+            opts.append(f"price={self.price:g}")
+        if self.label:
+            opts.append(f"label={self.label}")
+        return base + ("?" + "&".join(opts) if opts else "")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_devices(text: str | list[str]) -> list[DeviceSpec]:
+    """``"cpu,cpu?threads=1"`` -> two specs. Commas inside a query are not allowed."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    specs = [DeviceSpec.parse(t) for t in items if t.strip()]
+    if not specs:
+        raise DeviceSpecError("no devices given")
+    return specs

@@ -1,0 +1,312 @@
+"""The kernel-graph data model: buffers, kernels, their byte-range accesses and
+the dependency edges derived from them.
+
+Pure Python (no torch): a graph captured on a GPU machine is saved with
+:meth:`KernelGraph.save` and planned, simulated and tested anywhere.
+
+Contract of an access: kernel ``k`` touches bytes ``[start, end)`` of buffer
+``b`` with mode ``r`` (read), ``w`` (write) or ``rw``.  Edges come from
+overlapping byte ranges in program order (kernel index order):
+
+* RAW: a kernel reads bytes whose last writer is an earlier kernel; the edge
+  carries the exact byte ranges it needs from that writer (what a transfer
+  must move when the two run on different devices);
+* WAR: a kernel writes bytes an earlier kernel read since their last write;
+* WAW: a kernel writes bytes an earlier kernel wrote last.
+
+Because buffers are reused (a temporary slot holds many values over one
+forward pass), WAR and WAW edges are real ordering constraints.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import msgpack
+
+ROLES = ("weight", "input", "output", "state", "temp")
+KINDS = ("ptx", "library", "host")
+MODES = ("r", "w", "rw")
+FORMAT_VERSION = 1
+
+
+class GraphError(ValueError):
+    """A graph that is malformed (bad ids, ranges outside buffers, ...)."""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One allocation. ``nbytes`` is its size; ``dtype``/``shape`` describe
+    the tensor it was created for (informational: kernels carry their own
+    views). ``role`` says how it lives: weights and inputs are provided before
+    a step, outputs are read after it, state survives across steps, temps are
+    scratch that may be reused."""
+
+    id: int
+    nbytes: int
+    role: str = "temp"
+    name: str = ""
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise GraphError(f"buffer {self.id}: unknown role {self.role!r} (expected one of {ROLES})")
+        if self.nbytes < 0:
+            raise GraphError(f"buffer {self.id}: negative size {self.nbytes}")
+
+
+@dataclass(frozen=True)
+class Access:
+    """Bytes ``[start, end)`` of buffer ``buffer`` read and/or written."""
+
+    buffer: int
+    start: int
+    end: int
+    mode: str = "r"
+
+    @property
+    def reads(self) -> bool:
+        return "r" in self.mode
+
+    @property
+    def writes(self) -> bool:
+        return "w" in self.mode
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel launch in program order.
+
+    ``payload`` is what a device backend needs to run it (for CPU capture: the
+    aten op name and argument references; for CUDA: the launch record); the
+    graph model never looks inside.  ``flops`` and ``bytes`` are cost features;
+    ``indirect`` kernels reach memory through loaded pointers and must stay
+    with their neighbours.  ``scope`` is the module path the kernel came from
+    (e.g. ``layers.3.attn.q_proj``), ``layer`` its layer index (-1: none), and
+    ``signature`` is equal for kernels doing the same work (repeated layers),
+    so planners can exploit repetition.
+    """
+
+    id: int
+    name: str
+    kind: str = "library"
+    accesses: tuple[Access, ...] = ()
+    indirect: bool = False
+    flops: float = 0.0
+    bytes: float = 0.0
+    signature: str = ""
+    layer: int = -1
+    scope: str = ""
+    payload: Any = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GraphError(f"kernel {self.id}: unknown kind {self.kind!r}")
+        for a in self.accesses:
+            if a.mode not in MODES:
+                raise GraphError(f"kernel {self.id}: unknown access mode {a.mode!r}")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``src`` must run before ``dst``. For RAW edges ``ranges`` are the bytes
+    of ``buffer`` that ``dst`` needs from ``src``."""
+
+    src: int
+    dst: int
+    kind: str
+    buffer: int
+    ranges: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e - s for s, e in self.ranges)
+
+
+class _IntervalMap:
+    """Per-buffer map from disjoint byte segments to (last writer, readers
+    since that write). Segments are split on demand."""
+
+    __slots__ = ("starts", "segs")
+
+    def __init__(self, nbytes: int) -> None:
+        self.starts = [0]
+        self.segs: list[list[Any]] = [[0, max(nbytes, 1), None, []]]
+
+    def _split(self, pos: int) -> None:
+        i = bisect.bisect_right(self.starts, pos) - 1
+        if i < 0:
+            return
+        s, e, w, r = self.segs[i]
+        if s < pos < e:
+            self.segs[i] = [s, pos, w, list(r)]
+            self.segs.insert(i + 1, [pos, e, w, list(r)])
+            self.starts.insert(i + 1, pos)
+
+    def overlapping(self, start: int, end: int) -> Iterator[list[Any]]:
+        self._split(start)
+        self._split(end)
+        i = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        while i < len(self.segs) and self.segs[i][0] < end:
+            if self.segs[i][1] > start:
+                yield self.segs[i]
+            i += 1
+
+
+def compute_edges(kernels: Iterable[Kernel], buffers: dict[int, Buffer]) -> list[Edge]:
+    """Exact RAW/WAR/WAW edges of a kernel program (see module docstring).
+
+    Each kernel's reads are resolved before its writes, so a read-modify-write
+    kernel depends on the previous writer and not on itself."""
+    maps: dict[int, _IntervalMap] = {}
+    raw: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)
+    order: dict[tuple[int, int, str, int], None] = {}
+    for k in kernels:
+        for a in k.accesses:
+            if a.buffer not in buffers:
+                raise GraphError(f"kernel {k.id} ({k.name}) accesses unknown buffer {a.buffer}")
+            if a.start < 0 or a.end > buffers[a.buffer].nbytes or a.start > a.end:
+                raise GraphError(
+                    f"kernel {k.id} ({k.name}) accesses bytes [{a.start}, {a.end}) of buffer "
+                    f"{a.buffer} which has {buffers[a.buffer].nbytes} bytes")
+        live = [a for a in k.accesses if a.end > a.start]
+        for a in live:
+            if not a.reads:
+                continue
+            imap = maps.setdefault(a.buffer, _IntervalMap(buffers[a.buffer].nbytes))
+            for seg in imap.overlapping(a.start, a.end):
+                if seg[2] is not None and seg[2] != k.id:
+                    raw[(seg[2], k.id, a.buffer)].append((seg[0], seg[1]))
+                if k.id not in seg[3]:
+                    seg[3].append(k.id)
+        for a in live:
+            if not a.writes:
+                continue
+            imap = maps.setdefault(a.buffer, _IntervalMap(buffers[a.buffer].nbytes))
+            for seg in imap.overlapping(a.start, a.end):
+                if seg[2] is not None and seg[2] != k.id:
+                    order[(seg[2], k.id, "WAW", a.buffer)] = None
+                for r in seg[3]:
+                    if r != k.id:
+                        order[(r, k.id, "WAR", a.buffer)] = None
+                seg[2], seg[3] = k.id, []
+    edges = [Edge(s, d, "RAW", b, tuple(_merge(rs))) for (s, d, b), rs in raw.items()]
+    edges += [Edge(s, d, kind, b) for (s, d, kind, b) in order]
+    edges.sort(key=lambda e: (e.dst, e.src, e.kind, e.buffer))
+    return edges
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+@dataclass
+class KernelGraph:
+    """Kernels in program order plus the buffers they touch; edges are derived.
+
+    ``meta`` holds free-form facts about the capture (model, bucket, device,
+    dtype) and ``inputs``/``outputs`` name the buffers fed before and read
+    after a step, in the order of the captured function's arguments/results."""
+
+    kernels: list[Kernel]
+    buffers: dict[int, Buffer]
+    inputs: dict[str, int] = field(default_factory=dict)
+    outputs: list[int] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    _edges: list[Edge] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        for i, k in enumerate(self.kernels):
+            if k.id != i:
+                raise GraphError(f"kernel ids must be 0..n-1 in program order; position {i} has id {k.id}")
+
+    @property
+    def edges(self) -> list[Edge]:
+        if self._edges is None:
+            self._edges = compute_edges(self.kernels, self.buffers)
+        return self._edges
+
+    def preds(self) -> list[list[int]]:
+        """Predecessor kernel ids of every kernel (any edge kind)."""
+        p: list[set[int]] = [set() for _ in self.kernels]
+        for e in self.edges:
+            p[e.dst].add(e.src)
+        return [sorted(s) for s in p]
+
+    def buffers_by_role(self) -> dict[str, int]:
+        """Total bytes per buffer role."""
+        out = {r: 0 for r in ROLES}
+        for b in self.buffers.values():
+            out[b.role] += b.nbytes
+        return out
+
+    def state_groups(self) -> list[list[int]]:
+        """Kernel ids that touch each state buffer: each group must share a
+        device, because state persists on the device across steps."""
+        groups: dict[int, set[int]] = defaultdict(set)
+        for k in self.kernels:
+            for a in k.accesses:
+                if self.buffers[a.buffer].role == "state":
+                    groups[a.buffer].add(k.id)
+        return [sorted(g) for _, g in sorted(groups.items())]
+
+    def summary(self) -> dict[str, Any]:
+        kinds: dict[str, int] = defaultdict(int)
+        for e in self.edges:
+            kinds[e.kind] += 1
+        return {
+            "kernels": len(self.kernels),
+            "buffers": len(self.buffers),
+            "edges": dict(kinds),
+            "indirect": sum(k.indirect for k in self.kernels),
+            "bytes_by_role": self.buffers_by_role(),
+        }
+
+    # -- serialisation --------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "meta": self.meta,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "buffers": [[b.id, b.nbytes, b.role, b.name, b.dtype, list(b.shape)]
+                        for b in self.buffers.values()],
+            "kernels": [[k.id, k.name, k.kind,
+                         [[a.buffer, a.start, a.end, a.mode] for a in k.accesses],
+                         k.indirect, k.flops, k.bytes, k.signature, k.layer, k.scope, k.payload]
+                        for k in self.kernels],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KernelGraph":
+        if d.get("version") != FORMAT_VERSION:
+            raise GraphError(f"graph format version {d.get('version')!r}, expected {FORMAT_VERSION}")
+        buffers = {b[0]: Buffer(b[0], b[1], b[2], b[3], b[4], tuple(b[5])) for b in d["buffers"]}
+        kernels = [Kernel(k[0], k[1], k[2], tuple(Access(*a) for a in k[3]), k[4], k[5], k[6],
+                          k[7], k[8], k[9], k[10]) for k in d["kernels"]]
+        return cls(kernels, buffers, dict(d["inputs"]), list(d["outputs"]), dict(d["meta"]))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(msgpack.packb(self.to_dict(), use_bin_type=True))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KernelGraph":
+        try:
+            d = msgpack.unpackb(Path(path).read_bytes(), raw=False, strict_map_key=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError) as e:
+            raise GraphError(f"{path}: not a kernel graph file ({e})") from e
+        return cls.from_dict(d)

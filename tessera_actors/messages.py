@@ -1,0 +1,269 @@
+"""All wire messages, declared in one place as frozen dataclasses.
+
+``@message`` turns a class into a frozen dataclass (unless it already is one)
+and registers it under its class name, which is its *wire kind*.  Field values
+may be str/int/float/bool/None/bytes, lists/tuples/dicts of those, nested
+registered messages, and tensors (``torch.Tensor`` / ``numpy.ndarray``)
+anywhere inside fields; tensors travel as separate zero-copy frames.
+
+Evolution rule: append-only.  Add new fields at the end *with defaults*; never
+rename or retype a field.  Decoding ignores unknown fields and fills missing
+ones from defaults, so old and new peers keep understanding each other.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, TypeVar, overload
+
+T = TypeVar("T", bound=type)
+
+_REGISTRY: dict[str, type] = {}
+# per class: tuple of field names, cached for the codec's hot path
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+@overload
+def message(cls: T) -> T: ...
+@overload
+def message(*, kind: str) -> Callable[[T], T]: ...
+
+
+def message(cls=None, *, kind: str | None = None):
+    """Register ``cls`` as a wire message (usable as ``@message`` or ``@message(kind=...)``).
+
+    Raises ``TypeError`` when another class already owns the kind.
+    """
+
+    def register(c):
+        if not dataclasses.is_dataclass(c):
+            c = dataclasses.dataclass(frozen=True)(c)
+        wire_kind = kind or c.__name__
+        prior = _REGISTRY.get(wire_kind)
+        if prior is not None and (prior.__module__, prior.__qualname__) != (c.__module__, c.__qualname__):
+            raise TypeError(f"message kind {wire_kind!r} already registered by {prior.__module__}.{prior.__qualname__}")
+        _REGISTRY[wire_kind] = c
+        _FIELD_NAMES[c] = tuple(f.name for f in dataclasses.fields(c))
+        c.__wire_kind__ = wire_kind
+        return c
+
+    return register if cls is None else register(cls)
+
+
+def registry() -> dict[str, type]:
+    """A copy of the kind -> class registry."""
+    return dict(_REGISTRY)
+
+
+def lookup(kind: str) -> type | None:
+    """The class registered under ``kind``, or None."""
+    return _REGISTRY.get(kind)
+
+
+def field_names(cls: type) -> tuple[str, ...]:
+    """Field names of a registered message class, in declaration order."""
+    return _FIELD_NAMES[cls]
+
+
+def is_message(obj: object) -> bool:
+    """True when ``obj`` is an instance of a registered message class."""
+    return type(obj) in _FIELD_NAMES
+
+
+# --- runtime messages -------------------------------------------------------
+
+@message
+class Ping:
+    """Liveness probe; every actor answers it with ``Pong(payload)``."""
+    payload: bytes = b""
+
+
+@message
+class Pong:
+    payload: bytes = b""
+
+
+@message
+class ErrorReply:
+    """Wire form of a failed ask: ``kind`` is an error class name."""
+    kind: str
+    message: str
+
+
+@message
+class Ok:
+    detail: str = ""
+
+
+# --- execution messages (appended by the execution layer below) -------------
+# Maps keyed by ints travel as parallel lists (msgpack map keys stay strings).
+
+@message
+class Register:
+    """A node announces itself to the scheduler; reply: ``Registered``."""
+    node: str
+    endpoint: str
+    devices: list = dataclasses.field(default_factory=list)
+    pid: int = 0
+
+
+@message
+class Registered:
+    node: str
+    first_device: int = 0   # global index of the node's first device
+
+
+@message
+class Heartbeat:
+    node: str
+    seq: int = 0
+
+
+@message
+class Describe:
+    """Ask a node what it hosts; reply: ``NodeInfo``."""
+
+
+@message
+class NodeInfo:
+    node: str
+    endpoint: str
+    devices: list = dataclasses.field(default_factory=list)
+    pid: int = 0
+
+
+@message
+class InstallPlan:
+    """Install device ``device``'s part of a plan. ``graph`` and ``plan`` are
+    msgpack bytes (KernelGraph.to_dict / plan_to_dict); ``routes`` lists
+    ``[device, endpoint, actor]`` for every plan device (endpoint "" = this
+    process). Reply: ``Installed``."""
+    plan_id: str
+    device: int
+    graph: bytes
+    plan: bytes
+    routes: list = dataclasses.field(default_factory=list)
+
+
+@message
+class Installed:
+    plan_id: str
+    device: int
+    resident_bytes: int = 0
+    kernels: int = 0
+    segments: int = 0
+
+
+@message
+class LoadValues:
+    """Initial bytes of weight/state buffers (flat uint8 tensors); buffers
+    the device does not hold are ignored. Reply: ``Ok``."""
+    plan_id: str
+    buffers: list = dataclasses.field(default_factory=list)
+    data: list = dataclasses.field(default_factory=list)
+
+
+@message
+class RunStep:
+    """Run one step of an installed plan. ``inputs`` maps step-input names to
+    tensors (only those this device reads are needed). Reply: ``StepDone``
+    once the device finished its program for this step."""
+    plan_id: str
+    step: int
+    inputs: dict = dataclasses.field(default_factory=dict)
+
+
+@message
+class StepDone:
+    """``ranges[i] = [buffer, start, end]`` of final output bytes in ``data[i]``."""
+    plan_id: str
+    step: int
+    device: int
+    ranges: list = dataclasses.field(default_factory=list)
+    data: list = dataclasses.field(default_factory=list)
+    busy_s: float = 0.0
+    wait_s: float = 0.0
+
+
+@message
+class Ship:
+    """To a node's transfer actor: move ``data`` (transfer ``tag`` of step
+    ``step``) to plan device ``dst``. Never answered."""
+    plan_id: str
+    step: int
+    tag: int
+    dst: int
+    data: object = None
+
+
+@message
+class Deliver:
+    """To a device actor: the bytes of transfer ``tag`` for step ``step``."""
+    plan_id: str
+    step: int
+    tag: int
+    data: object = None
+
+
+@message
+class Routes:
+    """To a transfer actor: where each plan device lives."""
+    plan_id: str
+    routes: list = dataclasses.field(default_factory=list)
+
+
+@message
+class GetStats:
+    """Ask an actor for its counters; reply: ``Stats``."""
+
+
+@message
+class Stats:
+    values: dict = dataclasses.field(default_factory=dict)
+
+
+@message
+class Uninstall:
+    plan_id: str
+
+
+@message
+class GetGraph:
+    """Ask the graph actor for its graph; reply: ``GraphBlob``."""
+
+
+@message
+class GraphBlob:
+    data: bytes
+    summary: dict = dataclasses.field(default_factory=dict)
+
+
+@message
+class Deploy:
+    """To the scheduler: place ``plan`` (plan_to_dict msgpack bytes; its
+    devices are indices into the registered inventory) and load weights.
+    Reply: ``Deployment``."""
+    plan_id: str
+    plan: bytes
+    buffers: list = dataclasses.field(default_factory=list)
+    data: list = dataclasses.field(default_factory=list)
+
+
+@message
+class Place:
+    """To the scheduler: plan the graph on the registered devices with its
+    planner (``mode`` latency | throughput) and deploy it. Reply: ``Deployment``."""
+    plan_id: str
+    mode: str = "latency"
+
+
+@message
+class Deployment:
+    """Where each plan device lives (``[device, endpoint, actor]``) and the plan."""
+    plan_id: str
+    routes: list = dataclasses.field(default_factory=list)
+    plan: bytes = b""
+
+
+@message
+class Shutdown:
+    """Ask a node to shut down in order (as SIGTERM does)."""

@@ -1,0 +1,196 @@
+"""Building blocks shared by the reference models.
+
+Every reference model obeys one contract so that a generic capture can record
+any of them (see ``tessera_actors.models`` for the full statement):
+
+* ``forward(**inputs) -> Tensor`` with static shapes, no host syncs and no
+  Python branching on tensor values;
+* persistent state (KV cache, SSM state) lives in buffers registered with
+  :func:`register_state` and is updated in place inside ``forward``;
+* ``state_names()`` / ``reset_state()`` / ``example_inputs(kind, batch, seq, pos)``.
+
+Buffers that are neither parameters nor state (RoPE tables, positional
+embeddings) are *constants*: computed once at construction in float32 and
+never cast to the model dtype, so bf16 models keep exact rotary tables.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_STATE_ATTR = "_tessera_state_keys"
+
+
+def register_state(module: nn.Module, name: str, tensor: Tensor) -> None:
+    """Register ``tensor`` as a persistent-state buffer of ``module``.
+
+    State buffers survive across forward calls, are written in place inside
+    ``forward`` and are zeroed by ``ReferenceModel.reset_state``. They are not
+    part of ``state_dict`` (weights files never carry them).
+    """
+    module.register_buffer(name, tensor, persistent=False)
+    keys = module.__dict__.setdefault(_STATE_ATTR, [])
+    if name not in keys:
+        keys.append(name)
+
+
+class ReferenceModel(nn.Module):
+    """Base class of the reference models: the state half of the contract."""
+
+    def state_names(self) -> list[str]:
+        """Fully qualified names (as in ``named_buffers()``) of the state buffers."""
+        names = []
+        for prefix, module in self.named_modules():
+            for key in module.__dict__.get(_STATE_ATTR, ()):
+                names.append(f"{prefix}.{key}" if prefix else key)
+        return names
+
+    @torch.no_grad()
+    def reset_state(self) -> None:
+        """Zero every state buffer in place (storage is kept, so captured
+        programs that point at it stay valid)."""
+        buffers = dict(self.named_buffers())
+        for name in self.state_names():
+            buffers[name].zero_()
+
+    def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+
+def cast_model(model: ReferenceModel, dtype: torch.dtype) -> ReferenceModel:
+    """Cast parameters and state buffers to ``dtype``; constants stay float32."""
+    state = set(model.state_names())
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    for prefix, module in model.named_modules():
+        for key, buf in list(module._buffers.items()):
+            full = f"{prefix}.{key}" if prefix else key
+            if buf is not None and full in state and buf.is_floating_point():
+                module._buffers[key] = buf.to(dtype)
+    return model
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic random init: normal(0, std) for matrices and embeddings,
+    ones for norm scales, small normal for biases. Models with special
+    parameters (Mamba's A_log, ...) re-initialise those afterwards through
+    their ``_init_special(generator)`` hook."""
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return
+    # Values are drawn on the parameters' device (fast for real sizes on GPU);
+    # they are deterministic per (seed, device type).
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in name and leaf == "weight":
+            param.fill_(1.0)
+            continue
+        scale = std / 2 if (leaf == "bias" or param.dim() == 1) else std
+        value = torch.randn(param.shape, generator=gen, device=device, dtype=torch.float32)
+        param.copy_(value.mul_(scale))
+    hook = getattr(model, "_init_special", None)
+    if hook is not None:
+        hook(gen)
+
+
+def example_ids(vocab: int, shape: tuple[int, ...], device, seed: int = 1234) -> Tensor:
+    """Deterministic example token ids."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, vocab, shape, generator=gen).to(device)
+
+
+def lm_positions(kind: str, batch: int, seq: int, pos: int, device) -> Tensor:
+    """``decode``: [B] all equal to ``pos``; ``prefill``: [B, seq] = pos..pos+seq-1."""
+    if kind == "decode":
+        return torch.full((batch,), pos, dtype=torch.int64, device=device)
+    if kind == "prefill":
+        return (pos + torch.arange(seq, device=device)).expand(batch, seq).contiguous()
+    raise ValueError(f"unknown input kind {kind!r} (expected 'decode' or 'prefill')")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, result cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, llama3_scaling: dict | None = None) -> Tensor:
+    """Rotary inverse frequencies, optionally with Llama-3.1 frequency scaling
+    (keys: factor, low_freq_factor, high_freq_factor, original_max_position)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if llama3_scaling:
+        factor = llama3_scaling["factor"]
+        low, high = llama3_scaling["low_freq_factor"], llama3_scaling["high_freq_factor"]
+        orig = llama3_scaling["original_max_position"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((orig / wavelen) - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, blended)
+        inv_freq = torch.where(wavelen < orig / high, inv_freq, scaled)
+    return inv_freq.float()
+
+
+def rope_tables(max_pos: int, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin tables of shape [max_pos, head_dim // 2] (float32)."""
+    angles = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [B, T, H, D] in the half-split ("rotate_half") layout with
+    ``cos``/``sin`` [B, T, D/2] already gathered at the token positions."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
+    """Softmax over the last dim in float32 with ``mask`` (True = keep)."""
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+class SwiGLU(nn.Module):
+    """Llama feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def param_count(model: nn.Module) -> int:
+    """Number of parameters (shared tensors counted once); works on meta."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total

@@ -1,0 +1,177 @@
+"""Mamba-2 selective state-space LM in decode-step form, own code.
+
+Each layer keeps two state buffers (rows = sequences, first ``B`` rows used):
+  ``layers.{i}.mixer.conv_state`` [max_batch, conv_dim, d_conv] - the last
+      ``d_conv`` inputs of the depthwise causal conv (x, B, C channels);
+  ``layers.{i}.mixer.ssm_state``  [max_batch, n_heads, head_dim, d_state].
+One step per token: ``conv_state`` shifts in the new input, the SSM update is
+``h = exp(dt * A) * h + dt * x B^T`` and ``y = h C + D x``, gated by
+``silu(z)`` through a gated RMSNorm. Both states are written with ``copy_``.
+
+Inputs: ``input_ids`` [B, T] and ``positions`` [B] or [B, T]. A row whose
+position is 0 starts a fresh sequence: its state is zeroed by multiplying with
+``positions != 0`` (tensor ops, no branching), so one program serves new and
+continuing sequences. Prefill (T > 1) is T unrolled decode steps - identical
+to feeding the tokens one by one. Output: logits [B, T, vocab].
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .common import ReferenceModel, RMSNorm, example_ids, lm_positions, register_state
+from .llama import normalize_positions
+
+
+@dataclass
+class Mamba2Config:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    head_dim: int = 16
+    n_groups: int = 1
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    max_batch: int = 4
+
+    def __post_init__(self):
+        if (self.expand * self.dim) % self.head_dim:
+            raise ValueError(f"d_inner={self.expand * self.dim} must be a multiple of head_dim={self.head_dim}")
+        if self.n_heads % self.n_groups:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_groups={self.n_groups}")
+        if min(self.vocab_size, self.dim, self.n_layers, self.d_state, self.d_conv, self.max_batch) <= 0:
+            raise ValueError("Mamba2Config sizes must be positive")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.dim
+
+    @property
+    def n_heads(self) -> int:
+        return self.d_inner // self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.d_state
+
+    @classmethod
+    def tiny(cls, **overrides) -> "Mamba2Config":
+        return cls(**overrides)
+
+    @classmethod
+    def mamba2_2_7b(cls, **overrides) -> "Mamba2Config":
+        cfg = dict(vocab_size=50288, dim=2560, n_layers=64, d_state=128, d_conv=4, expand=2,
+                   head_dim=64, n_groups=1, max_batch=8)
+        cfg.update(overrides)
+        return cls(**cfg)
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba-2 mixer; ``step(x [B,D], keep [B]) -> [B,D]`` advances one token."""
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.n_heads
+        self.in_proj = nn.Linear(cfg.dim, 2 * cfg.d_inner + 2 * cfg.n_groups * cfg.d_state + H, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(cfg.conv_dim, cfg.d_conv))
+        self.conv_bias = nn.Parameter(torch.empty(cfg.conv_dim))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.D = nn.Parameter(torch.empty(H))
+        self.norm = RMSNorm(cfg.d_inner, cfg.norm_eps)
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.dim, bias=False)
+        register_state(self, "conv_state", torch.zeros(cfg.max_batch, cfg.conv_dim, cfg.d_conv))
+        register_state(self, "ssm_state", torch.zeros(cfg.max_batch, H, cfg.head_dim, cfg.d_state))
+
+    @torch.no_grad()
+    def init_special(self, gen: torch.Generator) -> None:
+        """Mamba-2 init: A in [1, 16], dt in [1e-3, 1e-1] (through dt_bias), D = 1."""
+        H, dev = self.cfg.n_heads, self.A_log.device
+        A = 1 + 15 * torch.rand(H, generator=gen, device=dev)
+        log_lo, log_hi = math.log(1e-3), math.log(1e-1)
+        dt = torch.exp(log_lo + (log_hi - log_lo) * torch.rand(H, generator=gen, device=dev))
+        self.A_log.copy_(torch.log(A))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.D.fill_(1.0)
+
+    def step(self, x: Tensor, keep: Tensor) -> Tensor:
+        cfg = self.cfg
+        B = x.shape[0]
+        H, P, N, G = cfg.n_heads, cfg.head_dim, cfg.d_state, cfg.n_groups
+        if B > self.conv_state.shape[0]:
+            raise ValueError(f"batch {B} exceeds max_batch {self.conv_state.shape[0]}")
+        z, xbc, dt = torch.split(self.in_proj(x), [cfg.d_inner, cfg.conv_dim, H], dim=-1)
+
+        conv_state, ssm_state = self.conv_state[:B], self.ssm_state[:B]
+        keep = keep.to(x.dtype)
+        window = torch.cat([conv_state[:, :, 1:] * keep[:, None, None], xbc[:, :, None]], dim=-1)
+        conv_state.copy_(window)
+        xbc = F.silu((window * self.conv_weight).sum(-1) + self.conv_bias)
+        xs, b, c = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
+
+        dt = F.softplus(dt.float() + self.dt_bias.float())               # [B, H]
+        decay = torch.exp(dt * -torch.exp(self.A_log.float()))           # [B, H]
+        xs = xs.view(B, H, P).float()
+        b = b.view(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, N).float()
+        c = c.view(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, N).float()
+        update = (dt[:, :, None] * xs)[:, :, :, None] * b[:, :, None, :]  # [B, H, P, N]
+        state = ssm_state.float() * (decay * keep.float()[:, None])[:, :, None, None] + update
+        ssm_state.copy_(state)
+        y = torch.matmul(state, c[:, :, :, None]).squeeze(-1) + self.D.float()[:, None] * xs
+        y = y.reshape(B, cfg.d_inner).to(x.dtype)
+        return self.out_proj(self.norm(y * F.silu(z)))
+
+
+class Mamba2Block(nn.Module):
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mixer = Mamba2Mixer(cfg)
+
+    def step(self, x: Tensor, keep: Tensor) -> Tensor:
+        return x + self.mixer.step(self.norm(x), keep)
+
+
+class Mamba2(ReferenceModel):
+    """Mamba-2 LM; see the module docstring for inputs and state."""
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def _init_special(self, gen: torch.Generator) -> None:
+        for layer in self.layers:
+            layer.mixer.init_special(gen)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        B, T = input_ids.shape
+        positions = normalize_positions(positions, B, T)
+        h = self.embed(input_ids)
+        outs = []
+        for t in range(T):  # static unroll: prefill == T decode steps
+            x, keep = h[:, t], positions[:, t] != 0
+            for layer in self.layers:
+                x = layer.step(x, keep)
+            outs.append(x)
+        return self.lm_head(self.norm(torch.stack(outs, dim=1)))
+
+    def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
+        """As ``Llama.example_inputs`` (positions only matter as ``== 0``)."""
+        tokens = 1 if kind == "decode" else seq
+        device = self.embed.weight.device
+        return {"input_ids": example_ids(self.cfg.vocab_size, (batch, tokens), device),
+                "positions": lm_positions(kind, batch, seq, pos, device)}

@@ -1,0 +1,164 @@
+"""GPT-oss-20B-like mixture-of-experts decoder, own code.
+
+Architecture (as GPT-oss): GQA attention with biases and learned attention
+sinks, sliding-window attention on every other layer, RMSNorm, a linear router
+with bias choosing ``top_k`` of ``n_experts`` experts per token, softmax over
+the chosen logits, experts with the clamped GPT-oss SwiGLU
+(``(up + 1) * gate * sigmoid(alpha * gate)``). RoPE uses plain theta (GPT-oss'
+YaRN context extension is left out: it only changes the constant table).
+
+Static-shape expert dispatch (``MoEConfig.dispatch``):
+  ``"dense"`` (default): every expert runs on every token as one batched
+    matmul over the expert dimension, and the outputs are combined with a
+    sparse gate matrix [N, E] (``scatter`` of the top-k softmax weights,
+    zeros elsewhere). Reads each expert's weights exactly once per step, so at
+    decode batch sizes where most experts are hit anyway it costs the same
+    memory traffic as real dispatch; it wastes E/k x FLOPs in prefill. No
+    data-dependent shapes, no index-dependent kernels: the kernel DAG is the
+    same for every routing decision.
+  ``"gather"``: the top-k experts' weights are gathered per token
+    (``W[topk_idx]``: [N, k, ...]) and applied with batched matmuls. Reads
+    N*k expert matrices: better for batch-1 decode, worse beyond E/k tokens.
+Inputs/outputs/state are those of ``Llama`` (see ``llama.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .attention import CachedAttention
+from .common import ReferenceModel, RMSNorm, example_ids, lm_positions, rope_inv_freq, rope_tables
+from .llama import normalize_positions
+
+
+@dataclass
+class MoEConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    n_experts: int = 8
+    top_k: int = 2
+    expert_dim: int = 64
+    sliding_window: int | None = 8
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    norm_eps: float = 1e-5
+    rope_theta: float = 150000.0
+    dispatch: str = "dense"
+    max_batch: int = 4
+    max_seq: int = 64
+
+    def __post_init__(self):
+        if self.dispatch not in ("dense", "gather"):
+            raise ValueError(f"MoEConfig.dispatch must be 'dense' or 'gather', got {self.dispatch!r}")
+        if not 0 < self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+
+    @classmethod
+    def tiny(cls, **overrides) -> "MoEConfig":
+        return cls(**overrides)
+
+    @classmethod
+    def gpt_oss_20b(cls, **overrides) -> "MoEConfig":
+        cfg = dict(vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
+                   n_experts=32, top_k=4, expert_dim=2880, sliding_window=128,
+                   rope_theta=150000.0, max_batch=8, max_seq=2048)
+        cfg.update(overrides)
+        return cls(**cfg)
+
+
+class Experts(nn.Module):
+    """Router + ``n_experts`` GPT-oss experts; ``forward(x [B,T,D]) -> [B,T,D]``."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, D, I = cfg.n_experts, cfg.dim, cfg.expert_dim
+        self.router = nn.Linear(D, E, bias=True)
+        # gate/up interleaved along the last dim: gate = [..., 0::2], up = [..., 1::2]
+        self.gate_up = nn.Parameter(torch.empty(E, D, 2 * I))
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I))
+        self.down = nn.Parameter(torch.empty(E, I, D))
+        self.down_bias = nn.Parameter(torch.empty(E, D))
+
+    def _activation(self, h: Tensor) -> Tensor:
+        limit, alpha = self.cfg.swiglu_limit, self.cfg.swiglu_alpha
+        gate = h[..., 0::2].clamp(max=limit)
+        up = h[..., 1::2].clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        logits = self.router(flat)                                    # [N, E]
+        top_val, top_idx = torch.topk(logits, self.cfg.top_k, dim=-1)  # [N, k]
+        weights = torch.softmax(top_val.float(), dim=-1).to(x.dtype)
+        if self.cfg.dispatch == "dense":
+            gate = torch.zeros_like(logits).scatter(1, top_idx, weights)  # [N, E], k nonzeros/row
+            h = torch.matmul(flat[None], self.gate_up) + self.gate_up_bias[:, None, :]  # [E, N, 2I]
+            y = torch.matmul(self._activation(h), self.down) + self.down_bias[:, None, :]  # [E, N, D]
+            out = (y * gate.t()[:, :, None]).sum(dim=0)
+        else:
+            w_gu, b_gu = self.gate_up[top_idx], self.gate_up_bias[top_idx]    # [N,k,D,2I], [N,k,2I]
+            h = torch.matmul(flat[:, None, None, :], w_gu).squeeze(2) + b_gu  # [N, k, 2I]
+            w_d, b_d = self.down[top_idx], self.down_bias[top_idx]            # [N,k,I,D], [N,k,D]
+            y = torch.matmul(self._activation(h)[:, :, None, :], w_d).squeeze(2) + b_d  # [N, k, D]
+            out = (y * weights[:, :, None]).sum(dim=1)
+        return out.view(B, T, D)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig, sliding: bool):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = CachedAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                                    cfg.max_batch, cfg.max_seq, bias=True,
+                                    sliding_window=cfg.sliding_window if sliding else None, sinks=True)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
+        return x + self.experts(self.ffn_norm(x))
+
+
+class MoE(ReferenceModel):
+    """GPT-oss-like MoE causal LM (even layers use the sliding window)."""
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(MoEBlock(cfg, sliding=(i % 2 == 0)) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.max_seq, rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        B, T = input_ids.shape
+        positions = normalize_positions(positions, B, T)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, positions)
+        return self.lm_head(self.norm(h))
+
+    def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
+        """Same as ``Llama.example_inputs``."""
+        tokens = 1 if kind == "decode" else seq
+        if pos + tokens > self.cfg.max_seq:
+            raise ValueError(f"positions up to {pos + tokens - 1} exceed max_seq={self.cfg.max_seq}")
+        device = self.embed.weight.device
+        return {"input_ids": example_ids(self.cfg.vocab_size, (batch, tokens), device),
+                "positions": lm_positions(kind, batch, seq, pos, device)}

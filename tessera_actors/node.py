@@ -1,0 +1,147 @@
+"""The node daemon: ``python -m tessera_actors.node --listen tcp://127.0.0.1:PORT --devices cpu,cpu?threads=1``.
+
+Hosts the device actors (``device0``, ``device1``, ...) and the transfer
+actor (``transfer``) of one machine, serves them on ``--listen``, registers
+with the scheduler (``--scheduler``) and heartbeats.  Prints one line
+``tessera-node NAME ready ENDPOINT`` on stdout once it serves, so a parent
+process can wait for it.  SIGTERM or SIGINT (or a ``Shutdown`` message to
+the ``node`` actor) means orderly shutdown: actors stopped, sockets closed,
+exit status 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from actors.device import DeviceActor
+from actors.transfer import TransferActor
+from tessera_actors.actor import Actor, handler
+from tessera_actors.devices import DeviceSpec, parse_devices
+from tessera_actors.errors import ActorError
+from tessera_actors.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
+from tessera_actors.system import ActorSystem
+
+log = logging.getLogger("tessera_actors.node")
+
+
+@dataclass
+class NodeConfig:
+    listen: str = "tcp://127.0.0.1:0"
+    devices: list[DeviceSpec] = field(default_factory=lambda: [DeviceSpec("cpu")])
+    scheduler: str = ""
+    name: str = ""
+    heartbeat_s: float = 1.0
+    register_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"--listen {self.listen!r}: expected a ZeroMQ endpoint such as tcp://127.0.0.1:5555")
+        if self.heartbeat_s <= 0:
+            raise ValueError("--heartbeat must be positive")
+        if not self.devices:
+            raise ValueError("a node needs at least one device")
+        if not self.name:
+            self.name = f"{socket.gethostname()}-{os.getpid()}"
+
+
+class NodeActor(Actor):
+    """Answers ``Describe`` with what this node hosts; ``Shutdown`` stops it."""
+
+    def __init__(self, cfg: NodeConfig, stop: asyncio.Event) -> None:
+        self.cfg, self.stop_event = cfg, stop
+
+    @handler(Describe)
+    def describe(self, msg: Describe) -> NodeInfo:
+        return NodeInfo(self.cfg.name, self.system.address, [d.name for d in self.cfg.devices], os.getpid())
+
+    @handler(Shutdown)
+    def shutdown(self, msg: Shutdown) -> Ok:
+        self.stop_event.set()
+        return Ok("shutting down")
+
+
+async def _register_and_beat(system: ActorSystem, cfg: NodeConfig, endpoint: str) -> None:
+    sched = await system.remote_ref(cfg.scheduler, "scheduler")
+    await sched.ask(Register(cfg.name, endpoint, [d.name for d in cfg.devices], os.getpid()),
+                    timeout=cfg.register_timeout_s)
+    log.info("registered with scheduler at %s", cfg.scheduler)
+    seq = 0
+    while True:
+        await asyncio.sleep(cfg.heartbeat_s)
+        seq += 1
+        try:
+            await sched.tell(Heartbeat(cfg.name, seq))
+        except ActorError as e:
+            log.warning("heartbeat %d to %s failed: %s", seq, cfg.scheduler, e)
+
+
+async def serve(cfg: NodeConfig, ready=None) -> int:
+    """Run a node until stopped; returns the exit status."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+    status = 0
+    async with ActorSystem(cfg.name) as system:
+        await system.spawn(TransferActor(), "transfer")
+        for i, spec in enumerate(cfg.devices):
+            await system.spawn(DeviceActor(spec), f"device{i}")
+        endpoint = await system.listen(cfg.listen)
+        await system.spawn(NodeActor(cfg, stop), "node")
+        beat = None
+        if cfg.scheduler:
+            beat = loop.create_task(_register_and_beat(system, cfg, endpoint))
+        print(f"tessera-node {cfg.name} ready {endpoint}", flush=True)
+        if ready is not None:
+            ready(endpoint)
+        waiter = loop.create_task(stop.wait())
+        waits = {waiter} | ({beat} if beat else set())
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if beat is not None and beat in done and beat.exception() is not None:
+            log.error("could not register with the scheduler at %s: %s", cfg.scheduler, beat.exception())
+            status = 1
+        for t in waits:
+            t.cancel()
+        log.info("node %s shutting down", cfg.name)
+    return status
+
+
+def parse_args(argv: list[str] | None = None) -> NodeConfig:
+    ap = argparse.ArgumentParser(prog="python -m tessera_actors.node", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint to serve on (port 0: any)")
+    ap.add_argument("--devices", default="cpu", help="comma-separated device specs, e.g. cpu,cpu?threads=1 or cuda:0,cuda:1?sms=32")
+    ap.add_argument("--scheduler", default="", help="scheduler endpoint to register with (optional)")
+    ap.add_argument("--name", default="", help="node name (default: host-pid)")
+    ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    ap.add_argument("--register-timeout", type=float, default=30.0,
+                    help="seconds to wait for the scheduler to answer the registration (then exit 1)")
+    ap.add_argument("--log-level", default="WARNING")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.register_timeout)
+    except ValueError as e:
+        ap.error(str(e))
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        import uvloop
+        return uvloop.run(serve(cfg))
+    except ImportError:
+        return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""Planners by name, for the CLI and the scheduler.
+
+``contiguous``: the simple rule (contiguous runs, equal shares);
+``milp``: the memory-aware MILP (``tessera_actors.planning``)."""
+from __future__ import annotations
+
+from .plan import ContiguousPlanner, Planner
+
+NAMES = ("contiguous", "milp")
+
+
+def get_planner(name: str, **options) -> Planner:
+    if name == "contiguous":
+        return ContiguousPlanner(**options)
+    if name == "milp":
+        from .planning import MilpPlanner
+        return MilpPlanner(**options)
+    raise ValueError(f"unknown planner {name!r}; known: {', '.join(NAMES)}")

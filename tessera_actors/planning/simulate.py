@@ -1,0 +1,221 @@
+"""Discrete-event simulation of a plan's per-device programs.
+
+Model (the contract predictions are made under):
+
+* every device executes, for every micro-batch, its program (``Plan.programs``)
+  in order; ``run`` occupies the device for the segment's time (the sum of
+  its kernels' times in the cost table), one segment at a time, never
+  preempted; ``send`` enqueues a transfer and costs the device nothing;
+  ``recv`` waits until the transfer arrived and costs nothing;
+* a transfer occupies its link direction ``src -> dst`` for ``latency +
+  bytes / bandwidth`` and arrives at the end of it; links are full duplex,
+  one transfer at a time per direction;
+* when a device or link is free and several micro-batches are ready, the
+  earliest micro-batch goes first (stream priorities);
+* at most ``inflight`` micro-batches are in flight: micro-batch ``i`` starts
+  when micro-batch ``i - inflight`` has finished everywhere.
+
+:func:`simulate` returns the step time (latency of one micro-batch alone),
+the steady-state throughput (micro-batches per second, each micro-batch one
+execution of the graph), per-device busy fractions and the event timeline.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from ..plan import Plan, PlanError
+from .costs import CostTable
+
+
+@dataclass
+class Event:
+    resource: str      # device name or "a->b" link
+    kind: str          # "run" | "xfer"
+    item: int
+    start: float
+    end: float
+    ref: int           # segment id or transfer tag
+
+
+@dataclass
+class Prediction:
+    step_s: float                     # one micro-batch alone, start to finish
+    throughput: float                 # micro-batches (graph executions) per second
+    item_latency_s: float             # mean latency of a micro-batch at steady state
+    busy: list[float]                 # per device, busy fraction at steady state
+    inflight: int
+    events: list[Event] = field(default_factory=list)
+
+
+def segment_times(plan: Plan, costs: CostTable) -> list[float]:
+    """Seconds of every segment on its device."""
+    if costs.ndev != len(plan.devices):
+        raise PlanError(f"cost table has {costs.ndev} devices, plan has {len(plan.devices)}")
+    return [sum(costs.times[k][s.device] for k in s.kernels) for s in plan.segments]
+
+
+def run_programs(plan: Plan, costs: CostTable, items: int, inflight: int,
+                 record: bool = False) -> tuple[list[float], list[float], list[float], list[Event]]:
+    """Simulate ``items`` micro-batches; returns (start, finish) time per item,
+    per-device busy seconds and, with ``record``, the events."""
+    if inflight < 1:
+        raise PlanError(f"inflight must be >= 1, got {inflight}")
+    ndev = len(plan.devices)
+    seg_t = segment_times(plan, costs)
+    xfer = {t.tag: t for t in plan.transfers}
+    progs = plan.programs
+    ptr = [[0] * items for _ in range(ndev)]
+    started = [False] * items
+    start = [0.0] * items
+    finish = [-1.0] * items
+    done_devs = [0] * items
+    arrived: set[tuple[int, int]] = set()
+    dev_busy_until = [0.0] * ndev
+    dev_running = [False] * ndev
+    busy = [0.0] * ndev
+    link_free: dict[tuple[int, int], bool] = {}
+    link_queue: dict[tuple[int, int], list[tuple[int, float, int]]] = {}
+    events: list[Event] = []
+    heap: list[tuple[float, int, str, tuple]] = []
+    seq = 0
+
+    def push(t: float, kind: str, data: tuple) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, data))
+        seq += 1
+
+    def admit(now: float) -> None:
+        for i in range(items):
+            if not started[i] and (i < inflight or finish[i - inflight] >= 0):
+                started[i] = True
+                start[i] = now
+                for d in range(ndev):
+                    if not progs[d]:
+                        done_devs[i] += 1
+                if done_devs[i] == ndev:
+                    finish[i] = now
+
+    def start_link(key: tuple[int, int], now: float) -> None:
+        q = link_queue.get(key)
+        if not q or not link_free.get(key, True):
+            return
+        item, _, tag = heapq.heappop(q)
+        t = xfer[tag]
+        dur = costs.comm_s(t.src, t.dst, t.nbytes)
+        link_free[key] = False
+        push(now + dur, "arrive", (item, tag, key))
+        if record:
+            events.append(Event(f"{plan.devices[t.src]}->{plan.devices[t.dst]}", "xfer", item, now, now + dur, tag))
+
+    def advance(d: int, now: float) -> bool:
+        """Zero-time steps of every micro-batch on device d, then maybe start
+        a run; True when a micro-batch finished (admission may follow)."""
+        admitted = False
+        prog = progs[d]
+        while lo[d] < items and (d, lo[d]) in finished_on:
+            lo[d] += 1
+        for i in range(lo[d], items):
+            if not started[i]:
+                continue
+            while ptr[d][i] < len(prog):
+                st = prog[ptr[d][i]]
+                if st.op == "send":
+                    t = xfer[st.ref]
+                    key = (t.src, t.dst)
+                    heapq.heappush(link_queue.setdefault(key, []), (i, now, st.ref))
+                    start_link(key, now)
+                elif st.op == "recv":
+                    if (i, st.ref) not in arrived:
+                        break
+                else:
+                    break
+                ptr[d][i] += 1
+            if ptr[d][i] == len(prog) and prog and (d, i) not in finished_on:
+                finished_on.add((d, i))
+                done_devs[i] += 1
+                if done_devs[i] == ndev:
+                    finish[i] = now
+                    admit(now)
+                    admitted = True
+        if not dev_running[d]:
+            for i in range(lo[d], items):
+                if started[i] and ptr[d][i] < len(prog) and prog[ptr[d][i]].op == "run":
+                    sid = prog[ptr[d][i]].ref
+                    dur = seg_t[sid]
+                    dev_running[d] = True
+                    busy[d] += dur
+                    push(now + dur, "done", (d, i))
+                    if record:
+                        events.append(Event(plan.devices[d], "run", i, now, now + dur, sid))
+                    break
+        return admitted
+
+    finished_on: set[tuple[int, int]] = set()
+    lo = [0] * ndev
+    admit(0.0)
+    now = 0.0
+    dirty = set(range(ndev))
+    while True:
+        while dirty:
+            d = dirty.pop()
+            if advance(d, now):
+                dirty.update(range(ndev))
+        if not heap:
+            break
+        now = heap[0][0]
+        while heap and heap[0][0] == now:
+            _, _, kind, data = heapq.heappop(heap)
+            if kind == "done":
+                d, i = data
+                dev_running[d] = False
+                ptr[d][i] += 1
+                dirty.add(d)
+            else:
+                i, tag, key = data
+                arrived.add((i, tag))
+                link_free[key] = True
+                start_link(key, now)
+                dirty.add(key[1])
+    if any(f < 0 for f in finish):
+        raise PlanError(f"plan {plan.name!r} deadlocks in simulation (a recv without its send)")
+    return start, finish, busy, events
+
+
+def simulate(plan: Plan, costs: CostTable, inflight: int | None = None, items: int | None = None,
+             record: bool = False) -> Prediction:
+    """Predict ``plan`` (see module docstring). ``inflight`` defaults to
+    ``plan.microbatches``; ``items`` (micro-batches simulated for the steady
+    state) to ``max(8, 4 * inflight)``; the first quarter is warm-up."""
+    m = inflight or plan.microbatches or 1
+    n = items or max(16, 8 * m)
+    _, one, _, ev1 = run_programs(plan, costs, 1, 1, record=record and m == 1)
+    step = one[0]
+    if m == 1:
+        # One at a time: every micro-batch repeats the first exactly.
+        busy1 = [sum(e.end - e.start for e in ev1 if e.resource == dev) for dev in plan.devices] \
+            if record else [sum(t for s, t in zip(plan.segments, segment_times(plan, costs)) if s.device == d)
+                            for d in range(len(plan.devices))]
+        thr = float("inf") if step == 0 else 1.0 / step
+        return Prediction(step, thr, step, [b / step if step else 0.0 for b in busy1], 1, ev1)
+    st, fin, busy, ev = run_programs(plan, costs, n, m, record=record)
+    # Measure between the completions of the first and third quarter: the
+    # pipeline is full there (no fill at the start, no drain at the end).
+    a, b = n // 4, (3 * n) // 4
+    span = fin[b] - fin[a]
+    if span <= 0:
+        thr, lat = (float("inf") if step == 0 else 1.0 / step), step
+    else:
+        thr = (b - a) / span
+        lat = sum(f - s for s, f in zip(st[a:b], fin[a:b])) / (b - a)
+    total = fin[-1] if fin[-1] > 0 else 1.0
+    return Prediction(step, thr, lat, [x / total for x in busy], m, ev)
+
+
+def best_inflight(plan: Plan, costs: CostTable, max_inflight: int = 8, tol: float = 0.01) -> Prediction:
+    """Simulate ``1..max_inflight`` micro-batches in flight and return the
+    prediction of the smallest count within ``tol`` of the best throughput
+    (more in flight costs activation memory and latency)."""
+    preds = [simulate(plan, costs, inflight=m) for m in range(1, max_inflight + 1)]
+    best = max(p.throughput for p in preds)
+    return next(p for p in preds if p.throughput >= best * (1 - tol))

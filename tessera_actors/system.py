@@ -1,0 +1,120 @@
+"""ActorSystem: spawns local actors and reaches actors in other processes.
+
+A system owns its actors (by unique name), at most one listening ROUTER
+endpoint and one DEALER connection per remote endpoint, and the ZeroMQ
+context they share (created lazily).  ``shutdown`` stops every actor (their
+pending asks fail with ``ActorDead``), fails pending remote asks, closes the
+sockets and terminates the context; it is idempotent.  Use it as
+``async with ActorSystem() as system: ...``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tessera_actors.actor import Actor, ActorRef, LocalRef
+from tessera_actors.errors import ActorError, NameTaken, NoSuchActor
+
+log = logging.getLogger("tessera_actors.system")
+
+
+class ActorSystem:
+    def __init__(self, name: str = "local"):
+        self.name = name
+        self._actors: dict[str, LocalRef] = {}
+        self._ctx = None
+        self._server = None
+        self._peers: dict = {}
+        self._closed = False
+
+    # --- local ---------------------------------------------------------------
+    async def spawn(self, actor: Actor, name: str) -> ActorRef:
+        """Start ``actor`` under ``name``; returns once its ``on_start`` completed.
+
+        Raises ``NameTaken`` for a name in use, or whatever ``on_start`` raised.
+        """
+        if self._closed:
+            raise ActorError(f"system {self.name!r} is shut down")
+        if not isinstance(actor, Actor):
+            raise TypeError(f"spawn needs an Actor, got {type(actor).__name__}")
+        if actor.ref is not None:
+            raise ActorError(f"{type(actor).__name__} instance was already spawned as {actor.name!r}")
+        if name in self._actors:
+            raise NameTaken(f"an actor named {name!r} already exists in system {self.name!r}")
+        ref = LocalRef(actor, name, on_exit=self._forget)
+        actor.ref, actor.system, actor.name = ref, self, name
+        self._actors[name] = ref
+        await ref.start()
+        return ref
+
+    def ref(self, name: str) -> ActorRef:
+        """Ref to the live local actor ``name``; ``NoSuchActor`` (an ``ActorDead``) if none."""
+        ref = self._actors.get(name)
+        if ref is None:
+            raise NoSuchActor(f"no actor named {name!r} in system {self.name!r}")
+        return ref
+
+    def actors(self) -> list[str]:
+        """Names of the live local actors."""
+        return list(self._actors)
+
+    def _forget(self, ref: LocalRef) -> None:
+        if self._actors.get(ref.name) is ref:
+            del self._actors[ref.name]
+
+    # --- remote --------------------------------------------------------------
+    def _context(self):
+        if self._closed:
+            raise ActorError(f"system {self.name!r} is shut down")
+        if self._ctx is None:
+            import zmq
+            self._ctx = zmq.Context()
+        return self._ctx
+
+    async def listen(self, endpoint: str = "tcp://127.0.0.1:0") -> str:
+        """Serve local actors to other processes; returns the bound address
+        (port resolved).  One listening endpoint per system."""
+        from transport.endpoint import Server
+        if self._server is not None:
+            raise ActorError(f"system {self.name!r} already listens on {self._server.address}")
+        self._server = Server(self._context(), self._actors.get)
+        return self._server.bind(endpoint)
+
+    @property
+    def address(self) -> str:
+        """The listening address, or "" when not listening."""
+        return self._server.address if self._server else ""
+
+    async def remote_ref(self, endpoint: str, name: str) -> ActorRef:
+        """Ref to actor ``name`` served at ``endpoint``.  Does not contact the
+        peer: an unknown name shows as ``ActorDead`` on the first ask, an
+        unreachable peer as ``AskTimeout``."""
+        from transport.endpoint import Peer, RemoteRef
+        peer = self._peers.get(endpoint)
+        if peer is None or peer.closed:
+            peer = self._peers[endpoint] = Peer(self._context(), endpoint)
+        return RemoteRef(peer, name)
+
+    # --- lifecycle -----------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Stop all actors, close all sockets, terminate the context; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        refs = list(self._actors.values())
+        if refs:
+            await asyncio.gather(*(ref.stop() for ref in refs), return_exceptions=True)
+        if self._server is not None:
+            self._server.close()
+        for peer in self._peers.values():
+            peer.close()
+        self._peers.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    async def __aenter__(self) -> "ActorSystem":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()

@@ -1,0 +1,272 @@
+"""Actor runtime behaviour as a caller sees it (in-process)."""
+import asyncio
+
+import pytest
+
+from tessera_actors.actor import Actor, handler
+from tessera_actors.errors import (ActorDead, AskTimeout, MailboxFull, NameTaken, NoSuchActor,
+                                   RemoteError, UnknownMessage)
+from tessera_actors.messages import Ok, Ping, Pong, message
+from tessera_actors.system import ActorSystem
+
+
+@message
+class ActAdd:
+    n: int = 1
+
+
+@message
+class ActGet:
+    pass
+
+
+@message
+class ActSleep:
+    seconds: float = 0.0
+
+
+@message
+class ActFail:
+    text: str = "boom"
+
+
+@message
+class ActNobodyHandles:
+    pass
+
+
+class Counter(Actor):
+    def __init__(self):
+        self.starts = 0
+        self.stops = 0
+
+    async def on_start(self):
+        self.total = 0
+        self.starts += 1
+
+    async def on_stop(self):
+        self.stops += 1
+
+    @handler(ActAdd)
+    def add(self, msg):
+        self.total += msg.n
+        return self.total
+
+    @handler(ActGet)
+    def get(self, msg):
+        return self.total
+
+    @handler(ActSleep)
+    async def sleep(self, msg):
+        await asyncio.sleep(msg.seconds)
+        return Ok("slept")
+
+    @handler(ActFail)
+    def fail(self, msg):
+        raise ValueError(msg.text)
+
+
+class RestartingCounter(Counter):
+    restart_policy = "restart"
+
+
+class StoppingCounter(Counter):
+    restart_policy = "stop"
+
+
+class TinyMailbox(Counter):
+    mailbox_size = 2
+
+
+@pytest.fixture
+async def system():
+    async with ActorSystem("test") as s:
+        yield s
+
+
+async def test_ask_tell_and_ping(system):
+    ref = await system.spawn(Counter(), "c")
+    await ref.tell(ActAdd(2))
+    assert await ref.ask(ActAdd(3)) == 5
+    assert await ref.ask(Ping(b"hi")) == Pong(b"hi")
+    assert system.ref("c") is ref and ref.alive
+
+
+async def test_spawn_waits_for_on_start_and_names_are_unique(system):
+    class Slow(Actor):
+        async def on_start(self):
+            await asyncio.sleep(0.05)
+            self.ready = True
+
+    actor = Slow()
+    await system.spawn(actor, "slow")
+    assert actor.ready and actor.name == "slow" and actor.system is system
+    with pytest.raises(NameTaken):
+        await system.spawn(Counter(), "slow")
+    with pytest.raises(NoSuchActor):
+        system.ref("nobody")
+
+
+async def test_on_start_failure_fails_spawn(system):
+    class Broken(Actor):
+        async def on_start(self):
+            raise RuntimeError("no device")
+
+    with pytest.raises(RuntimeError, match="no device"):
+        await system.spawn(Broken(), "broken")
+    assert "broken" not in system.actors()
+
+
+async def test_ask_timeout(system):
+    ref = await system.spawn(Counter(), "c")
+    with pytest.raises(AskTimeout):
+        await ref.ask(ActSleep(0.2), timeout=0.05)
+    with pytest.raises(TimeoutError):   # AskTimeout is a TimeoutError
+        await ref.ask(ActSleep(0.2), timeout=0.01)
+    assert await ref.ask(ActAdd(1)) == 1   # still serving after the sleeps
+
+
+async def test_ask_after_stop_is_actor_dead(system):
+    actor = Counter()
+    ref = await system.spawn(actor, "c")
+    await ref.stop()
+    await ref.stop()   # idempotent
+    assert not ref.alive and actor.stops == 1
+    with pytest.raises(ActorDead):
+        await ref.ask(ActGet())
+    with pytest.raises(ActorDead):
+        await ref.tell(ActAdd())
+    with pytest.raises(NoSuchActor):
+        system.ref("c")
+
+
+async def test_pending_and_queued_asks_fail_on_stop(system):
+    ref = await system.spawn(Counter(), "c")
+    running = asyncio.ensure_future(ref.ask(ActSleep(10)))
+    queued = [asyncio.ensure_future(ref.ask(ActAdd())) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    await ref.stop()
+    for fut in [running, *queued]:
+        with pytest.raises(ActorDead):
+            await fut
+
+
+async def test_shutdown_fails_pending_asks(system):
+    ref = await system.spawn(Counter(), "c")
+    pending = asyncio.ensure_future(ref.ask(ActSleep(10)))
+    await asyncio.sleep(0.01)
+    await system.shutdown()
+    await system.shutdown()   # idempotent
+    with pytest.raises(ActorDead):
+        await pending
+
+
+async def test_unknown_message(system, caplog):
+    ref = await system.spawn(Counter(), "c")
+    with pytest.raises(UnknownMessage, match="ActNobodyHandles"):
+        await ref.ask(ActNobodyHandles())
+    await ref.tell(ActNobodyHandles())
+    assert await ref.ask(ActAdd()) == 1
+    assert "no handler for ActNobodyHandles" in caplog.text
+
+
+async def test_handler_exception_resume_keeps_state(system):
+    ref = await system.spawn(Counter(), "c")
+    await ref.ask(ActAdd(5))
+    with pytest.raises(RemoteError) as info:
+        await ref.ask(ActFail("bad input"))
+    err = info.value
+    assert err.kind == "ValueError" and err.message == "bad input"
+    assert str(err) == "ValueError: bad input"
+    assert isinstance(err.__cause__, ValueError)
+    assert await ref.ask(ActGet()) == 5
+
+
+async def test_handler_exception_restart_resets_state(system):
+    actor = RestartingCounter()
+    ref = await system.spawn(actor, "c")
+    await ref.ask(ActAdd(5))
+    with pytest.raises(RemoteError):
+        await ref.ask(ActFail())
+    assert await ref.ask(ActGet()) == 0
+    assert (actor.starts, actor.stops) == (2, 1) and ref.alive
+
+
+async def test_handler_exception_stop_policy(system):
+    ref = await system.spawn(StoppingCounter(), "c")
+    queued = asyncio.ensure_future(ref.ask(ActGet()))
+    with pytest.raises(RemoteError):
+        await ref.ask(ActFail())
+    await asyncio.sleep(0)
+    assert not ref.alive
+    with pytest.raises(ActorDead):
+        await ref.ask(ActGet())
+    queued.cancel()
+
+
+async def test_failing_tell_is_logged_and_actor_serves_on(system, caplog):
+    ref = await system.spawn(Counter(), "c")
+    await ref.tell(ActFail("told"))
+    assert await ref.ask(ActAdd()) == 1
+    assert "told" in caplog.text
+
+
+async def test_bounded_mailbox_backpressure(system):
+    ref = await system.spawn(TinyMailbox(), "c")
+    blocker = asyncio.ensure_future(ref.ask(ActSleep(0.1)))
+    await asyncio.sleep(0.01)   # the actor is busy in the sleep handler
+    await ref.tell(ActAdd())
+    await ref.tell(ActAdd())    # mailbox (2) now full
+    with pytest.raises(MailboxFull):
+        ref.tell_nowait(ActAdd())
+    third = asyncio.ensure_future(ref.tell(ActAdd()))
+    await asyncio.sleep(0.02)
+    assert not third.done()     # waits for space
+    await blocker
+    await third
+    assert await ref.ask(ActGet()) == 3
+
+
+async def test_ask_timeout_while_mailbox_full(system):
+    ref = await system.spawn(TinyMailbox(), "c")
+    blocker = asyncio.ensure_future(ref.ask(ActSleep(0.2)))
+    await asyncio.sleep(0.01)
+    await ref.tell(ActAdd())
+    await ref.tell(ActAdd())
+    with pytest.raises(AskTimeout):
+        await ref.ask(ActGet(), timeout=0.02)
+    await blocker
+
+
+async def test_local_ask_passes_objects_without_copy(system):
+    torch = pytest.importorskip("torch")
+
+    @message
+    class ActHold:
+        tensor: object = None
+
+    class Holder(Actor):
+        @handler(ActHold)
+        def hold(self, msg):
+            return msg.tensor
+
+    ref = await system.spawn(Holder(), "h")
+    t = torch.ones(4)
+    assert await ref.ask(ActHold(t)) is t
+
+
+async def test_stop_from_own_handler(system):
+    @message
+    class ActQuit:
+        pass
+
+    class Quitter(Actor):
+        @handler(ActQuit)
+        async def quit(self, msg):
+            await self.ref.stop()
+            return "bye"
+
+    ref = await system.spawn(Quitter(), "q")
+    assert await ref.ask(ActQuit()) == "bye"
+    await asyncio.sleep(0.01)
+    assert not ref.alive

@@ -1,0 +1,85 @@
+"""Graph edges, plans and serialisation on hand-made kernel programs."""
+import pytest
+
+from tessera_actors.graph import Access, Buffer, GraphError, Kernel, KernelGraph
+from tessera_actors.plan import ContiguousPlanner, PlanError, build_plan
+
+
+def k(i, *acc, name=None):
+    return Kernel(i, name or f"k{i}", "library", tuple(Access(*a) for a in acc))
+
+
+def reuse_graph():
+    """x -> k0 writes T[0:64]; k1 reads T writes Y; k2 re-uses T (WAR on k1,
+    WAW on k0); k3 reads T (RAW from k2) and half of Y."""
+    bufs = {0: Buffer(0, 64, "input"), 1: Buffer(1, 64, "temp"), 2: Buffer(2, 64, "output")}
+    ks = [k(0, (0, 0, 64, "r"), (1, 0, 64, "w")),
+          k(1, (1, 0, 64, "r"), (2, 0, 64, "w")),
+          k(2, (0, 0, 64, "r"), (1, 0, 64, "w")),
+          k(3, (1, 0, 64, "r"), (2, 0, 32, "rw"))]
+    return KernelGraph(ks, bufs, inputs={"x": 0}, outputs=[2])
+
+
+def edge_set(g):
+    return {(e.src, e.dst, e.kind, e.buffer, e.ranges) for e in g.edges}
+
+
+def test_buffer_reuse_gives_war_and_waw_edges():
+    assert edge_set(reuse_graph()) == {
+        (0, 1, "RAW", 1, ((0, 64),)),
+        (1, 2, "WAR", 1, ()),
+        (0, 2, "WAW", 1, ()),
+        (2, 3, "RAW", 1, ((0, 64),)),
+        (1, 3, "RAW", 2, ((0, 32),)),
+        (1, 3, "WAW", 2, ()),
+    }
+
+
+def test_partial_overlap_ranges_are_exact():
+    bufs = {0: Buffer(0, 100, "temp")}
+    ks = [k(0, (0, 0, 60, "w")), k(1, (0, 40, 100, "w")), k(2, (0, 0, 100, "r"))]
+    g = KernelGraph(ks, bufs)
+    raw = {(e.src, e.dst): e.ranges for e in g.edges if e.kind == "RAW"}
+    assert raw == {(0, 2): ((0, 40),), (1, 2): ((40, 100),)}
+
+
+def test_access_outside_buffer_is_an_error():
+    g = KernelGraph([k(0, (0, 0, 65, "w"))], {0: Buffer(0, 64)})
+    with pytest.raises(GraphError, match="65"):
+        g.edges
+
+
+def test_save_load_round_trip(tmp_path):
+    g = reuse_graph()
+    g.meta["model"] = "hand"
+    g.save(tmp_path / "g.tgraph")
+    h = KernelGraph.load(tmp_path / "g.tgraph")
+    assert h.kernels == g.kernels and h.buffers == g.buffers and edge_set(h) == edge_set(g)
+    assert h.meta == {"model": "hand"} and h.inputs == {"x": 0} and h.outputs == [2]
+
+
+def test_not_a_graph_file(tmp_path):
+    (tmp_path / "bad").write_bytes(b"\x00\x01garbage")
+    with pytest.raises(GraphError):
+        KernelGraph.load(tmp_path / "bad")
+
+
+def test_split_plan_transfers_exact_bytes():
+    g = reuse_graph()
+    p = build_plan(g, ["cpu", "cpu?threads=1"], [0, 1, 0, 1])
+    # k1 needs T from k0 (64 B); k3 needs T from k2 (64 B); output half from k3, half from k1
+    assert sorted((t.src, t.dst, t.buffer, t.ranges) for t in p.transfers) == [
+        (0, 1, 1, ((0, 64),)), (0, 1, 1, ((0, 64),))]
+    assert p.bytes_per_step() == 128
+    assert [s.op for s in p.programs[0]] == ["run", "send", "run", "send"]
+    assert [s.op for s in p.programs[1]] == ["recv", "run", "recv", "run"]
+    assert p.outputs == [(2, 0, 32, 1), (2, 32, 64, 1)]
+
+
+def test_state_groups_stay_together():
+    bufs = {0: Buffer(0, 8, "state"), 1: Buffer(1, 8, "temp")}
+    g = KernelGraph([k(0, (0, 0, 8, "rw")), k(1, (1, 0, 8, "w")), k(2, (0, 0, 8, "r"))], bufs)
+    with pytest.raises(PlanError, match="state"):
+        build_plan(g, ["cpu", "cpu"], [0, 1, 1])
+    p = ContiguousPlanner().plan(g, ["cpu", "cpu"])
+    assert p.assignment in ([0, 0, 0], [1, 1, 1]) or p.assignment[0] == p.assignment[2]

@@ -1,0 +1,240 @@
+"""Remote refs behave like local ones: over tcp loopback within one process,
+and against an actor hosted by a child process."""
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from tessera_actors.actor import Actor, handler
+from tessera_actors.errors import ActorDead, AskTimeout, CodecError, RemoteError, UnknownMessage
+from tessera_actors.messages import ErrorReply, Ping, Pong, message
+from tessera_actors.system import ActorSystem
+from transport import codec
+from transport.codec import OP_ASK, OP_FAILED, OP_REPLY, Envelope
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@message
+class RemoteSum:
+    tensor: object = None
+
+
+@message
+class RemoteSummed:
+    total: float = 0.0
+    echo: object = None
+
+
+@message
+class RemoteFail:
+    text: str = ""
+
+
+@message
+class RemoteSleep:
+    seconds: float = 0.0
+
+
+@message
+class RemoteUnhandled:
+    pass
+
+
+@message
+class RemoteBadReply:
+    pass
+
+
+class Summer(Actor):
+    async def on_start(self):
+        self.calls = 0
+
+    @handler(RemoteSum)
+    def sum(self, msg):
+        self.calls += 1
+        return RemoteSummed(float(msg.tensor.float().sum()), msg.tensor)
+
+    @handler(RemoteFail)
+    def fail(self, msg):
+        raise KeyError(msg.text)
+
+    @handler(RemoteSleep)
+    async def sleep(self, msg):
+        await asyncio.sleep(msg.seconds)
+        return self.calls
+
+    @handler(RemoteBadReply)
+    def bad_reply(self, msg):
+        return object()
+
+
+@pytest.fixture
+async def pair():
+    async with ActorSystem("server") as server, ActorSystem("client") as client:
+        await server.spawn(Summer(), "summer")
+        address = await server.listen()
+        yield server, client, address
+
+
+async def test_remote_ask_with_tensors(pair):
+    server, client, address = pair
+    ref = await client.remote_ref(address, "summer")
+    t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).t()
+    reply = await ref.ask(RemoteSum(t))
+    assert reply.total == float(t.float().sum())
+    assert reply.echo.dtype == torch.bfloat16 and torch.equal(reply.echo, t)
+    assert await ref.ask(Ping(b"x")) == Pong(b"x")
+    await ref.tell(RemoteSum(torch.ones(2)))
+    assert await ref.ask(RemoteSleep(0)) == 2   # the tell was handled first
+
+
+async def test_remote_errors_match_local(pair):
+    server, client, address = pair
+    ref = await client.remote_ref(address, "summer")
+    with pytest.raises(UnknownMessage, match="RemoteUnhandled"):
+        await ref.ask(RemoteUnhandled())
+    with pytest.raises(RemoteError) as info:
+        await ref.ask(RemoteFail("missing"))
+    assert info.value.kind == "KeyError" and "missing" in info.value.message
+    with pytest.raises(CodecError, match="not encodable"):
+        await ref.ask(RemoteBadReply())
+    assert (await ref.ask(RemoteSum(torch.ones(3)))).total == 3.0   # still serving
+
+
+async def test_remote_unknown_name_is_actor_dead(pair):
+    server, client, address = pair
+    ref = await client.remote_ref(address, "nobody")
+    with pytest.raises(ActorDead):
+        await ref.ask(Ping())
+    assert not ref.alive
+
+
+async def test_remote_timeout_leaves_no_pending_entry(pair):
+    server, client, address = pair
+    ref = await client.remote_ref(address, "summer")
+    with pytest.raises(AskTimeout):
+        await ref.ask(RemoteSleep(0.3), timeout=0.05)
+    assert ref._peer.pending == 0
+    assert await ref.ask(Ping()) == Pong()   # the late answer was dropped
+
+
+async def test_unreachable_peer_times_out():
+    async with ActorSystem("client") as client:
+        with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as probe:
+            port = probe.bind_to_random_port("tcp://127.0.0.1")
+        ref = await client.remote_ref(f"tcp://127.0.0.1:{port}", "x")   # nobody listens there now
+        with pytest.raises(AskTimeout):
+            await ref.ask(Ping(), timeout=0.1)
+        assert ref._peer.pending == 0
+
+
+async def test_remote_stop_and_pending_asks(pair):
+    server, client, address = pair
+    ref = await client.remote_ref(address, "summer")
+    pending = asyncio.ensure_future(ref.ask(RemoteSleep(10)))
+    await asyncio.sleep(0.05)
+    await ref.stop()
+    with pytest.raises(ActorDead):
+        await pending
+    assert "summer" not in server.actors() and not ref.alive
+    again = await client.remote_ref(address, "summer")
+    with pytest.raises(ActorDead):
+        await again.ask(Ping())
+
+
+async def test_client_shutdown_fails_pending_remote_asks(pair):
+    server, client, address = pair
+    ref = await client.remote_ref(address, "summer")
+    pending = asyncio.ensure_future(ref.ask(RemoteSleep(10)))
+    await asyncio.sleep(0.05)
+    await client.shutdown()
+    with pytest.raises(ActorDead):
+        await pending
+
+
+async def test_malformed_frames_over_the_wire(pair, caplog):
+    server, client, address = pair
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        await sock.send_multipart([b"garbage"])                               # unreadable: logged only
+        await sock.send_multipart([b"TSRA\x07\x00", b"\x90"])                 # wrong version
+        body = msgpack.packb([OP_ASK, 5, "summer", msgpack.ExtType(1, msgpack.packb(["Nope", {}]))])
+        await sock.send_multipart([codec.HEADER_BYTES, body])                 # unknown kind, readable envelope
+        env, reply = codec.decode(await asyncio.wait_for(sock.recv_multipart(), 2))
+        assert env == Envelope(OP_FAILED, 5, "") and reply.kind == "CodecError" and "Nope" in reply.message
+        frames = codec.encode(RemoteSum(torch.ones(4)), Envelope(OP_ASK, 6, "summer"))
+        frames[2] = bytes(frames[2])[:-2]                                     # truncated tensor frame
+        await sock.send_multipart(frames)
+        env, reply = codec.decode(await asyncio.wait_for(sock.recv_multipart(), 2))
+        assert env.request_id == 6 and isinstance(reply, ErrorReply) and reply.kind == "CodecError"
+        await sock.send_multipart(codec.encode(Ping(b"ok"), Envelope(OP_ASK, 7, "summer")))
+        env, reply = codec.decode(await asyncio.wait_for(sock.recv_multipart(), 2))
+        assert (env.op, env.request_id, reply) == (OP_REPLY, 7, Pong(b"ok"))   # server keeps working
+    finally:
+        sock.close()
+        ctx.term()
+    assert "undecodable request" in caplog.text
+
+
+CHILD = textwrap.dedent("""
+    import asyncio, signal, sys
+    from tessera_actors.actor import Actor, handler
+    from tessera_actors.messages import message
+    from tessera_actors.system import ActorSystem
+
+    @message
+    class RemoteSum:
+        tensor: object = None
+
+    @message
+    class RemoteSummed:
+        total: float = 0.0
+        echo: object = None
+
+    class Summer(Actor):
+        @handler(RemoteSum)
+        def sum(self, msg):
+            return RemoteSummed(float(msg.tensor.float().sum()), msg.tensor * 2)
+
+    async def main():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        async with ActorSystem("child") as system:
+            await system.spawn(Summer(), "summer")
+            print(await system.listen(), flush=True)
+            await stop.wait()
+
+    asyncio.run(main())
+""")
+
+
+async def test_two_process_messaging_with_tensors():
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        address = (await asyncio.to_thread(proc.stdout.readline)).strip()
+        assert address.startswith("tcp://"), address
+        async with ActorSystem("parent") as system:
+            ref = await system.remote_ref(address, "summer")
+            for t in (torch.randn(64, 33).t(), torch.arange(10, dtype=torch.int64),
+                      torch.ones(5, dtype=torch.bfloat16), torch.empty(0, 3)):
+                reply = await ref.ask(RemoteSum(t), timeout=10)
+                assert reply.total == pytest.approx(float(t.float().sum()), rel=1e-5)
+                assert reply.echo.dtype == t.dtype and torch.equal(reply.echo, t * 2)
+            big = torch.randn(1 << 20)
+            assert torch.equal((await ref.ask(RemoteSum(big))).echo, big * 2)
+    finally:
+        proc.terminate()
+        rc = await asyncio.to_thread(proc.wait, 5)
+    assert rc == 0

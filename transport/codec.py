@@ -1,0 +1,261 @@
+"""One codec for every wire message: msgpack body + zero-copy tensor frames.
+
+Frames of one encoded message::
+
+    0: header  b"TSRA" + protocol version (u8) + flags (u8)
+    1: body    msgpack [op, request_id, target, value]
+    2..: raw tensor bytes, one frame per tensor, referenced from the body
+
+``value`` is usually a registered message (see ``tessera_actors.messages``) but
+may be any msgpack-able value (a handler's reply).  Messages, tuples and tensors
+are msgpack ext types.  Tensor frames are ``memoryview``s of the (contiguous)
+tensor storage: nothing is copied when encoding, so the sender must not mutate
+a tensor until the receiver answered.  Decoding wraps received buffers without
+copying; torch tensors come back as torch, numpy arrays as numpy.
+
+This module never imports torch at import time (control plane stays
+torch-free); torch is touched only when a message carries torch tensors.
+Every decoding failure raises ``CodecError``.  Encoding and decoding are
+synchronous and O(fields) host work; tensor bytes are never touched except to
+make a non-contiguous tensor contiguous.
+"""
+from __future__ import annotations
+
+import math
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import msgpack
+
+from tessera_actors import messages as _messages
+from tessera_actors.errors import CodecError
+
+MAGIC = b"TSRA"
+PROTOCOL_VERSION = 1
+_HEADER = struct.Struct("!4sBB")
+HEADER_BYTES = _HEADER.pack(MAGIC, PROTOCOL_VERSION, 0)
+_HEADER_WITH_TENSORS = _HEADER.pack(MAGIC, PROTOCOL_VERSION, 1)
+FLAG_TENSORS = 1
+
+DEFAULT_MAX_FRAME = 4 << 30   # bytes per tensor frame
+DEFAULT_MAX_BODY = 64 << 20   # bytes of msgpack body
+
+# envelope ops
+OP_TELL, OP_ASK, OP_REPLY, OP_RAISED, OP_FAILED, OP_STOP = range(6)
+
+_EXT_MESSAGE, _EXT_TENSOR, _EXT_TUPLE = 1, 2, 3
+_LIB_TORCH, _LIB_NUMPY = 0, 1
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """Routing info travelling with a message.
+
+    ``op``: OP_TELL / OP_ASK / OP_STOP (requests), OP_REPLY / OP_RAISED /
+    OP_FAILED (answers).  ``request_id`` pairs an ask with its answer (0 for
+    tells).  ``target`` is the actor name on the receiving system.
+    """
+    op: int
+    request_id: int = 0
+    target: str = ""
+
+
+def encode(msg: Any, envelope: Envelope | None = None) -> list:
+    """Encode ``msg`` into frames (``bytes`` / ``memoryview``); non-blocking.
+
+    Raises ``CodecError`` for values the wire cannot carry.
+    """
+    env = envelope or Envelope(OP_TELL)
+    tensors: list = []
+
+    def default(obj):
+        fields = _messages._FIELD_NAMES.get(type(obj))
+        if fields is not None:
+            return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb(
+                [obj.__wire_kind__, {f: getattr(obj, f) for f in fields}],
+                default=default, use_bin_type=True, strict_types=True))
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(
+                list(obj), default=default, use_bin_type=True, strict_types=True))
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return _tensor_ext(_torch_frame(torch, obj), tensors)
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(obj, np.ndarray):
+            return _tensor_ext(_numpy_frame(np, obj), tensors)
+        if np is not None and isinstance(obj, np.generic):
+            return obj.item()
+        for plain in (bool, int, float, str, bytes, list, dict):  # subclasses, e.g. IntEnum
+            if isinstance(obj, plain):
+                return plain(obj)
+        raise CodecError(f"cannot encode value of type {type(obj).__qualname__}")
+
+    try:
+        body = msgpack.packb([env.op, env.request_id, env.target, msg],
+                             default=default, use_bin_type=True, strict_types=True)
+    except CodecError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError(f"cannot encode {type(msg).__qualname__}: {exc}") from exc
+    if not tensors:
+        return [HEADER_BYTES, body]
+    return [_HEADER_WITH_TENSORS, body, *tensors]
+
+
+def _tensor_ext(frame_info, tensors: list):
+    lib, dtype, shape, view = frame_info
+    tensors.append(view)
+    return msgpack.ExtType(_EXT_TENSOR, msgpack.packb([len(tensors) - 1, lib, dtype, shape]))
+
+
+def _torch_frame(torch, t):
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    # bf16 / fp8 have no numpy dtype: ship the raw bytes through a uint8 view
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return _LIB_TORCH, dtype, list(t.shape), memoryview(raw)
+
+
+def _numpy_frame(np, a):
+    if a.dtype.hasobject:
+        raise CodecError("numpy arrays of Python objects cannot travel on the wire")
+    if not a.flags.c_contiguous:
+        a = a.copy(order="C")   # (np.ascontiguousarray would turn 0-d into 1-d)
+    return _LIB_NUMPY, a.dtype.str, list(a.shape), memoryview(a.reshape(-1).view(np.uint8))
+
+
+def decode(frames: Sequence, *, max_frame: int = DEFAULT_MAX_FRAME,
+           max_body: int = DEFAULT_MAX_BODY) -> tuple[Envelope, Any]:
+    """Decode frames (bytes, memoryviews or zmq Frames) into ``(envelope, value)``.
+
+    Tensors wrap the received buffers without copying.  Raises ``CodecError``
+    on anything malformed; never hangs.
+    """
+    bufs = [_buffer(f) for f in frames]
+    body = _check_framing(bufs, max_frame, max_body)
+    tensor_bufs = bufs[2:]
+    used: set[int] = set()
+
+    def ext_hook(code, data):
+        if code == _EXT_MESSAGE:
+            kind, fields = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+            return _build_message(kind, fields)
+        if code == _EXT_TUPLE:
+            return tuple(msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False))
+        if code == _EXT_TENSOR:
+            index, lib, dtype, shape = msgpack.unpackb(data, raw=False)
+            if not (isinstance(index, int) and 0 <= index < len(tensor_bufs)):
+                raise CodecError(f"tensor refers to missing frame {index}")
+            used.add(index)
+            return _build_tensor(tensor_bufs[index], lib, dtype, shape)
+        raise CodecError(f"unknown ext type {code}")
+
+    try:
+        op, request_id, target, value = msgpack.unpackb(
+            body, ext_hook=ext_hook, raw=False, strict_map_key=False)
+        env = Envelope(int(op), int(request_id), str(target))
+    except CodecError:
+        raise
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise CodecError(f"malformed body: {type(exc).__name__}: {exc}") from exc
+    if len(used) != len(tensor_bufs):
+        raise CodecError(f"{len(tensor_bufs) - len(used)} tensor frame(s) not referenced by the body")
+    return env, value
+
+
+def decode_envelope(frames: Sequence) -> Envelope | None:
+    """Best-effort envelope of frames that failed to decode (None if unreadable).
+
+    Lets a receiver answer a broken ask with an error reply.
+    """
+    try:
+        bufs = [_buffer(f) for f in frames]
+        if len(bufs) < 2 or bytes(bufs[0][:4]) != MAGIC:
+            return None
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(bufs[1]) or 1)
+        unpacker.feed(bufs[1])
+        if unpacker.read_array_header() < 3:
+            return None
+        op, request_id, target = unpacker.unpack(), unpacker.unpack(), unpacker.unpack()
+        return Envelope(int(op), int(request_id), str(target))
+    except Exception:
+        return None
+
+
+def _buffer(frame):
+    buf = getattr(frame, "buffer", frame)   # zmq.Frame -> memoryview
+    return buf if isinstance(buf, (bytes, memoryview)) else memoryview(buf)
+
+
+def _check_framing(bufs, max_frame: int, max_body: int):
+    if len(bufs) < 2:
+        raise CodecError(f"expected at least 2 frames, got {len(bufs)}")
+    header = bufs[0]
+    if len(header) != _HEADER.size:
+        raise CodecError(f"bad header length {len(header)}")
+    magic, version, flags = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {bytes(magic)!r}")
+    if version != PROTOCOL_VERSION:
+        raise CodecError(f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})")
+    if not flags & FLAG_TENSORS and len(bufs) > 2:
+        raise CodecError("tensor frames present but header says none")
+    if len(bufs[1]) > max_body:
+        raise CodecError(f"body of {len(bufs[1])} bytes exceeds limit {max_body}")
+    for b in bufs[2:]:
+        if len(b) > max_frame:
+            raise CodecError(f"frame of {len(b)} bytes exceeds limit {max_frame}")
+    return bufs[1]
+
+
+def _build_message(kind, fields):
+    cls = _messages.lookup(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise CodecError(f"unknown message kind {kind!r}")
+    if not isinstance(fields, dict):
+        raise CodecError(f"fields of {kind} are not a map")
+    names = _messages._FIELD_NAMES[cls]
+    known = {k: v for k, v in fields.items() if k in names} if len(fields) != len(names) or any(
+        k not in names for k in fields) else fields
+    try:
+        return cls(**known)
+    except TypeError as exc:
+        raise CodecError(f"cannot build {kind}: {exc}") from exc
+
+
+def _build_tensor(buf, lib, dtype, shape):
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CodecError(f"bad tensor shape {shape!r}")
+    numel = math.prod(shape)
+    if lib == _LIB_NUMPY:
+        import numpy as np
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise CodecError(f"unknown numpy dtype {dtype!r}") from exc
+        if np_dtype.hasobject:
+            raise CodecError("object arrays are not allowed")
+        _check_size(buf, numel * np_dtype.itemsize, dtype, shape)
+        return np.frombuffer(buf, dtype=np.uint8).view(np_dtype).reshape(shape)
+    if lib == _LIB_TORCH:
+        import torch
+        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(torch_dtype, torch.dtype):
+            raise CodecError(f"unknown torch dtype {dtype!r}")
+        _check_size(buf, numel * torch_dtype.itemsize, dtype, shape)
+        if numel == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        if isinstance(buf, bytes):
+            buf = bytearray(buf)   # torch wants writable memory; only small test inputs arrive as bytes
+        return torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype).reshape(shape)
+    raise CodecError(f"unknown tensor library code {lib!r}")
+
+
+def _check_size(buf, expected: int, dtype, shape):
+    if len(buf) != expected:
+        raise CodecError(f"tensor frame has {len(buf)} bytes, {dtype}{shape} needs {expected}")

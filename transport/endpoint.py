@@ -1,0 +1,325 @@
+"""ZeroMQ endpoints: a ROUTER that serves local actors, a DEALER per peer.
+
+``Server`` binds a ROUTER socket; each request is decoded and put into the
+named local actor's mailbox, and the answer is sent from the answer future's
+callback, so receiving never waits for a handler.  ``Peer`` owns one DEALER
+connected to a remote system and resolves pending asks by request id.
+``RemoteRef`` gives a remote actor the ``ActorRef`` interface.
+
+Nothing here blocks the event loop: sockets are driven by ``Channel``
+(loop reader on the ZeroMQ FD; works under uvloop), frames go out with
+``copy=False`` (tensor frames are not copied), sockets close with linger 0.
+A request that does not decode is logged and, when its envelope is readable
+and it was an ask, answered with ``ErrorReply(kind="CodecError")``; bad input
+never stops a socket.
+
+Backpressure: a remote tell or ask to a full mailbox pauses that server's
+receiving until space frees (per-socket order is kept); ZeroMQ's high-water
+mark then makes remote senders wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from functools import partial
+from typing import Any, Callable
+
+import zmq
+
+from tessera_actors.actor import ActorRef, LocalRef
+from tessera_actors.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
+                                   MailboxFull, RemoteError)
+from tessera_actors.messages import ErrorReply, Ok
+from transport import codec
+from transport.channel import Channel
+from transport.codec import OP_ASK, OP_FAILED, OP_RAISED, OP_REPLY, OP_STOP, OP_TELL, Envelope
+
+log = logging.getLogger("tessera_actors.transport")
+
+
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    return sock
+
+
+class Server:
+    """ROUTER endpoint serving the local actors that ``resolve(name)`` finds."""
+
+    def __init__(self, ctx: zmq.Context, resolve: Callable[[str], LocalRef | None], *,
+                 max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY):
+        self._sock = _socket(ctx, zmq.ROUTER)
+        self._resolve = resolve
+        self._limits = dict(max_frame=max_frame, max_body=max_body)
+        self._chan: Channel | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.address = ""
+
+    def bind(self, endpoint: str) -> str:
+        """Bind (non-blocking) and start serving; returns the resolved address."""
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            port = self._sock.bind_to_random_port(endpoint[:-2])
+            self.address = f"{endpoint[:-2]}:{port}"
+        else:
+            self._sock.bind(endpoint)
+            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._chan = Channel(self._sock, self._on_request)
+        return self.address
+
+    def _on_request(self, frames: list) -> None:
+        identity, payload = frames[0], frames[1:]
+        try:
+            env, msg = codec.decode(payload, **self._limits)
+        except CodecError as exc:
+            env = codec.decode_envelope(payload)
+            log.warning("undecodable request on %s (%s): %s", self.address, env, exc)
+            if env is not None and env.op in (OP_ASK, OP_STOP) and env.request_id:
+                self._send_answer(identity, env.request_id, OP_FAILED, ErrorReply("CodecError", str(exc)))
+            return
+        op = env.op
+        ref = self._resolve(env.target)
+        if op == OP_ASK:
+            if ref is None:
+                self._send_answer(identity, env.request_id, OP_FAILED,
+                                  ErrorReply("NoSuchActor", f"no actor named {env.target!r}"))
+                return
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(partial(self._answer, identity, env.request_id))
+            self._deliver(ref, msg, fut)
+        elif op == OP_TELL:
+            if ref is None:
+                log.warning("tell to unknown actor %r dropped", env.target)
+                return
+            self._deliver(ref, msg, None)
+        elif op == OP_STOP:
+            self._spawn(self._stop(identity, env.request_id, ref))
+        else:
+            log.warning("unknown op %d on %s", op, self.address)
+            if env.request_id:
+                self._send_answer(identity, env.request_id, OP_FAILED,
+                                  ErrorReply("CodecError", f"unknown op {op}"))
+
+    def _deliver(self, ref: LocalRef, msg: Any, fut: asyncio.Future | None) -> None:
+        try:
+            if ref.try_deliver(msg, fut):
+                return
+        except ActorDead as exc:
+            self._dead_letter(ref, fut, exc)
+            return
+        self._chan.pause()   # mailbox full: stop receiving until it takes this message
+        self._spawn(self._deliver_when_space(ref, msg, fut))
+
+    async def _deliver_when_space(self, ref: LocalRef, msg: Any, fut) -> None:
+        try:
+            await ref.deliver(msg, fut)
+        except ActorDead as exc:
+            self._dead_letter(ref, fut, exc)
+        finally:
+            if self._chan is not None:
+                self._chan.resume()
+
+    def _dead_letter(self, ref: LocalRef, fut, exc: ActorDead) -> None:
+        if fut is None:
+            log.warning("tell to stopped actor %r dropped", ref.name)
+        elif not fut.done():
+            fut.set_exception(exc)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stop(self, identity, request_id: int, ref: LocalRef | None) -> None:
+        if ref is not None:
+            await ref.stop()
+        self._send_answer(identity, request_id, OP_REPLY, Ok("stopped"))
+
+    def _answer(self, identity, request_id: int, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            op, value = OP_FAILED, ErrorReply("ActorDead", "ask was cancelled")
+        elif (exc := fut.exception()) is None:
+            op, value = OP_REPLY, fut.result()
+        elif isinstance(exc, RemoteError):
+            op, value = OP_RAISED, ErrorReply(exc.kind, exc.message)
+        elif isinstance(exc, ActorError):
+            op, value = OP_FAILED, ErrorReply(type(exc).__name__, str(exc))
+        else:
+            op, value = OP_RAISED, ErrorReply(type(exc).__name__, str(exc))
+        self._send_answer(identity, request_id, op, value)
+
+    def _send_answer(self, identity, request_id: int, op: int, value: Any) -> None:
+        if self._chan is None or self._chan.closed:
+            return
+        try:
+            frames = codec.encode(value, Envelope(op, request_id))
+        except CodecError as exc:
+            frames = codec.encode(ErrorReply("CodecError", f"reply not encodable: {exc}"),
+                                  Envelope(OP_FAILED, request_id))
+        try:
+            self._chan.send([identity, *frames])   # ROUTER never blocks: drops if the peer is gone
+        except zmq.ZMQError as exc:
+            log.warning("answer on %s failed: %s", self.address, exc)
+
+    def close(self) -> None:
+        """Stop serving and close the socket (linger 0); idempotent."""
+        for task in self._tasks:
+            task.cancel()
+        if self._chan is not None:
+            self._chan.close()
+        else:
+            self._sock.close(linger=0)
+
+
+class Peer:
+    """DEALER connection to one remote system; shared by all refs to it."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, *,
+                 max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY):
+        self.endpoint = endpoint
+        sock = _socket(ctx, zmq.DEALER)
+        sock.connect(endpoint)
+        self._limits = dict(max_frame=max_frame, max_body=max_body)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._chan = Channel(sock, self._on_answer)
+
+    @property
+    def closed(self) -> bool:
+        return self._chan.closed
+
+    @property
+    def pending(self) -> int:
+        """Number of asks awaiting an answer (for leak checks)."""
+        return len(self._pending)
+
+    async def request(self, op: int, target: str, msg: Any, timeout: float) -> Any:
+        """Send a request and wait for its answer.  ``timeout`` seconds bound
+        the whole round trip, including waiting for ZeroMQ send space; the
+        pending entry is removed however the request ends."""
+        if self._chan.closed:
+            raise ActorDead(f"connection to {self.endpoint} is closed")
+        loop = asyncio.get_running_loop()
+        rid = next(self._ids)
+        frames = codec.encode(msg, Envelope(op, rid, target))
+        fut = loop.create_future()
+        self._pending[rid] = fut
+        timer = loop.call_later(timeout, _expire, fut, target, self.endpoint, timeout)
+        try:
+            queued = self._chan.send(frames)
+            if queued is not None:   # high-water mark reached: wait for space or the timeout
+                await asyncio.wait((queued, fut), return_when=asyncio.FIRST_COMPLETED)
+                if not queued.done():
+                    queued.cancel()
+            return await fut
+        finally:
+            timer.cancel()
+            self._pending.pop(rid, None)
+
+    async def send(self, target: str, msg: Any) -> None:
+        """Send a tell; waits only while ZeroMQ's send queue is full."""
+        if self._chan.closed:
+            raise ActorDead(f"connection to {self.endpoint} is closed")
+        queued = self._chan.send(codec.encode(msg, Envelope(OP_TELL, 0, target)))
+        if queued is not None:
+            await queued
+
+    def send_nowait(self, target: str, msg: Any) -> None:
+        """Send a tell or raise ``MailboxFull`` when ZeroMQ's send queue is full."""
+        if self._chan.closed:
+            raise ActorDead(f"connection to {self.endpoint} is closed")
+        queued = self._chan.send(codec.encode(msg, Envelope(OP_TELL, 0, target)))
+        if queued is not None:
+            queued.cancel()
+            raise MailboxFull(f"send queue to {self.endpoint} is full")
+
+    def _on_answer(self, frames: list) -> None:
+        pending = self._pending
+        try:
+            env, value = codec.decode(frames, **self._limits)
+        except CodecError as exc:
+            env = codec.decode_envelope(frames)
+            fut = pending.get(env.request_id) if env else None
+            if fut is not None and not fut.done():
+                fut.set_exception(CodecError(f"undecodable answer: {exc}"))
+            else:
+                log.warning("undecodable answer from %s: %s", self.endpoint, exc)
+            return
+        fut = pending.get(env.request_id)
+        if fut is None or fut.done():
+            return   # answer after a timeout: drop
+        if env.op == OP_REPLY:
+            fut.set_result(value)
+        elif not isinstance(value, ErrorReply):
+            fut.set_exception(CodecError(f"error answer without ErrorReply: {type(value).__name__}"))
+        elif env.op == OP_RAISED:
+            fut.set_exception(RemoteError(value.kind, value.message))
+        else:
+            fut.set_exception(RUNTIME_ERRORS.get(value.kind, ActorError)(value.message))
+
+    def close(self) -> None:
+        """Fail pending asks with ``ActorDead`` and close the socket; idempotent."""
+        if self._chan.closed:
+            return
+        self._chan.close()
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ActorDead(f"connection to {self.endpoint} closed"))
+
+
+def _expire(fut: asyncio.Future, target: str, endpoint: str, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(AskTimeout(f"ask to {target!r} at {endpoint} got no answer within {timeout:g} s"))
+
+
+class RemoteRef(ActorRef):
+    """Ref to an actor in another process, reached through a ``Peer``.
+
+    Same contract as a local ref, except that a remote ``tell`` returns once
+    ZeroMQ took the message (it cannot see the remote mailbox; a tell to a
+    stopped or unknown remote actor is logged there and dropped).  ``alive``
+    turns False after ``stop()``, after an ask answered ``ActorDead``, or when
+    the connection is closed.
+    """
+
+    def __init__(self, peer: Peer, name: str, stop_timeout: float = 10.0):
+        self.name = name
+        self._peer = peer
+        self._dead = False
+        self._stop_timeout = stop_timeout
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead and not self._peer.closed
+
+    def _check(self) -> None:
+        if not self.alive:
+            raise ActorDead(f"actor {self.name!r} at {self._peer.endpoint} is stopped")
+
+    async def tell(self, msg: Any) -> None:
+        self._check()
+        await self._peer.send(self.name, msg)
+
+    def tell_nowait(self, msg: Any) -> None:
+        self._check()
+        self._peer.send_nowait(self.name, msg)
+
+    async def ask(self, msg: Any, timeout: float = 10.0) -> Any:
+        self._check()
+        try:
+            return await self._peer.request(OP_ASK, self.name, msg, timeout)
+        except ActorDead:
+            self._dead = True
+            raise
+
+    async def stop(self) -> None:
+        """Ask the remote system to stop the actor; returns once it stopped
+        (or after ``stop_timeout`` when the peer does not answer)."""
+        if self._dead:
+            return
+        self._dead = True
+        try:
+            await self._peer.request(OP_STOP, self.name, Ok(), self._stop_timeout)
+        except (AskTimeout, ActorDead):
+            pass
