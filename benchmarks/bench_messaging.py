@@ -67,13 +67,12 @@ async def round_trips(ref, rounds: int) -> dict:
     return percentiles(samples)
 
 
-async def frame_throughput(ref, count: int) -> dict:
+async def frame_throughput(ref, count: int, window: int) -> dict:
     import torch
     tensor = torch.ones(FRAME_BYTES // 4)
     msg = BenchTensor(tensor)
     for _ in range(3):
         await ref.ask(msg, timeout=30)
-    window = 4   # asks in flight: sending overlaps with the receiver's decoding
     start = time.perf_counter()
     pending: set = set()
     for _ in range(count):
@@ -85,7 +84,7 @@ async def frame_throughput(ref, count: int) -> dict:
     for fut in pending:
         await fut
     seconds = time.perf_counter() - start
-    return {"frames": count, "frame_bytes": FRAME_BYTES, "seconds": round(seconds, 3),
+    return {"frames": count, "frame_bytes": FRAME_BYTES, "window": window, "seconds": round(seconds, 3),
             "gbps": round(count * FRAME_BYTES / seconds / 1e9, 3)}
 
 
@@ -109,7 +108,7 @@ async def run(args) -> dict:
             address = (await asyncio.to_thread(child.stdout.readline)).strip()
             remote = await system.remote_ref(address, "echo")
             results["cross_process"] = await round_trips(remote, args.rounds)
-            results["frames_64mib"] = await frame_throughput(remote, args.frames)
+            results["frames_64mib"] = await frame_throughput(remote, args.frames, args.window)
         finally:
             child.terminate()
             results["server_exit_code"] = await asyncio.to_thread(child.wait, 10)
@@ -139,6 +138,7 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help="run as the echo server (internal)")
     parser.add_argument("--rounds", type=int, default=5000)
     parser.add_argument("--frames", type=int, default=40)
+    parser.add_argument("--window", type=int, default=1, help="64 MiB asks in flight")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "messaging.json"))
     args = parser.parse_args()
     if args.serve:

@@ -84,7 +84,24 @@ def analyze(text: str) -> dict[str, KernelAccess]:
 def analyze_module(module: Module) -> dict[str, KernelAccess]:
     """Classify every kernel of a parsed module, in file order."""
     summaries = _summaries(module)
-    return {fn.name: _classify(fn, module, summaries) for fn in module.entries}
+    provs = {fn.name: Provenance(fn, module, summaries) for fn in module.entries}
+    written = _written_symbols(provs.values(), summaries.values())
+    return {fn.name: _classify(fn, provs[fn.name], written) for fn in module.entries}
+
+
+def _written_symbols(provs, summaries) -> set[str]:
+    """Module ``.global`` variables that some function of the module may write.
+
+    Reading a variable nobody writes (e.g. the ``__cudart_i2opi_f`` table that
+    ``sin`` uses) creates no dependency between kernels, so it is harmless.
+    """
+    out = set()
+    effects = [e for p in provs for e in ((s.access.kind, s.bases) for s in p.sites)]
+    effects += [(k, b) for s in summaries for k, _sp, b, _l in s.effects]
+    for kind, bases in effects:
+        if kind != "read":
+            out.update(o[1] for o in bases if o[0] == "S" and o[2] == "global")
+    return out
 
 
 def _callees(fn: Function) -> set[str]:
@@ -129,8 +146,7 @@ def _summaries(module: Module) -> dict[str, Summary]:
     return done
 
 
-def _classify(fn: Function, module: Module, summaries: dict[str, Summary]) -> KernelAccess:
-    prov = Provenance(fn, module, summaries)
+def _classify(fn: Function, prov: Provenance, written: set[str]) -> KernelAccess:
     effects = [(s.access.kind, s.access.space, s.bases, s.ins.line) for s in prov.sites]
     effects.extend(prov.call_effects())
     params = {p.name: p for p in fn.params}
@@ -160,7 +176,7 @@ def _classify(fn: Function, module: Module, summaries: dict[str, Summary]) -> Ke
                 reasons.append(f"line {line}: address loaded from memory")
             elif o == UNKNOWN:
                 reasons.append(f"line {line}: address from an opaque operation")
-            elif tag == "S" and o[2] == "global":
+            elif tag == "S" and o[2] == "global" and (acc != READ or o[1] in written):
                 reasons.append(f"line {line}: access to module variable {o[1]!r}")
         if not found and not reasons_cover(bases):
             if not bases:

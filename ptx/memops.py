@@ -20,7 +20,7 @@ _TYPE = re.compile(r"^(?:[bsuf]\d+|bf16|bf16x2|f16x2|pred)$")
 _LOCAL_SPACES = {"shared", "shared::cta", "shared::cluster", "local", "const", "param"}
 _NO_ACCESS = {"prefetch", "prefetchu", "applypriority", "fence", "membar", "bar", "barrier",
               "createpolicy", "isspacep", "mbarrier", "cp.async.bulk.prefetch",
-              "ldmatrix", "stmatrix", "wgmma", "tcgen05", "griddepcontrol", "elect"}
+              "ldmatrix", "stmatrix", "wgmma", "tcgen05", "griddepcontrol", "elect", "wmma"}
 _OPAQUE = {"suld", "sust", "sured", "tex", "tld4", "txq", "suq", "multimem", "tensormap"}
 
 
@@ -131,6 +131,12 @@ def accesses(ins: Instruction) -> list[MemAccess]:
         if op.startswith("cp.async"):
             size = _imm(ins.operands[2]) if len(ins.operands) > 2 else None
             return [MemAccess(1, "global", READ, size)]
+    if base == "wmma" and ("load" in mods or "store" in mods):
+        # a strided tile: the span depends on the runtime stride, so no width
+        space = _space(mods)
+        if "load" in mods:
+            return [MemAccess(1, space, READ, None)]
+        return [MemAccess(0, space, WRITE, None)]
     if base == "discard":
         return [MemAccess(0, _space(mods), WRITE, _imm(ins.operands[1]) if len(ins.operands) > 1 else None)]
     if base in _NO_ACCESS or op.startswith("cp.async.bulk.prefetch"):

@@ -17,7 +17,7 @@ from .errors import PtxParseError
 from .model import Directive, Function, Instruction, Label, Module, Param, Symbol, type_bytes
 
 _LINE_DIRECTIVE = re.compile(r"^[ \t]*\.(version|target|address_size|loc|file)\b[^\n]*", re.M)
-_SECTION = re.compile(r"^[ \t]*\.section\b[^\n]*\n\s*\{.*?\n[ \t]*\}", re.S | re.M)
+_SECTION = re.compile(r"^[ \t]*\.section\b[^\n{]*\s*\{[^}]*\}", re.M)
 _LINE_COMMENT = re.compile(r"//[^\n]*")
 _BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _LABEL = re.compile(r"([A-Za-z_$%][\w$]*)[ \t]*:(?!:)")
@@ -83,6 +83,9 @@ class _Parser:
             line = text.count("\n", 0, first.start()) + 1 if first else 1
             raise PtxParseError("not PTX: expected a '.version' directive before any other statement", line)
         vline = heads["version"][1]
+        for kind, (_, kline) in heads.items():
+            if kline < vline:
+                raise PtxParseError(f"not PTX: '.{kind}' before the '.version' directive", kline)
         if first is not None:
             fline = text.count("\n", 0, first.start()) + 1
             if fline < vline:

@@ -31,12 +31,16 @@ class ParamRanges:
     """Byte ranges ``[start, end)`` relative to the parameter's base address.
 
     ``read``/``write`` are the hulls over all sites that hit the buffer;
-    ``sites`` lists the contributing site indices.
+    ``sites`` lists the contributing site indices. ``exact`` is False when
+    a contributing site has no static width (e.g. a strided WMMA tile): the
+    range then covers only the first byte of each access at the extremes and
+    is a lower bound.
     """
 
     read: tuple[int, int] | None = None
     write: tuple[int, int] | None = None
     sites: list[int] = field(default_factory=list)
+    exact: bool = True
 
     @property
     def access(self) -> str:
@@ -78,6 +82,7 @@ def param_ranges(sites: list[SiteInfo], slots: list[tuple[int, int] | None],
                 if site.kind in ("write", "readwrite"):
                     r.write = _hull(r.write, span)
                 r.sites.append(site.index)
+                r.exact &= site.width is not None
         if not hit:
             stray.append(site.index)
     return out, stray

@@ -12,7 +12,8 @@ files map one to one). For every Triton kernel that ran we record:
 * the PTX text (from the Triton cache dir, matched by kernel name and
   num_warps of the launch),
 * ground truth from inductor's own metadata: ``triton_meta['signature']``
-  names (``in_ptrN`` read, ``out_ptrN`` write, ``in_out_ptrN`` read-write),
+  names (``in_ptrN`` read, ``out_ptrN`` write, ``in_out_ptrN`` written, and
+  read when the source loads it: a reduction may only overwrite it),
   ``inductor_meta['mutated_arg_names']`` (write), and the kernel's Triton
   source (``tl.load(name`` read, ``tl.store(name`` write, ``tl.atomic_*(name``
   read-write); the union is the truth,
@@ -208,7 +209,9 @@ def _truth_for(name: str, ptype: str, mutated: set, src: str) -> str:
     read = write = False
     m = ROLE.match(name)
     if m:
-        read = m.group(1) in ("in_ptr", "in_out_ptr")
+        # in_out_ptr names a reused buffer: written for sure, read only if the
+        # source loads it (a reduction may just overwrite it)
+        read = m.group(1) == "in_ptr"
         write = m.group(1) in ("out_ptr", "in_out_ptr")
     if name in mutated:
         write = True
@@ -254,7 +257,9 @@ def worker(case_name: str, out_path: str) -> None:
         fn = getattr(self, "fn", None)
         name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
         if name not in records:
-            records[name] = {"tuner": self, "args": [_describe(a) for a in args]}
+            arg_names = list(getattr(fn, "arg_names", []) or [])[:len(args)]
+            records[name] = {"tuner": self, "args": [dict(_describe(a), name=arg_names[i] if i < len(arg_names) else None)
+                                                     for i, a in enumerate(args)]}
         return orig_run(self, *args, **kwargs)
 
     th.CachingAutotuner.run = run
@@ -276,7 +281,8 @@ def worker(case_name: str, out_path: str) -> None:
                 launches[ev["name"]] = {"grid": a.get("grid"), "block": a.get("block"),
                                         "shared": a.get("shared memory", 0)}
     ptx_files: dict[str, list[str]] = {}
-    for path in glob.glob(os.path.join(os.environ["TRITON_CACHE_DIR"], "**", "*.ptx"), recursive=True):
+    # inductor redirects Triton's cache under its own cache dir: search both
+    for path in glob.glob(os.path.join(os.environ["TESSERA_TMP"], "**", "*.ptx"), recursive=True):
         with open(path) as fh:
             text = fh.read()
         entry = _ptx_entry(text)
@@ -371,10 +377,15 @@ def unpack(bundle: str, dest: str) -> int:
         if not fx.get("ptx"):
             continue
         fname = f"{key}.ptx"
+        if fx.get("source"):
+            fx["access"] = [_truth_for(n, t, set(fx.get("mutated_arg_names", [])), fx["source"])
+                            for n, t in zip(fx["names"], fx["types"])]
         with open(os.path.join(dest, fname), "w") as fh:
             fh.write(fx["ptx"])
         truth[fname] = {k: fx[k] for k in ("kernel", "case", "names", "types", "access",
                                            "mutated_arg_names", "launch", "args", "meta")}
+        with open(os.path.join(dest, f"{key}.triton_src"), "w") as fh:
+            fh.write(fx.get("source") or "")
     with open(os.path.join(dest, "truth.json"), "w") as fh:
         json.dump(truth, fh, indent=1, sort_keys=True)
     print(f"unpacked {len(truth)} fixtures into {dest}")

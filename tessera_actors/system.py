@@ -16,6 +16,7 @@ from tessera_actors.actor import Actor, ActorRef, LocalRef
 from tessera_actors.errors import ActorError, NameTaken, NoSuchActor
 
 log = logging.getLogger("tessera_actors.system")
+_ANSWER_FLUSH_SECONDS = 0.02
 
 
 class ActorSystem:
@@ -105,6 +106,9 @@ class ActorSystem:
         if refs:
             await asyncio.gather(*(ref.stop() for ref in refs), return_exceptions=True)
         if self._server is not None:
+            # let the ActorDead answers of remote asks reach the wire before linger-0 close
+            await asyncio.sleep(0)
+            await asyncio.sleep(_ANSWER_FLUSH_SECONDS)
             self._server.close()
         for peer in self._peers.values():
             peer.close()

@@ -149,11 +149,12 @@ def test_nested_messages_tuples_and_reply_values():
 
 
 def test_unknown_fields_ignored_and_missing_fields_defaulted():
-    body = msgpack.packb([0, 0, "", msgpack.ExtType(1, msgpack.packb(
-        ["CodecSample", {"blob": b"x", "added_by_a_newer_peer": 1}], use_bin_type=True))],
-        use_bin_type=True)
+    body = msgpack.packb([0, 0, "", "CodecSample", {"blob": b"x", "added_by_a_newer_peer": 1}],
+                         use_bin_type=True)
     _, msg = decode([codec.HEADER_BYTES, body])
-    assert msg == CodecSample(blob=b"x") or deep_equal(msg, CodecSample(blob=b"x"))
+    assert deep_equal(msg, CodecSample(blob=b"x"))
+    nested = msgpack.packb([0, 0, "", None, msgpack.ExtType(1, msgpack.packb(["Ping", {"extra": 1}]))])
+    assert decode([codec.HEADER_BYTES, nested])[1] == Ping()
 
 
 def test_codec_does_not_import_torch():
@@ -181,15 +182,18 @@ def _ask_frames(msg=Ping(b"x")):
     [b"TSRA\x63\x00", _ask_frames()[1]],                       # future protocol version
     [codec.HEADER_BYTES, b"\xc1\xc1\xc1"],                     # not msgpack
     [codec.HEADER_BYTES, msgpack.packb([1, 2])],               # wrong body shape
+    [codec.HEADER_BYTES, msgpack.packb(["x", 1, 2, None, 1])], # wrong envelope types
+    [codec.HEADER_BYTES, msgpack.packb([1, 1, "t", "Ping", [1]])],  # fields not a map
     [codec.HEADER_BYTES, _ask_frames()[1], b"extra"],          # tensor frame without flag
-], ids=["empty", "one_frame", "zero_header", "magic", "version", "body", "body_shape", "stray_frame"])
+], ids=["empty", "one_frame", "zero_header", "magic", "version", "body", "body_shape", "envelope",
+     "fields", "stray_frame"])
 def test_malformed_frames_raise_codec_error(frames):
     with pytest.raises(CodecError):
         decode(frames)
 
 
 def test_unknown_kind_keeps_envelope_readable():
-    body = msgpack.packb([OP_ASK, 9, "t", msgpack.ExtType(1, msgpack.packb(["NoSuchKind", {}]))])
+    body = msgpack.packb([OP_ASK, 9, "t", "NoSuchKind", {}])
     frames = [codec.HEADER_BYTES, body]
     with pytest.raises(CodecError, match="NoSuchKind"):
         decode(frames)
@@ -213,7 +217,7 @@ def test_size_limits():
 
 
 def test_required_field_missing_is_codec_error():
-    body = msgpack.packb([0, 0, "", msgpack.ExtType(1, msgpack.packb(["ErrorReply", {"kind": "x"}]))])
+    body = msgpack.packb([0, 0, "", "ErrorReply", {"kind": "x"}])
     with pytest.raises(CodecError, match="ErrorReply"):
         decode([codec.HEADER_BYTES, body])
     assert decode(encode(ErrorReply("k", "m")))[1] == ErrorReply("k", "m")

@@ -160,6 +160,47 @@ async def test_client_shutdown_fails_pending_remote_asks(pair):
         await pending
 
 
+async def test_server_shutdown_answers_pending_remote_asks_with_actor_dead(pair):
+    server, client, address = pair
+    ref = await client.remote_ref(address, "summer")
+    pending = asyncio.ensure_future(ref.ask(RemoteSleep(10), timeout=5))
+    await asyncio.sleep(0.05)
+    await server.shutdown()
+    with pytest.raises(ActorDead):
+        await asyncio.wait_for(pending, 2)
+
+
+@message
+class RemoteCount:
+    n: int = 0
+
+
+class SlowCounter(Actor):
+    mailbox_size = 2
+
+    async def on_start(self):
+        self.seen = []
+
+    @handler(RemoteCount)
+    async def count(self, msg):
+        await asyncio.sleep(0.001)
+        self.seen.append(msg.n)
+
+    @handler(RemoteSleep)
+    def report(self, msg):
+        return self.seen
+
+
+async def test_remote_tells_to_full_mailbox_are_delivered_in_order(pair):
+    server, client, address = pair
+    await server.spawn(SlowCounter(), "slow")
+    ref = await client.remote_ref(address, "slow")
+    for n in range(50):
+        await ref.tell(RemoteCount(n))
+    assert await ref.ask(RemoteSleep()) == list(range(50))
+    assert await (await client.remote_ref(address, "summer")).ask(Ping()) == Pong()
+
+
 async def test_malformed_frames_over_the_wire(pair, caplog):
     server, client, address = pair
     ctx = zmq.asyncio.Context()
@@ -169,7 +210,7 @@ async def test_malformed_frames_over_the_wire(pair, caplog):
     try:
         await sock.send_multipart([b"garbage"])                               # unreadable: logged only
         await sock.send_multipart([b"TSRA\x07\x00", b"\x90"])                 # wrong version
-        body = msgpack.packb([OP_ASK, 5, "summer", msgpack.ExtType(1, msgpack.packb(["Nope", {}]))])
+        body = msgpack.packb([OP_ASK, 5, "summer", "Nope", {}])
         await sock.send_multipart([codec.HEADER_BYTES, body])                 # unknown kind, readable envelope
         env, reply = codec.decode(await asyncio.wait_for(sock.recv_multipart(), 2))
         assert env == Envelope(OP_FAILED, 5, "") and reply.kind == "CodecError" and "Nope" in reply.message
@@ -185,6 +226,28 @@ async def test_malformed_frames_over_the_wire(pair, caplog):
         sock.close()
         ctx.term()
     assert "undecodable request" in caplog.text
+
+
+def test_local_and_remote_under_uvloop():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario():
+        async with ActorSystem("server") as server, ActorSystem("client") as client:
+            local = await server.spawn(Summer(), "summer")
+            remote = await client.remote_ref(await server.listen(), "summer")
+            for ref in (local, remote):
+                assert (await ref.ask(RemoteSum(torch.ones(3, dtype=torch.bfloat16)))).total == 3.0
+                with pytest.raises(RemoteError):
+                    await ref.ask(RemoteFail("x"))
+                with pytest.raises(AskTimeout):
+                    await ref.ask(RemoteSleep(0.2), timeout=0.02)
+            pending = asyncio.ensure_future(remote.ask(RemoteSleep(10)))
+            await asyncio.sleep(0.05)
+            await local.stop()
+            with pytest.raises(ActorDead):
+                await pending
+
+    uvloop.run(scenario())
 
 
 CHILD = textwrap.dedent("""

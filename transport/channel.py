@@ -8,8 +8,9 @@ with ``add_reader`` (asyncio, uvloop).
 
 Contract: every method is non-blocking and must be called from the loop's
 thread.  ``send`` sends now or queues in order (returning a future that
-resolves when the queued frames were handed to ZeroMQ); frames are sent with
-``copy=False``, so their buffers must stay unchanged until delivered.
+resolves when the queued frames were handed to ZeroMQ); large memoryview
+frames (tensors) are sent zero-copy, so their buffers must stay unchanged
+until delivered.
 ``pause``/``resume`` stop and restart delivery of received messages
 (backpressure).  The ZeroMQ FD is edge-like: readiness is re-checked after
 every send, as ZeroMQ requires.
@@ -25,8 +26,21 @@ import zmq
 
 log = logging.getLogger("tessera_actors.transport")
 
-_POLLIN, _POLLOUT, _NOBLOCK = zmq.POLLIN, zmq.POLLOUT, zmq.NOBLOCK
+# plain ints: pyzmq's flag enums cost microseconds per operation on the hot path
+_POLLIN, _POLLOUT, _EVENTS = int(zmq.POLLIN), int(zmq.POLLOUT), int(zmq.EVENTS)
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 _BATCH = 64   # messages delivered per wake-up before yielding to other callbacks
+# below this size a frame is copied into ZeroMQ: cheaper than zero-copy bookkeeping
+ZERO_COPY_MIN = 64 * 1024
+
+
+def _send_multipart(sock: zmq.Socket, frames: list) -> None:
+    """Send one multipart message without blocking; zmq.Again only before
+    the first part (ZeroMQ queues multipart messages atomically)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        big = type(frame) is memoryview and frame.nbytes >= ZERO_COPY_MIN
+        sock.send(frame, _NOBLOCK if i == last else _NOBLOCK_MORE, copy=not big)
 
 
 class Channel:
@@ -48,11 +62,14 @@ class Channel:
         (cancel it to drop the message).  Raises ``zmq.ZMQError`` if closed."""
         if self._outbox:
             return self._enqueue(frames)
+        sock = self._sock
         try:
-            self._sock.send_multipart(frames, _NOBLOCK, copy=False)
+            _send_multipart(sock, frames)
         except zmq.Again:
             return self._enqueue(frames)
-        self._schedule_check()
+        # sending may consume the FD's edge for messages that arrived meanwhile
+        if sock.getsockopt(_EVENTS) & _POLLIN:
+            self._schedule_check()
         return None
 
     def _enqueue(self, frames: list) -> asyncio.Future:
@@ -81,7 +98,7 @@ class Channel:
         sock = self._sock
         try:
             for _ in range(_BATCH):
-                events = sock.getsockopt(zmq.EVENTS)
+                events = sock.getsockopt(_EVENTS)
                 if events & _POLLOUT and self._outbox:
                     self._flush()
                 if not events & _POLLIN or self._paused:
@@ -108,7 +125,7 @@ class Channel:
                 outbox.popleft()
                 continue
             try:
-                self._sock.send_multipart(frames, _NOBLOCK, copy=False)
+                _send_multipart(self._sock, frames)
             except zmq.Again:
                 return
             outbox.popleft()

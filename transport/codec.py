@@ -3,7 +3,7 @@
 Frames of one encoded message::
 
     0: header  b"TSRA" + protocol version (u8) + flags (u8)
-    1: body    msgpack [op, request_id, target, value]
+    1: body    msgpack [op, request_id, target, kind, fields]
     2..: raw tensor bytes, one frame per tensor, referenced from the body
 
 ``value`` is usually a registered message (see ``tessera_actors.messages``) but
@@ -24,8 +24,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import msgpack
 
@@ -49,8 +48,7 @@ _EXT_MESSAGE, _EXT_TENSOR, _EXT_TUPLE = 1, 2, 3
 _LIB_TORCH, _LIB_NUMPY = 0, 1
 
 
-@dataclass(frozen=True, slots=True)
-class Envelope:
+class Envelope(NamedTuple):
     """Routing info travelling with a message.
 
     ``op``: OP_TELL / OP_ASK / OP_STOP (requests), OP_REPLY / OP_RAISED /
@@ -62,12 +60,16 @@ class Envelope:
     target: str = ""
 
 
-def encode(msg: Any, envelope: Envelope | None = None) -> list:
+_TELL = Envelope(OP_TELL)
+
+
+def encode(msg: Any, envelope: Envelope = _TELL) -> list:
     """Encode ``msg`` into frames (``bytes`` / ``memoryview``); non-blocking.
 
+    Body: ``[op, request_id, target, kind, fields]`` for a registered message,
+    ``[op, request_id, target, None, value]`` for any other value.
     Raises ``CodecError`` for values the wire cannot carry.
     """
-    env = envelope or Envelope(OP_TELL)
     tensors: list = []
 
     def default(obj):
@@ -92,16 +94,21 @@ def encode(msg: Any, envelope: Envelope | None = None) -> list:
                 return plain(obj)
         raise CodecError(f"cannot encode value of type {type(obj).__qualname__}")
 
+    op, request_id, target = envelope
+    names = _messages._FIELD_NAMES.get(type(msg))
+    if names is not None:
+        body = [op, request_id, target, msg.__wire_kind__, {f: getattr(msg, f) for f in names}]
+    else:
+        body = [op, request_id, target, None, msg]
     try:
-        body = msgpack.packb([env.op, env.request_id, env.target, msg],
-                             default=default, use_bin_type=True, strict_types=True)
+        packed = msgpack.packb(body, default=default, use_bin_type=True, strict_types=True)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError(f"cannot encode {type(msg).__qualname__}: {exc}") from exc
     if not tensors:
-        return [HEADER_BYTES, body]
-    return [_HEADER_WITH_TENSORS, body, *tensors]
+        return [HEADER_BYTES, packed]
+    return [_HEADER_WITH_TENSORS, packed, *tensors]
 
 
 def _tensor_ext(frame_info, tensors: list):
@@ -156,9 +163,13 @@ def decode(frames: Sequence, *, max_frame: int = DEFAULT_MAX_FRAME,
         raise CodecError(f"unknown ext type {code}")
 
     try:
-        op, request_id, target, value = msgpack.unpackb(
+        op, request_id, target, kind, value = msgpack.unpackb(
             body, ext_hook=ext_hook, raw=False, strict_map_key=False)
-        env = Envelope(int(op), int(request_id), str(target))
+        if type(op) is not int or type(request_id) is not int or type(target) is not str:
+            raise CodecError(f"malformed envelope {op!r}, {request_id!r}, {target!r}")
+        if kind is not None:
+            value = _build_message(kind, value)
+        env = Envelope(op, request_id, target)
     except CodecError:
         raise
     except Exception as exc:  # msgpack raises many types on garbage
@@ -179,7 +190,7 @@ def decode_envelope(frames: Sequence) -> Envelope | None:
             return None
         unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(bufs[1]) or 1)
         unpacker.feed(bufs[1])
-        if unpacker.read_array_header() < 3:
+        if unpacker.read_array_header() < 4:
             return None
         op, request_id, target = unpacker.unpack(), unpacker.unpack(), unpacker.unpack()
         return Envelope(int(op), int(request_id), str(target))
@@ -220,10 +231,10 @@ def _build_message(kind, fields):
     if not isinstance(fields, dict):
         raise CodecError(f"fields of {kind} are not a map")
     names = _messages._FIELD_NAMES[cls]
-    known = {k: v for k, v in fields.items() if k in names} if len(fields) != len(names) or any(
-        k not in names for k in fields) else fields
+    if len(fields) != len(names) or not all(k in fields for k in names):
+        fields = {k: v for k, v in fields.items() if k in names}   # newer or older peer
     try:
-        return cls(**known)
+        return cls(**fields)
     except TypeError as exc:
         raise CodecError(f"cannot build {kind}: {exc}") from exc
 

@@ -31,15 +31,22 @@ def resolve_op(name: str):
 
 class AtenProgram:
     def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
-                 memory_limit: int | None = None) -> None:
+                 memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None) -> None:
+        """Allocate the buffers ``buffer_ids`` on ``device``; those found in
+        ``shared`` (e.g. weights shared by several micro-batch programs) are
+        used as they are, not allocated or counted."""
         self.graph = graph
         self.device = device
+        shared = shared or {}
         ids = sorted(set(buffer_ids))
-        need = sum(graph.buffers[b].nbytes for b in ids)
+        own = [b for b in ids if b not in shared]
+        need = sum(graph.buffers[b].nbytes for b in own)
         if memory_limit is not None and need > memory_limit:
-            raise BackendError(f"{device}: plan needs {need} bytes of buffers, budget is {memory_limit}")
-        self.arena: dict[int, torch.Tensor] = {
-            b: torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, device=device) for b in ids}
+            raise BackendError(f"{device}: plan needs {need} bytes of buffers, budget is {memory_limit} "
+                               f"(short by {need - memory_limit})")
+        self.arena: dict[int, torch.Tensor] = {b: shared[b] for b in ids if b in shared}
+        for b in own:
+            self.arena[b] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, device=device)
         self.nbytes = need
         self._bound: dict[int, Callable[[], None]] = {}
 

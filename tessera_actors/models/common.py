@@ -167,12 +167,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
-    """Softmax over the last dim in float32 with ``mask`` (True = keep)."""
-    scores = scores.float().masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1)
-
-
 class SwiGLU(nn.Module):
     """Llama feed-forward: down(silu(gate(x)) * up(x))."""
 

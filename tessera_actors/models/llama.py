@@ -11,9 +11,8 @@ give the same cache and the same last logits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 
 from .attention import CachedAttention

@@ -15,10 +15,10 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from .common import cast_model
 from .llama import Llama, LlamaConfig
+from .gguf_file import GGUFFile
 from .tokenizer import BPETokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,17 +35,12 @@ def gguf_path() -> str:
 
 
 @lru_cache(maxsize=1)
-def _reader():
-    import gguf  # noqa: PLC0415 - optional dependency
-    return gguf.GGUFReader(gguf_path())
+def _reader() -> GGUFFile:
+    return GGUFFile(gguf_path())
 
 
 def _tensor(name: str) -> np.ndarray:
-    from gguf.quants import dequantize  # noqa: PLC0415
-    for t in _reader().tensors:
-        if t.name == name:
-            return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-    raise KeyError(f"tensor {name!r} not in {GGUF_NAME}")
+    return _reader().tensor(name)
 
 
 # our parameter name within a layer -> llama.cpp tensor name within blk.{i}
@@ -74,7 +69,8 @@ def load_smollm2(size: str = "real", dtype: torch.dtype = torch.float32,
     elif size not in ("real", "smollm2_135m"):
         raise ValueError(f"unknown size {size!r} for 'smollm2'; use 'tiny', 'real' or 'smollm2_135m'")
     cfg = LlamaConfig.smollm2_135m(**overrides)
-    gguf_path()  # fail early and clearly when the package is missing
+    if not cfg.tie_embeddings:
+        raise ValueError("SmolLM2 ties its embeddings; tie_embeddings=False is not supported")
     with torch.device("meta" if str(device) == "meta" else "cpu"):
         model = Llama(cfg)
     if str(device) != "meta":
@@ -89,8 +85,6 @@ def load_smollm2(size: str = "real", dtype: torch.dtype = torch.float32,
                     w = _unpermute(w, cfg.n_kv_heads)
                 weights[f"decoder.layers.{i}.{ours}"] = w
         state = {k: torch.from_numpy(v) for k, v in weights.items()}
-        if not cfg.tie_embeddings:
-            raise ValueError("SmolLM2 ties its embeddings; tie_embeddings=False is not supported")
         state["decoder.lm_head.weight"] = state["decoder.embed.weight"]
         model.load_state_dict(state, strict=True)
         model = model.to(device)
@@ -102,11 +96,10 @@ def load_smollm2(size: str = "real", dtype: torch.dtype = torch.float32,
 @lru_cache(maxsize=1)
 def load_tokenizer() -> BPETokenizer:
     """The SmolLM2 tokenizer from the GGUF vocabulary (control tokens special)."""
-    fields = _reader().fields
-    tokens = fields["tokenizer.ggml.tokens"].contents()
-    types = fields["tokenizer.ggml.token_type"].contents()
-    special = [tok for tok, kind in zip(tokens, types) if kind == 3]
-    return BPETokenizer(tokens, fields["tokenizer.ggml.merges"].contents(), special)
+    meta = _reader().metadata
+    tokens = meta["tokenizer.ggml.tokens"]
+    special = [tok for tok, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == 3]
+    return BPETokenizer(tokens, meta["tokenizer.ggml.merges"], special)
 
 
 def chat_prompt(user: str, system: str = SYSTEM_PROMPT) -> str:
@@ -147,7 +140,3 @@ def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int = 32,
         pos += 1
     return out
 
-
-def encode_tensor(text: str, device: str | torch.device = "cpu") -> Tensor:
-    """Convenience: ``[1, T]`` int64 ids of ``text``."""
-    return torch.tensor([load_tokenizer().encode(text)], dtype=torch.int64, device=device)

@@ -93,9 +93,12 @@ def default_link(a: DeviceSpec, b: DeviceSpec) -> tuple[float, float]:
 
 
 def kernel_bytes(graph: KernelGraph, k: int) -> float:
-    """The kernel's ``bytes`` feature, or the sum of its access ranges."""
+    """The kernel's ``bytes`` feature, or the bytes of its access ranges
+    (a read-modify-write range counts twice)."""
     kern = graph.kernels[k]
-    return kern.bytes if kern.bytes > 0 else float(sum(a.nbytes for a in kern.accesses))
+    if kern.bytes > 0:
+        return kern.bytes
+    return float(sum(a.nbytes * (a.reads + a.writes) for a in kern.accesses))
 
 
 @dataclass

@@ -11,7 +11,9 @@ and every memory-limited device ``y[m,d] >= x[c,d]`` ("``d`` holds it").
 with, per device, compute ``sum_c cost[c,d] x[c,d] <= T``, egress
 ``sum_g out_d(g) s[g,d] <= T`` and ingress ``sum_g in_d(g) r[g,d] <= T``
 (compute and each link direction are separate resources, as in the
-simulator); ``out_d(g) = count_g * latency + bytes_g / bandwidth`` using
+simulator), and ``latency / inflight <= T`` (with ``inflight`` micro-batches
+in flight a pipeline delivers at most inflight / latency, latency as in the
+latency plan below); ``out_d(g) = count_g * latency + bytes_g / bandwidth`` using
 the mean over ``d``'s links (exact for two devices).  A 1e-3 weight on
 total communication breaks ties towards fewer transfers.  Identical devices
 get ordered loads (symmetry breaking).
@@ -45,7 +47,6 @@ from .coarsen import Problem
 from .costs import CostTable
 
 _US = 1e6          # seconds -> microseconds (keeps HiGHS numerics sane)
-_GIB = 2.0 ** 30
 
 
 @dataclass
@@ -107,7 +108,8 @@ def _identical_pairs(costs: CostTable, prob: Problem) -> list[tuple[int, int]]:
 
 
 def solve(prob: Problem, costs: CostTable, mode: str, *, time_limit_s: float = 30.0,
-          mip_rel_gap: float = 0.005, slack: bool = False, verbose: bool = False) -> Solution:
+          mip_rel_gap: float = 0.005, inflight: int = 8, slack: bool = False,
+          verbose: bool = False) -> Solution:
     """Solve the placement MILP (see module docstring). With ``slack`` the
     memory rows get a per-device slack variable and the objective is the
     total slack (used to explain infeasibility); ``Solution.objective_s``
@@ -134,6 +136,7 @@ def solve(prob: Problem, costs: CostTable, mode: str, *, time_limit_s: float = 3
     cost = prob.cost * _US
 
     obj = np.zeros(nvars)
+    slack_scale = 1.0
     rows = _Rows()
     for c in range(C):
         rows.add([ix(c, d) for d in range(D)], [1.0] * D, 1.0, 1.0)
@@ -155,6 +158,14 @@ def solve(prob: Problem, costs: CostTable, mode: str, *, time_limit_s: float = 3
             for d in range(D):
                 obj[base_s + gi * D + d] = 1e-3 * out_c[gi, d]
                 obj[base_r + gi * D + d] = 1e-3 * in_c[gi, d]
+        # Pipeline depth: with ``inflight`` micro-batches in flight the
+        # throughput is at most inflight / latency, so T >= latency / inflight
+        # (latency as in the latency plan: serial compute plus transfers).
+        lat_cols = [ix(c, d) for c in range(C) for d in range(D)] + \
+            [base_r + gi * D + d for gi in range(G) for d in range(D)]
+        lat_vals = [cost[c, d] / inflight for c in range(C) for d in range(D)] + \
+            [in_c[gi, d] / inflight for gi in range(G) for d in range(D)]
+        rows.add(lat_cols + [t_col], lat_vals + [-1.0], -np.inf, 0.0)
         for d, e in _identical_pairs(costs, prob):
             w = cost[:, d]
             rows.add([ix(c, d) for c in range(C)] + [ix(c, e) for c in range(C)], list(w) + list(-w), 0.0, np.inf)
@@ -171,14 +182,20 @@ def solve(prob: Problem, costs: CostTable, mode: str, *, time_limit_s: float = 3
                 rows.add([base_y + m * len(capped) + ycol[d], ix(c, d)], [1.0, -1.0], 0.0, np.inf)
     for d in capped:
         cols = [ix(c, d) for c in range(C)] + [base_y + m * len(capped) + ycol[d] for m in range(M)]
-        vals = list(prob.class_mem / _GIB) + [g.nbytes / _GIB for g in prob.mem_groups]
+        # Each memory row is scaled by its budget (right-hand side 1), so
+        # kilobyte and terabyte budgets are equally well conditioned.
+        cap = max(float(costs.mem[d]), 1.0)
+        vals = list(prob.class_mem / cap) + [g.nbytes / cap for g in prob.mem_groups]
         if slack:
             cols.append(base_sl + ycol[d])
             vals.append(-1.0)
-        rows.add(cols, vals, -np.inf, costs.mem[d] / _GIB)
+            obj[base_sl + ycol[d]] = cap
+        rows.add(cols, vals, -np.inf, 1.0)
     if slack:
+        keep = obj[base_sl:].copy()
         obj[:] = 0.0
-        obj[base_sl:] = 1.0
+        obj[base_sl:] = keep / max(keep.max(), 1.0)   # minimise total bytes short
+        slack_scale = max(keep.max(), 1.0)
     integrality = np.zeros(nvars)
     integrality[:nx] = 1
     lb, ub = np.zeros(nvars), np.ones(nvars)
@@ -196,7 +213,7 @@ def solve(prob: Problem, costs: CostTable, mode: str, *, time_limit_s: float = 3
         raise PlanError(f"MILP solver failed: {res.message}")
     xs = res.x[:nx].reshape(C, D)
     class_device = [int(np.argmax(xs[c])) for c in range(C)]
-    scale = _GIB if slack else 1 / _US
+    scale = slack_scale if slack else 1 / _US
     return Solution(class_device, float(res.fun) * scale,
                     float(res.mip_dual_bound if res.mip_dual_bound is not None else res.fun) * scale,
                     float(res.mip_gap or 0.0), "optimal" if res.status == 0 else "time_limit",

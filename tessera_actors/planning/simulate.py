@@ -58,125 +58,115 @@ def segment_times(plan: Plan, costs: CostTable) -> list[float]:
 def run_programs(plan: Plan, costs: CostTable, items: int, inflight: int,
                  record: bool = False) -> tuple[list[float], list[float], list[float], list[Event]]:
     """Simulate ``items`` micro-batches; returns (start, finish) time per item,
-    per-device busy seconds and, with ``record``, the events."""
+    per-device busy seconds and, with ``record``, the events.  Micro-batches
+    are admitted in order."""
     if inflight < 1:
         raise PlanError(f"inflight must be >= 1, got {inflight}")
     ndev = len(plan.devices)
     seg_t = segment_times(plan, costs)
-    xfer = {t.tag: t for t in plan.transfers}
-    progs = plan.programs
+    xfer = {t.tag: (t.src, t.dst, costs.comm_s(t.src, t.dst, t.nbytes)) for t in plan.transfers}
+    progs = [[(st.op, st.ref) for st in prog] for prog in plan.programs]
+    plen = [len(p) for p in progs]
     ptr = [[0] * items for _ in range(ndev)]
-    started = [False] * items
     start = [0.0] * items
     finish = [-1.0] * items
-    done_devs = [0] * items
+    left = [sum(1 for d in range(ndev) if plen[d]) for _ in range(items)]
     arrived: set[tuple[int, int]] = set()
-    dev_busy_until = [0.0] * ndev
-    dev_running = [False] * ndev
+    running = [0] * ndev          # 1 + the micro-batch whose segment runs; 0: idle
+    ready: list[list[int]] = [[] for _ in range(ndev)]      # heaps of items whose next step is a run
+    queued = [[False] * items for _ in range(ndev)]
     busy = [0.0] * ndev
-    link_free: dict[tuple[int, int], bool] = {}
-    link_queue: dict[tuple[int, int], list[tuple[int, float, int]]] = {}
+    link_busy: dict[tuple[int, int], bool] = {}
+    link_queue: dict[tuple[int, int], list[tuple[int, int]]] = {}
     events: list[Event] = []
-    heap: list[tuple[float, int, str, tuple]] = []
+    heap: list[tuple[float, int, int, int, int]] = []      # (time, seq, kind 0=done 1=arrive, a, b)
     seq = 0
+    admitted = 0
 
-    def push(t: float, kind: str, data: tuple) -> None:
+    def push(t: float, kind: int, a: int, b: int) -> None:
         nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, data))
+        heapq.heappush(heap, (t, seq, kind, a, b))
         seq += 1
-
-    def admit(now: float) -> None:
-        for i in range(items):
-            if not started[i] and (i < inflight or finish[i - inflight] >= 0):
-                started[i] = True
-                start[i] = now
-                for d in range(ndev):
-                    if not progs[d]:
-                        done_devs[i] += 1
-                if done_devs[i] == ndev:
-                    finish[i] = now
 
     def start_link(key: tuple[int, int], now: float) -> None:
         q = link_queue.get(key)
-        if not q or not link_free.get(key, True):
+        if not q or link_busy.get(key):
             return
-        item, _, tag = heapq.heappop(q)
-        t = xfer[tag]
-        dur = costs.comm_s(t.src, t.dst, t.nbytes)
-        link_free[key] = False
-        push(now + dur, "arrive", (item, tag, key))
+        item, tag = heapq.heappop(q)
+        dur = xfer[tag][2]
+        link_busy[key] = True
+        push(now + dur, 1, item, tag)
         if record:
-            events.append(Event(f"{plan.devices[t.src]}->{plan.devices[t.dst]}", "xfer", item, now, now + dur, tag))
+            events.append(Event(f"{plan.devices[key[0]]}->{plan.devices[key[1]]}", "xfer", item, now, now + dur, tag))
 
-    def advance(d: int, now: float) -> bool:
-        """Zero-time steps of every micro-batch on device d, then maybe start
-        a run; True when a micro-batch finished (admission may follow)."""
-        admitted = False
-        prog = progs[d]
-        while lo[d] < items and (d, lo[d]) in finished_on:
-            lo[d] += 1
-        for i in range(lo[d], items):
-            if not started[i]:
-                continue
-            while ptr[d][i] < len(prog):
-                st = prog[ptr[d][i]]
-                if st.op == "send":
-                    t = xfer[st.ref]
-                    key = (t.src, t.dst)
-                    heapq.heappush(link_queue.setdefault(key, []), (i, now, st.ref))
-                    start_link(key, now)
-                elif st.op == "recv":
-                    if (i, st.ref) not in arrived:
-                        break
-                else:
-                    break
-                ptr[d][i] += 1
-            if ptr[d][i] == len(prog) and prog and (d, i) not in finished_on:
-                finished_on.add((d, i))
-                done_devs[i] += 1
-                if done_devs[i] == ndev:
-                    finish[i] = now
-                    admit(now)
-                    admitted = True
-        if not dev_running[d]:
-            for i in range(lo[d], items):
-                if started[i] and ptr[d][i] < len(prog) and prog[ptr[d][i]].op == "run":
-                    sid = prog[ptr[d][i]].ref
-                    dur = seg_t[sid]
-                    dev_running[d] = True
-                    busy[d] += dur
-                    push(now + dur, "done", (d, i))
-                    if record:
-                        events.append(Event(plan.devices[d], "run", i, now, now + dur, sid))
-                    break
-        return admitted
-
-    finished_on: set[tuple[int, int]] = set()
-    lo = [0] * ndev
-    admit(0.0)
-    now = 0.0
-    dirty = set(range(ndev))
-    while True:
-        while dirty:
-            d = dirty.pop()
-            if advance(d, now):
-                dirty.update(range(ndev))
-        if not heap:
-            break
-        now = heap[0][0]
-        while heap and heap[0][0] == now:
-            _, _, kind, data = heapq.heappop(heap)
-            if kind == "done":
-                d, i = data
-                dev_running[d] = False
-                ptr[d][i] += 1
-                dirty.add(d)
-            else:
-                i, tag, key = data
-                arrived.add((i, tag))
-                link_free[key] = True
+    def step_item(d: int, i: int, now: float) -> None:
+        """Zero-time steps of micro-batch i on device d."""
+        if queued[d][i] or running[d] == i + 1:
+            return
+        prog, p = progs[d], ptr[d][i]
+        while p < plen[d]:
+            op, ref = prog[p]
+            if op == "send":
+                key = xfer[ref][:2]
+                heapq.heappush(link_queue.setdefault(key, []), (i, ref))
                 start_link(key, now)
-                dirty.add(key[1])
+            elif op == "recv":
+                if (i, ref) not in arrived:
+                    break
+            else:
+                heapq.heappush(ready[d], i)
+                queued[d][i] = True
+                break
+            p += 1
+        ptr[d][i] = p
+        if p == plen[d] and p:
+            left[i] -= 1
+            if left[i] == 0:
+                finish[i] = now
+                admit(now)
+
+    def try_run(d: int, now: float) -> None:
+        if running[d] or not ready[d]:
+            return
+        i = heapq.heappop(ready[d])
+        queued[d][i] = False
+        sid = progs[d][ptr[d][i]][1]
+        dur = seg_t[sid]
+        running[d] = i + 1
+        busy[d] += dur
+        push(now + dur, 0, d, i)
+        if record:
+            events.append(Event(plan.devices[d], "run", i, now, now + dur, sid))
+
+    def admit(now: float) -> None:
+        nonlocal admitted
+        while admitted < items and (admitted < inflight or finish[admitted - inflight] >= 0):
+            i = admitted
+            admitted += 1
+            start[i] = now
+            if left[i] == 0:
+                finish[i] = now
+            for d in range(ndev):
+                step_item(d, i, now)
+                try_run(d, now)
+
+    admit(0.0)
+    while heap:
+        now, _, kind, a, b = heapq.heappop(heap)
+        if kind == 0:
+            d, i = a, b
+            running[d] = 0
+            ptr[d][i] += 1
+            step_item(d, i, now)
+        else:
+            i, tag = a, b
+            src, d, _ = xfer[tag]
+            arrived.add((i, tag))
+            link_busy[(src, d)] = False
+            start_link((src, d), now)
+            step_item(d, i, now)
+        for dd in range(ndev):
+            try_run(dd, now)
     if any(f < 0 for f in finish):
         raise PlanError(f"plan {plan.name!r} deadlocks in simulation (a recv without its send)")
     return start, finish, busy, events

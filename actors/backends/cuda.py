@@ -1,0 +1,116 @@
+"""A CUDA device, or an SM-limited partition of one (``cuda:1?sms=32``).
+
+Streams: a partition's streams come from its green context, and segments
+are captured as CUDA graphs *on those streams* - a graph keeps the SM limit
+of the context it was captured in (see DESIGN.md), so a partition's work
+really runs on its SMs.  Memory: ``mem=`` caps the caching allocator of the
+process on that GPU (``set_per_process_memory_fraction``), so allocations
+beyond the budget fail there, as they would on a smaller GPU.
+
+Nothing here blocks the host except ``synchronize`` and ``time_kernel``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from tessera_actors.devices import DeviceSpec
+
+log = logging.getLogger("tessera_actors.cuda")
+
+
+class CudaBackend:
+    def __init__(self, spec: DeviceSpec) -> None:
+        if spec.kind != "cuda":
+            raise ValueError(f"CudaBackend needs a cuda device, got {spec.name}")
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{spec.name}: CUDA is not available on this machine")
+        if spec.index >= torch.cuda.device_count():
+            raise RuntimeError(f"{spec.name}: only {torch.cuda.device_count()} CUDA device(s) here")
+        self.spec = spec
+        self.device = torch.device("cuda", spec.index)
+        props = torch.cuda.get_device_properties(self.device)
+        self.sm_count = props.multi_processor_count
+        self.green = None
+        if spec.sms is not None:
+            if spec.sms > self.sm_count:
+                raise ValueError(f"{spec.name}: asks for {spec.sms} SMs, the GPU has {self.sm_count}")
+            from torch.cuda.green_contexts import GreenContext
+            self.green = GreenContext.create(num_sms=spec.sms, device_id=spec.index)
+        if spec.mem is not None:
+            frac = spec.mem / props.total_memory
+            if frac > 1:
+                raise ValueError(f"{spec.name}: budget {spec.mem} bytes exceeds the GPU's {props.total_memory}")
+            torch.cuda.set_per_process_memory_fraction(frac, self.device)
+        self._streams: list[torch.cuda.Stream] = []
+
+    # -- streams and events ---------------------------------------------
+    def stream(self, priority: int = 0) -> torch.cuda.Stream:
+        """A new stream; on a partition it belongs to the green context
+        (priorities are then not available)."""
+        if self.green is not None:
+            s = self.green.Stream()
+        else:
+            lo, hi = torch.cuda.Stream.priority_range()  # (lowest, highest): e.g. (0, -5)
+            p = max(hi, min(lo, priority))
+            s = torch.cuda.Stream(self.device, priority=p)
+        self._streams.append(s)
+        return s
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    # -- work -------------------------------------------------------------
+    def replayable(self, fn: Callable[[], None], stream: torch.cuda.Stream, pool=None) -> Callable[[], None]:
+        """Capture ``fn`` as a CUDA graph on ``stream`` (after one warm-up
+        run there) and return a replay bound to that stream."""
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            fn()
+        stream.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.device(self.device):
+            with torch.cuda.graph(g, pool=pool, stream=stream):
+                fn()
+
+        def replay() -> None:
+            with torch.cuda.stream(stream):
+                g.replay()
+        replay.graph = g  # keep the graph alive with the callable
+        return replay
+
+    def run_on(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            fn()
+
+    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def time_kernel(self, fn: Callable[[], None], reps: int = 20) -> float:
+        """Seconds per call of ``fn``, measured as a CUDA graph of ``reps``
+        calls replayed on this device's compute context (launch overhead
+        excluded, as in a segment replay)."""
+        s = self._timing_stream = getattr(self, "_timing_stream", None) or self.stream()
+
+        def many() -> None:
+            for _ in range(reps):
+                fn()
+        replay = self.replayable(many, s)
+        replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(s)
+        replay()
+        replay()
+        end.record(s)
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / (2 * reps)

@@ -1,0 +1,313 @@
+"""``tessera bench arena``: every placement policy side by side, in one run,
+on one heterogeneous pair (DESIGN.md, "the arena").
+
+L and R default to ``cuda:0`` and ``cuda:1?sms=32`` (two H200s, R limited to
+32 SMs through a green context); on one GPU, ``cuda:0?sms=100`` and
+``cuda:0?sms=32`` (functional only); on CPU, two CPU devices (functional).
+
+Measured per model (random weights, real layer shapes, ``--layers`` layers):
+* decode at ``--batch`` sequences with a ``--cache``-token static KV cache:
+  Homo-L, Homo-R, AF and layer split (2 micro-batches of batch/2 in flight),
+  Tessera latency (1 x batch) and throughput (2 x batch/2) plans - all
+  executed with the pipelined executor (segments as CUDA graphs);
+  Request Distribution from the Homo runs (a replica per device);
+* prefill of one ``--prompt``-token request: Homo-L, Homo-R, Tessera latency;
+* the conversation workload (``--prompt`` in, ``--out-tokens`` out per
+  request): output tokens/s per policy, PD as a two-stage pipeline (prefill
+  on one device, decode on the other, KV cache moved over the link);
+* the ideal zero-communication kernel split from the same run's profiles;
+* predicted (simulated from the profiles) vs measured step times;
+* cost efficiency with declared prices (R priced in proportion to its SMs).
+Writes JSON and (with matplotlib) a PNG bar chart to ``--out``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actors.backends.base import backend_for
+from .capture import capture_module
+from .devices import DeviceSpec
+from .pipeline import PipelinedExecutor
+from .plan import Plan, single_device_plan
+from .profile import profile_kernels
+
+
+@dataclass
+class ArenaConfig:
+    models: tuple[str, ...] = ("llama", "moe")
+    devices: tuple[str, str] = ("cuda:0", "cuda:1?sms=32")
+    layers: int = 4
+    batch: int = 64
+    cache: int = 2048
+    prompt: int = 1024
+    out_tokens: int = 128
+    steps: int = 20
+    dtype: str = "bfloat16"
+    size: str = "real"
+    out: str = "benchmarks/results"
+    link_latency_s: float = 25e-6
+    link_bandwidth: float = 385e9
+    log: Any = print
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.batch < 2 or self.batch % 2:
+            raise ValueError("--batch must be even and >= 2 (the pipelined policies use two micro-batches)")
+        if self.prompt >= self.cache:
+            raise ValueError("--prompt must be shorter than --cache")
+
+
+def default_devices() -> tuple[str, str]:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        return ("cuda:0", "cuda:1?sms=32")
+    if torch.cuda.is_available():
+        return ("cuda:0?sms=100", "cuda:0?sms=32")
+    return ("cpu", "cpu?threads=1")
+
+
+def price_of(spec: str) -> float:
+    """$/hour: the declared price, else an H200 share proportional to SMs."""
+    s = DeviceSpec.parse(spec)
+    if s.price != 1.0 or s.kind == "cpu":
+        return s.price
+    return 1.0 * (s.sms or 132) / 132
+
+
+def ideal_split(profiles: list[list[float]]) -> float:
+    """min over kernel partitions of max(sum on L, sum on R): the zero-
+    communication limit of kernel placement (no ordering, no transfers)."""
+    import numpy as np
+    from scipy.optimize import LinearConstraint, milp
+    n = len(profiles[0])
+    tl, tr = np.array(profiles[0]), np.array(profiles[1])
+    c = np.zeros(n + 1)
+    c[-1] = 1.0
+    a = np.zeros((2, n + 1))
+    a[0, :n], a[0, -1] = tl, -1.0          # sum x*tl - T <= 0
+    a[1, :n], a[1, -1] = -tr, -1.0         # sum (1-x)*tr - T <= 0
+    cons = LinearConstraint(a, [-np.inf, -np.inf], [0.0, -tr.sum()])
+    integrality = np.r_[np.ones(n), 0]
+    bounds = __import__("scipy.optimize", fromlist=["Bounds"]).Bounds(np.r_[np.zeros(n), 0], np.r_[np.ones(n), np.inf])
+    res = milp(c, constraints=cons, integrality=integrality, bounds=bounds, options={"time_limit": 20})
+    return float(res.fun) if res.x is not None else min(tl.sum(), tr.sum())
+
+
+class Phase:
+    """One captured graph (a bucket) with its per-device profiles."""
+
+    def __init__(self, cfg: ArenaConfig, name: str, kind: str, batch: int, seq: int, backends) -> None:
+        from . import models
+        dev = backends[0].device
+        dtype = getattr(torch, cfg.dtype)
+        t0 = time.perf_counter()
+        model = models.get(name, cfg.size, dtype=dtype, seed=0, device=dev, n_layers=cfg.layers,
+                           max_batch=batch, max_seq=cfg.cache)
+        self.inputs = {k: v.to(dev) for k, v in model.example_inputs(kind, batch=batch, seq=seq,
+                                                                     pos=cfg.cache - seq - 1).items()}
+        cap = capture_module(model, self.inputs, meta={"model": name, "bucket": f"{kind}:{batch}:{seq}"})
+        del model
+        self.graph, self.values = cap.graph, cap.values
+        self.capture_s = time.perf_counter() - t0
+        self.profiles = [profile_kernels(self.graph, self.values, self.inputs, be) for be in backends]
+        self.profile_s = time.perf_counter() - t0 - self.capture_s
+        from .planning import CostTable
+        links = {(0, 1): (cfg.link_latency_s, cfg.link_bandwidth), (1, 0): (cfg.link_latency_s, cfg.link_bandwidth)}
+        self.costs = CostTable.from_profiles(self.graph, list(cfg.devices), self.profiles, links)
+        cfg.log(f"  {name} {kind} batch {batch} x {seq}: {len(self.graph.kernels)} kernels, capture "
+                f"{self.capture_s:.1f} s, profile {self.profile_s:.1f} s; sum L {sum(self.profiles[0]) * 1e6:.0f} us, "
+                f"R {sum(self.profiles[1]) * 1e6:.0f} us")
+
+
+def measure(phase: Phase, plan: Plan, backends, microbatches: int, steps: int) -> float:
+    """Measured seconds per step (all micro-batches) of ``plan``."""
+    used = sorted(set(plan.assignment))
+    if len(plan.devices) == 1:
+        bes = [backends[0]]
+    else:
+        bes = list(backends)
+    ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches)
+    ex.enqueue([phase.inputs] * microbatches)
+    t = ex.time_steps(steps)
+    del ex, used
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return t
+
+
+def predicted_step(plan: Plan, costs, microbatches: int) -> float:
+    from .planning.simulate import simulate
+    pred = simulate(plan, costs, inflight=microbatches)
+    return microbatches / pred.throughput if pred.throughput else math.inf
+
+
+def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
+    from .planning import MilpPlanner
+    from .planning.baselines import af_plan, layer_split_plan
+    L, R = cfg.devices
+    log = cfg.log
+    log(f"== {name}: {cfg.layers} layers, {cfg.dtype}, L={L} R={R}")
+    full = Phase(cfg, name, "decode", cfg.batch, 1, backends)
+    half = Phase(cfg, name, "decode", cfg.batch // 2, 1, backends)
+    rows: list[dict[str, Any]] = []
+
+    def add(policy: str, plan: Plan | None, phase: Phase, mb: int, step_s: float | None = None,
+            devices_used: tuple[str, ...] = (L, R), note: str = "") -> dict[str, Any]:
+        if step_s is None:
+            step_s = measure(phase, plan, backends if len(plan.devices) > 1 else
+                             [backends[cfg.devices.index(plan.devices[0])]], mb, cfg.steps)
+        tokens = mb * (cfg.batch // mb if phase is half else cfg.batch) / step_s
+        row = {"policy": policy, "step_us": step_s * 1e6, "tokens_per_s": tokens,
+               "microbatches": mb, "devices": list(devices_used), "note": note}
+        if plan is not None:
+            pc = full.costs if phase is full else half.costs
+            if len(plan.devices) == 1:
+                from .planning import CostTable
+                d = cfg.devices.index(plan.devices[0])
+                pc = CostTable(list(plan.devices), [[t[d]] for t in pc.times], [[0.0]], [[math.inf]], [None], "profile")
+            row["predicted_us"] = predicted_step(plan, pc, mb) * 1e6
+            row["bytes_per_step"] = plan.bytes_per_step() * mb
+            row["segments"] = len(plan.segments)
+        rows.append(row)
+        log(f"  {policy:<22} {row['step_us']:9.0f} us/step  {tokens:10.0f} tok/s"
+            + (f"  (predicted {row['predicted_us']:.0f} us)" if "predicted_us" in row else ""))
+        return row
+
+    homo_l = add("Homo-L", single_device_plan(full.graph, L), full, 1, devices_used=(L,))
+    homo_r = add("Homo-R", single_device_plan(full.graph, R), full, 1, devices_used=(R,))
+    rd_step = 1 / (1 / (homo_l["step_us"] * 1e-6) + 1 / (homo_r["step_us"] * 1e-6))
+    add("Request Distribution", None, full, 1, step_s=rd_step, note="a replica per device; from the Homo runs")
+    devs = list(cfg.devices)
+    try:
+        add("AF", af_plan(half.graph, devs, half.costs), half, 2)
+    except Exception as e:  # a model without attention scopes, say
+        log(f"  AF not applicable: {e}")
+    add("layer split", layer_split_plan(half.graph, devs, half.costs), half, 2)
+    lat = MilpPlanner(full.costs).plan(full.graph, devs, "latency")
+    add("Tessera latency", lat, full, 1)
+    thr = MilpPlanner(half.costs).plan(half.graph, devs, "throughput")
+    thr_row = add("Tessera throughput", thr, half, 2, note=f"source {thr.meta.get('source')}, "
+                  f"gap {thr.meta.get('solver', {}).get('mip_gap')}")
+    ideal_full = ideal_split(full.profiles)
+    ideal_half = ideal_split(half.profiles)
+    ideal = {"decode_full_us": ideal_full * 1e6, "decode_full_tokens_per_s": cfg.batch / ideal_full,
+             "decode_2x_half_tokens_per_s": cfg.batch / (2 * ideal_half)}
+    best_ideal = max(ideal["decode_full_tokens_per_s"], ideal["decode_2x_half_tokens_per_s"])
+    for r in rows:
+        r["of_ideal"] = r["tokens_per_s"] / best_ideal
+        r["price_per_h"] = sum(price_of(d) for d in r["devices"])
+        r["tokens_per_dollar"] = r["tokens_per_s"] * 3600 / r["price_per_h"]
+    log(f"  ideal zero-comm split: {ideal['decode_full_us']:.0f} us/step at batch {cfg.batch} "
+        f"({best_ideal:.0f} tok/s best of 1x{cfg.batch} / 2x{cfg.batch // 2}); "
+        f"Tessera throughput = {thr_row['of_ideal'] * 100:.1f}% of it")
+    result = {"model": name, "decode": rows, "ideal": ideal,
+              "capture_s": full.capture_s, "profile_s": full.profile_s,
+              "kernels": len(full.graph.kernels)}
+    del full, half
+    gc.collect()
+    result.update(run_prefill(cfg, name, backends, result))
+    return result
+
+
+def run_prefill(cfg: ArenaConfig, name: str, backends, decode: dict[str, Any]) -> dict[str, Any]:
+    from .planning import MilpPlanner
+    L, R = cfg.devices
+    log = cfg.log
+    try:
+        pre = Phase(cfg, name, "prefill", 1, cfg.prompt, backends)
+    except Exception as e:  # e.g. a model with no prefill bucket
+        log(f"  prefill skipped: {e}")
+        return {}
+    t = {"Homo-L": measure(pre, single_device_plan(pre.graph, L), [backends[0]], 1, max(3, cfg.steps // 4)),
+         "Homo-R": measure(pre, single_device_plan(pre.graph, R), [backends[1]], 1, max(3, cfg.steps // 4))}
+    lat = MilpPlanner(pre.costs).plan(pre.graph, list(cfg.devices), "latency")
+    t["Tessera"] = measure(pre, lat, backends, 1, max(3, cfg.steps // 4))
+    for k, v in t.items():
+        log(f"  prefill 1x{cfg.prompt} {k:<10} {v * 1e6:9.0f} us")
+    dec = {r["policy"]: r["step_us"] * 1e-6 for r in decode["decode"]}
+    kv_bytes = sum(b.nbytes for b in pre.graph.buffers.values() if b.role == "state") / max(cfg.batch, 1)
+    kv_s = cfg.link_latency_s + kv_bytes / cfg.link_bandwidth
+
+    def workload(prefill_s: float, decode_step_s: float) -> float:
+        # one batch: every request prefilled, then out_tokens decode steps
+        return cfg.batch * cfg.out_tokens / (cfg.batch * prefill_s + cfg.out_tokens * decode_step_s)
+    wl = {"Homo-L": workload(t["Homo-L"], dec["Homo-L"]), "Homo-R": workload(t["Homo-R"], dec["Homo-R"])}
+    wl["Request Distribution"] = wl["Homo-L"] + wl["Homo-R"]
+    pd = []
+    for pre_dev, dec_dev in (("Homo-L", "Homo-R"), ("Homo-R", "Homo-L")):
+        req_rate = min(1 / (t[pre_dev] + kv_s), cfg.batch / (cfg.out_tokens * dec[dec_dev]))
+        pd.append(req_rate * cfg.out_tokens)
+    wl["PD"] = max(pd)
+    for pol in ("AF", "layer split"):  # their prefill: on L alone (the better single device)
+        if pol in dec:
+            wl[pol] = workload(min(t["Homo-L"], t["Homo-R"]), dec[pol])
+    wl["Tessera"] = workload(t["Tessera"], min(dec["Tessera throughput"], dec["Tessera latency"]))
+    log("  workload output tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in wl.items()))
+    return {"prefill_us": {k: v * 1e6 for k, v in t.items()}, "workload_tokens_per_s": wl}
+
+
+def print_table(results: list[dict[str, Any]], cfg: ArenaConfig) -> str:
+    lines = [f"arena: L={cfg.devices[0]} R={cfg.devices[1]}, decode batch {cfg.batch}, cache {cfg.cache}, "
+             f"{cfg.layers} layers, {cfg.dtype}; prices $/h L={price_of(cfg.devices[0]):.2f} "
+             f"R={price_of(cfg.devices[1]):.2f}",
+             f"| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs PD-free best |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        best_other = max(r["tokens_per_s"] for r in res["decode"] if not r["policy"].startswith("Tessera"))
+        for r in res["decode"]:
+            pred = f"{r['predicted_us']:.0f}" if "predicted_us" in r else "-"
+            lines.append(f"| {res['model']} | {r['policy']} | {r['step_us']:.0f} | {pred} | {r['tokens_per_s']:.0f} | "
+                         f"{r['of_ideal'] * 100:.1f}% | {r['tokens_per_dollar']:.3g} | {r['tokens_per_s'] / best_other:.2f} |")
+        if "workload_tokens_per_s" in res:
+            wl = res["workload_tokens_per_s"]
+            lines.append(f"| {res['model']} | workload tok/s | " + ", ".join(f"{k}: {v:.0f}" for k, v in wl.items())
+                         + " | | | | | |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        names = [r["policy"] for r in res["decode"]]
+        vals = [r["tokens_per_s"] for r in res["decode"]]
+        ax.barh(names, vals, color=["tab:orange" if n.startswith("Tessera") else "tab:blue" for n in names])
+        ax.axvline(max(res["ideal"]["decode_full_tokens_per_s"], res["ideal"]["decode_2x_half_tokens_per_s"]),
+                   color="k", ls="--", label="ideal zero-comm split")
+        ax.set_title(f"{res['model']} decode")
+        ax.set_xlabel("tokens/s")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def run_arena(cfg: ArenaConfig) -> list[dict[str, Any]]:
+    backends = [backend_for(d) for d in cfg.devices]
+    results = []
+    for name in cfg.models:
+        results.append(run_model(cfg, name, backends))
+    table = print_table(results, cfg)
+    cfg.log(table)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"devices": list(cfg.devices), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "config": {k: v for k, v in cfg.__dict__.items() if k not in ("log",)}}
+    (out / "arena.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    if plot(results, out / "arena.png"):
+        cfg.log(f"wrote {out / 'arena.json'} and {out / 'arena.png'}")
+    else:
+        cfg.log(f"wrote {out / 'arena.json'} (no matplotlib: no PNG)")
+    return results

@@ -1,0 +1,413 @@
+"""Record one forward pass compiled by torch inductor as a kernel program (CUDA).
+
+The model is compiled (``torch.compile``, inductor, ``fullgraph``, default
+mode, no CUDA graphs), warmed up (compilation and autotuning happen there),
+then run once more while two recorders are active, in program order:
+
+* every Triton kernel launch, intercepted at inductor's runtime launcher
+  (``CachingAutotuner.run``, see :mod:`.inductor_hooks`): a ``ptx`` kernel
+  whose tensor arguments become byte-range accesses with modes from the PTX
+  analyzer merged with inductor's metadata (:mod:`.inductor_match`);
+* every aten op inductor's wrapper calls (extern ``mm``/``addmm``/``bmm``
+  with ``out=``, fallbacks, copies back into mutated inputs) through a
+  ``TorchDispatchMode``: ``library`` kernels with schema semantics, recorded
+  by the aten capture's recorder (:mod:`.aten`).
+
+Storages become buffers exactly as in the aten capture (weights, state,
+inputs, outputs, temporaries packed into reusable slots). A Triton kernel's
+payload names its generated module file and kernel, the captured config and
+its arguments (tensor references and scalars), so
+:class:`actors.backends.triton.TritonProgram` can replay it; each distinct
+kernel's PTX and source are stored once in ``graph.meta`` (zlib-compressed
+when ``compress``). A kernel whose PTX is missing or cannot be analysed is
+pinned (``indirect``) with every tensor argument read-write, and listed in
+``graph.meta["pinned"]`` - never a silently wrong graph.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+import zlib
+from typing import Any, Callable
+
+import torch
+
+from ..graph import Access, Buffer, Kernel, KernelGraph
+from . import inductor_hooks as hooks
+from .aten import CaptureError, CaptureResult, _pack_temps, _Recorder, _remap_payload, byte_span
+from .inductor_match import KernelAnalysis, analyze_ptx, inductor_opinion, launch_access
+
+log = logging.getLogger("tessera.capture.inductor")
+
+_ALLOC = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+          "aten::new_empty_strided"}
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Every byte of the view's span belongs to exactly one element."""
+    s, e = byte_span(t)
+    return e - s == t.numel() * t.element_size()
+
+
+class _InductorRecorder(_Recorder):
+    """The aten recorder plus allocations, partial ``out=`` writes and Triton launches."""
+
+    def __init__(self, roles, scope, keep_ptx: bool) -> None:
+        super().__init__(roles, scope)
+        self.suspended = 0
+        self.keep_ptx = keep_ptx
+        self.kernels: dict[tuple, dict[str, Any]] = {}   # distinct Triton kernels
+        self.launches = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # do not make dynamo skip the compiled frame
+        return True
+
+    # -- aten ops ---------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.suspended:  # ops inside a Triton launch (scratch allocation)
+            return func(*args, **kwargs)
+        qual = func._schema.name
+        if qual in _ALLOC:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor):
+                self._storage(out, producing=True)
+            return out
+        written = list(self._written(func, args, kwargs))
+        for t in written:
+            if t.untyped_storage()._cdata not in self.storages and t.untyped_storage()._cdata not in self.roles:
+                self._storage(t, producing=True)
+        n = len(self.records)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self.records) > n:
+            self.records[-1]["kind"] = "library"
+            partial = {(self._storage(t, False), *byte_span(t)) for t in written if not dense(t)}
+            if partial:
+                self.records[-1]["accesses"] = [(b, s, e, "rw" if (b, s, e) in partial and m == "w" else m)
+                                                for b, s, e, m in self.records[-1]["accesses"]]
+        return out
+
+    @staticmethod
+    def _written(func, args, kwargs):
+        schema = func._schema.arguments
+        for i, a in enumerate(schema):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor):
+                    yield t
+
+    # -- Triton launches --------------------------------------------------
+    def on_launch(self, tuner, args: tuple, kwargs: dict, call: Callable[[], Any]) -> Any:
+        k = self._kernel(tuner)
+        names = k["info"]["arg_names"]
+        named = [(names[i] if i < len(names) else None, "tensor" if isinstance(a, torch.Tensor) else "scalar")
+                 for i, a in enumerate(args)]
+        numels = [int(a) for (n, _), a in zip(named, args) if n and n.endswith("numel") and isinstance(a, int)]
+        spaces = set(numels)
+        if numels:
+            spaces.add(_prod(numels))
+        cover = {i: dense(a) and a.numel() in spaces for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        acc = launch_access(named, k["analysis"], set(k["info"]["mutated"]), cover)
+        mutated = set(k["info"]["mutated"])
+        for i, a in enumerate(args):  # register first sightings before the kernel writes
+            if isinstance(a, torch.Tensor):
+                op = inductor_opinion(named[i][0], mutated)
+                writes = "w" in (acc.modes.get(i) or "") or bool(op and op[1])
+                key = a.untyped_storage()._cdata
+                self._storage(a, producing=writes and key not in self.roles and key not in self.storages)
+        self.suspended += 1
+        try:
+            result = call()
+        finally:
+            self.suspended -= 1
+        self.launches += 1
+        if k["analysis"].error.startswith("no PTX") and hooks.chosen_launcher(tuner) is not None:
+            del self.kernels[id(tuner)]  # compiled during this very launch: analyse now
+            k = self._kernel(tuner)
+            acc = launch_access(named, k["analysis"], mutated, cover)
+        accesses, enc = [], []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                ref = self._ref(a)
+                enc.append(ref)
+                mode = acc.modes.get(i)
+                if mode:
+                    accesses.append((ref["t"][0], *byte_span(a), mode))
+            else:
+                enc.append(_scalar(a))
+        extra = {n: _scalar(v) for n, v in kwargs.items() if n != "stream" and not isinstance(v, torch.Tensor)}
+        flops = float(max([t.numel() for t in args if isinstance(t, torch.Tensor)] or [0]))
+        shapes = ",".join(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}" if isinstance(a, torch.Tensor)
+                          else repr(a) for a in args)
+        meta = {"disagreements": acc.disagreements, "pinned": acc.pinned_reason, "hidden": acc.hidden_params}
+        self.records.append({"kind": "ptx", "op": k["name"], "qual": k["name"], "accesses": accesses,
+                             "scope": "", "sig": f"{k['name']}({shapes})", "flops": flops,
+                             "indirect": acc.indirect, "key": k["key"],
+                             "payload": {"triton": k["info"]["name"], "file": k["info"]["file"], "key": k["key"],
+                                         "config": k["launch"]["config"], "args": enc, "kwargs": extra,
+                                         "device": a_device(args), "meta": meta}})
+        return result
+
+    def _kernel(self, tuner) -> dict[str, Any]:
+        """Static facts + PTX analysis of a tuner, computed once per distinct kernel."""
+        ident = id(tuner)
+        k = self.kernels.get(ident)
+        if k is not None:
+            return k
+        info = hooks.kernel_info(tuner)
+        launch = hooks.launch_info(tuner)
+        analysis = analyze_ptx(launch["ptx"], info["name"]) if launch["ptx"] else \
+            KernelAnalysis(error=f"no PTX: {launch['ptx_source']}")
+        key = info["name"]
+        while any(v["key"] == key for v in self.kernels.values()):
+            key += "+"
+        hooks.remember(tuner)
+        k = {"name": info["name"], "key": key, "info": info, "launch": launch, "analysis": analysis,
+             "source": _read_source(info["file"])}
+        self.kernels[ident] = k
+        log.info("triton kernel %s: file=%s ptx=%s indirect=%s error=%s", key, info["file"],
+                 launch["ptx_source"], analysis.indirect, analysis.error)
+        return k
+
+
+def a_device(args) -> int:
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.device.type == "cuda":
+            return int(a.device.index or 0)
+    return 0
+
+
+def _prod(xs: list[int]) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def _scalar(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.dtype):
+        return {"dt": str(v).removeprefix("torch.")}
+    raise CaptureError(f"Triton launch argument of type {type(v).__name__} cannot be recorded")
+
+
+def _read_source(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def pack_text(text: str, compress: bool) -> Any:
+    return zlib.compress(text.encode(), 6) if compress else text
+
+
+def unpack_text(v: Any) -> str:
+    """Text stored by :func:`pack_text` (plain or zlib bytes)."""
+    if isinstance(v, (bytes, bytearray)):
+        return zlib.decompress(v).decode()
+    return v or ""
+
+
+def ptx_text(graph: KernelGraph, key: str) -> str:
+    return unpack_text(graph.meta.get("ptx", {}).get(key))
+
+
+def triton_source(graph: KernelGraph, key: str) -> str:
+    return unpack_text(graph.meta.get("triton_src", {}).get(key))
+
+
+# -- capture ------------------------------------------------------------------
+def compile_model(model: torch.nn.Module, *, reset: bool = True) -> Callable[..., Any]:
+    """``torch.compile`` with inductor, fullgraph, static shapes, no CUDA graphs."""
+    import torch._dynamo
+    import torch._inductor.config as icfg
+    if reset:
+        torch._dynamo.reset()
+    try:
+        icfg.triton.cudagraphs = False
+    except AttributeError:
+        pass
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+    return torch.compile(model, backend="inductor", fullgraph=True, dynamic=False)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _unique_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:
+        return -1
+
+
+def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                     state_names: list[str] | None = None, meta: dict[str, Any] | None = None, *,
+                     warmup: int = 2, reuse_temps: bool = True, keep_ptx: bool = True,
+                     compress: bool = True, progress: Callable[[str], None] | None = None) -> CaptureResult:
+    """Compile ``model`` with inductor and record ``model(**inputs)``.
+
+    Weights are the model's parameters and non-state buffers; state buffers
+    (default ``model.state_names()``) are snapshot before the recorded run
+    and restored after it (warm-up runs too), so the model's state is
+    unchanged by the capture. ``progress`` receives phase names. Raises
+    :class:`CaptureError` when the model cannot be compiled or recorded."""
+    say = progress or (lambda msg: log.info("%s", msg))
+    if state_names is None:
+        state_names = list(model.state_names()) if hasattr(model, "state_names") else []
+    named_buffers = dict(model.named_buffers())
+    missing = [n for n in state_names if n not in named_buffers]
+    if missing:
+        raise CaptureError(f"state buffers {missing} are not buffers of the model")
+    state = {n: named_buffers[n] for n in state_names}
+    params = dict(model.named_parameters())
+    params.update({n: b for n, b in named_buffers.items() if n not in state})
+    device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
+    saved = {n: t.clone() for n, t in state.items()}
+    times: dict[str, float] = {}
+
+    def restore() -> None:
+        with torch.no_grad():
+            for n, t in state.items():
+                t.copy_(saved[n])
+    try:
+        t0 = time.perf_counter()
+        say("compiling")
+        compiled = compile_model(model)
+        try:
+            with torch.no_grad():
+                for i in range(max(1, warmup)):
+                    compiled(**inputs)
+                    _sync(device)
+                    if i == 0:
+                        times["compile_s"] = time.perf_counter() - t0
+        except CaptureError:
+            raise
+        except Exception as e:
+            raise CaptureError(f"torch.compile (inductor) failed for {type(model).__name__}: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        times["warmup_s"] = time.perf_counter() - t0 - times.get("compile_s", 0.0)
+        restore()
+        say("recording")
+        t1 = time.perf_counter()
+        roles: dict[int, tuple[str, str]] = {}
+        for name, t in params.items():
+            roles[t.untyped_storage()._cdata] = ("weight", name)
+        for name, t in state.items():
+            roles[t.untyped_storage()._cdata] = ("state", name)
+        for name, t in inputs.items():
+            roles[t.untyped_storage()._cdata] = ("input", name)
+        rec = _InductorRecorder(roles, [""], keep_ptx)
+        for t in list(params.values()) + list(state.values()) + list(inputs.values()):
+            rec._storage(t, producing=False)
+        graphs_before = _unique_graphs()
+        with torch.no_grad(), hooks.run_hook(rec.on_launch), rec:
+            result = compiled(**inputs)
+        _sync(device)
+        if graphs_before >= 0 and _unique_graphs() != graphs_before:
+            raise CaptureError("the model was recompiled during the recorded run (guards failed): "
+                               "the recorded program would not be the warmed-up one")
+        times["record_s"] = time.perf_counter() - t1
+        say("building graph")
+        t2 = time.perf_counter()
+        res = _assemble(rec, result, inputs, dict(meta or {}), reuse_temps, compress, keep_ptx)
+        times["assemble_s"] = time.perf_counter() - t2
+        times["total_s"] = time.perf_counter() - t0
+        res.graph.meta["capture_times"] = {k: round(v, 3) for k, v in times.items()}
+        res.graph.meta["torch"] = torch.__version__
+        return res
+    finally:
+        restore()
+
+
+def _assemble(rec: _InductorRecorder, result: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any],
+              reuse_temps: bool, compress: bool, keep_ptx: bool) -> CaptureResult:
+    outs = list(result) if isinstance(result, (list, tuple)) else [result]
+    if not all(isinstance(t, torch.Tensor) for t in outs):
+        raise CaptureError("the compiled model must return a tensor or a tuple of tensors")
+    if not rec.records:
+        raise CaptureError("no kernel was recorded: is the model empty, or did the run hit a fallback?")
+    storages = sorted(rec.storages.values(), key=lambda s: s["id"])
+    out_ids = [rec._storage(t, producing=True) for t in outs]
+    storages = sorted(rec.storages.values(), key=lambda s: s["id"])
+    for b in out_ids:
+        if storages[b]["role"] == "temp":
+            storages[b]["role"] = "output"
+    for r in rec.records:  # anything written that was provided is state
+        for b, _, _, m in r["accesses"]:
+            if "w" in m and storages[b]["role"] in ("weight", "input"):
+                storages[b]["role"] = "state"
+    packed = _pack_temps(rec.records, storages) if reuse_temps else {}
+    base = len(storages)
+    remap = {b: base + slot for b, (slot, _) in packed.items()}
+    buffers: dict[int, Buffer] = {}
+    for s in storages:
+        if s["id"] not in remap:
+            buffers[s["id"]] = Buffer(s["id"], s["nbytes"], s["role"], s["name"], s["dtype"], s["shape"])
+    for b, (slot, size) in packed.items():
+        if base + slot not in buffers:
+            buffers[base + slot] = Buffer(base + slot, size, "temp", f"slot{slot}", "uint8", (size,))
+    names = {s["id"]: s["name"] for s in storages}
+    kernels: list[Kernel] = []
+    layer, scope = -1, ""
+    for i, r in enumerate(rec.records):
+        acc = tuple(Access(remap.get(b, b), s, e, m) for b, s, e, m in r["accesses"])
+        layer, scope = _layer_of(r["accesses"], names, storages, layer, scope)
+        if r.get("kind") == "ptx":
+            payload = _remap_payload(r["payload"], remap)
+            kernels.append(Kernel(i, r["op"], "ptx", acc, bool(r["indirect"]), r["flops"],
+                                  float(sum(a.nbytes for a in acc)), r["sig"], layer, scope, payload))
+        else:
+            payload = _remap_payload({"op": r["op"], "args": r["args"], "kwargs": r["kwargs"], "outs": r["outs"]},
+                                     remap)
+            kernels.append(Kernel(i, r["qual"].removeprefix("aten::"), "library", acc, False, r["flops"],
+                                  float(sum(a.nbytes for a in acc)), r["sig"], layer, scope, payload))
+    views = {"input_views": {n: _remap_payload(rec._ref(t), remap)["t"] for n, t in inputs.items()},
+             "output_views": [_remap_payload(rec._ref(t), remap)["t"] for t in outs]}
+    meta.update(backend="triton", **views, **_kernel_meta(rec, compress, keep_ptx))
+    graph = KernelGraph(kernels, buffers, {n: rec._storage(t, False) for n, t in inputs.items()},
+                        [remap.get(b, b) for b in out_ids], meta)
+    values = {s["id"]: s["initial"] for s in storages
+              if s["role"] in ("weight", "state") and s["initial"] is not None}
+    return CaptureResult(graph, values, [t.detach().clone() for t in outs])
+
+
+def _layer_of(accesses, names, storages, layer: int, scope: str) -> tuple[int, str]:
+    """Layer/scope of a kernel from the weights it reads; kernels reading no
+    weight inherit the previous kernel's (layers run in order)."""
+    weights = [names[b] for b, _, _, _ in accesses if storages[b]["role"] in ("weight", "state") and names[b]]
+    if not weights:
+        return layer, scope
+    m = _LAYER.search(weights[0] + ".")
+    return (int(m.group(1)) if m else -1), weights[0].rsplit(".", 1)[0]
+
+
+def _kernel_meta(rec: _InductorRecorder, compress: bool, keep_ptx: bool) -> dict[str, Any]:
+    ptx, src, kinfo, pinned = {}, {}, {}, []
+    for k in rec.kernels.values():
+        a = k["analysis"]
+        if keep_ptx and k["launch"]["ptx"]:
+            ptx[k["key"]] = pack_text(k["launch"]["ptx"], compress)
+        if k["source"]:
+            src[k["key"]] = pack_text(k["source"], compress)
+        kinfo[k["key"]] = {"name": k["name"], "file": k["info"]["file"], "config": k["launch"]["config"],
+                           "ptx_source": k["launch"]["ptx_source"], "indirect": a.indirect,
+                           "error": a.error, "reasons": a.reasons[:5], "mutated": k["info"]["mutated"],
+                           "params": [[p.name, p.is_ptr, p.access] for p in a.params]}
+        if a.error or a.indirect:
+            pinned.append(k["key"])
+    return {"ptx": ptx, "triton_src": src, "triton_kernels": kinfo, "pinned": sorted(pinned),
+            "text_encoding": "zlib" if compress else "plain", "launches": rec.launches}

@@ -1,0 +1,154 @@
+"""The MILP planner: a :class:`~tessera_actors.plan.Planner` that returns
+the latency or the throughput plan of a graph on a set of devices.
+
+Contract of :meth:`MilpPlanner.plan`: the returned plan is legal (state
+groups and indirect neighbourhoods kept, every device within its memory
+budget), has ``predicted_step_s`` (one micro-batch alone) and
+``microbatches`` set from the simulation, and ``meta`` holding
+``solver`` (objective, dual bound, ``mip_gap``, status, solve seconds,
+problem size), ``predicted`` (step_s, throughput, item_latency_s, busy) and
+``source`` (``milp`` or the baseline it fell back to).  Because the MILP
+works on a coarsened, linearised model, the planner also simulates the
+single-plan baselines that fit in memory (Homo on each device, layer split,
+AF) and returns the best by the simulated objective (throughput, or step
+time for the latency plan), so the result is never predicted worse than
+them.  Raises :class:`PlanError` when no placement fits the memory budgets,
+naming the shortfall in bytes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..graph import KernelGraph
+from ..plan import Plan, PlanError, build_plan
+from .coarsen import build_problem
+from .costs import CostTable
+from .milp import solve_or_explain
+from .simulate import Prediction, simulate
+
+
+@dataclass
+class PlannerConfig:
+    """Knobs of the MILP planner; ``None`` means chosen from the device count."""
+
+    time_limit_s: float | None = None    # default 4.5 s for <= 4 devices, 55 s beyond
+    mip_rel_gap: float = 0.01
+    max_units: int = 300
+    tie_layers: bool = True
+    tie_blocks: int | None = None        # default: devices (<= 4), else 4
+    max_inflight: int = 8                # micro-batches in flight at most (throughput plan)
+    fallback: bool = True                # compare with the single-plan baselines
+    progress: bool = False               # HiGHS log lines on stdout
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s is not None and self.time_limit_s <= 0:
+            raise PlanError(f"time_limit_s must be positive, got {self.time_limit_s}")
+        if not 0 <= self.mip_rel_gap < 1:
+            raise PlanError(f"mip_rel_gap must be in [0, 1), got {self.mip_rel_gap}")
+        if self.max_inflight < 1:
+            raise PlanError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.max_units < 1:
+            raise PlanError(f"max_units must be >= 1, got {self.max_units}")
+
+
+def choose_inflight(plan: Plan, costs: CostTable, max_inflight: int, tol: float = 0.01) -> Prediction:
+    """Simulate 1, 2, 4, ... micro-batches in flight (up to ``max_inflight``)
+    and return the smallest count whose throughput is within ``tol`` of the
+    next doubling (more in flight costs activation memory and latency)."""
+    best = simulate(plan, costs, inflight=1)
+    m = 2
+    while m <= max_inflight:
+        p = simulate(plan, costs, inflight=m)
+        if p.throughput <= best.throughput * (1 + tol):
+            break
+        best = p
+        m *= 2
+    return best
+
+
+def fits(graph: KernelGraph, plan: Plan, costs: CostTable) -> list[int]:
+    """Bytes by which each device exceeds its budget under ``plan`` (0: fits)."""
+    res = plan.resident_bytes(graph)
+    return [max(0, r - m) if m is not None else 0 for r, m in zip(res, costs.mem)]
+
+
+def annotate(plan: Plan, pred: Prediction, microbatches: int | None = None) -> Plan:
+    plan.microbatches = microbatches or pred.inflight
+    plan.predicted_step_s = pred.step_s
+    plan.meta["predicted"] = {"step_s": pred.step_s, "throughput": pred.throughput,
+                              "item_latency_s": pred.item_latency_s, "busy": pred.busy,
+                              "inflight": pred.inflight}
+    return plan
+
+
+class MilpPlanner:
+    """Latency and throughput plans from the MILP (see module docstring).
+
+    ``costs`` is the cost table of the graph on the devices passed to
+    :meth:`plan` (same order); without one, :meth:`CostTable.estimate` is used.
+    """
+
+    def __init__(self, costs: CostTable | None = None, config: PlannerConfig | None = None) -> None:
+        self.costs = costs
+        self.config = config or PlannerConfig()
+
+    def _costs(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
+        costs = self.costs or CostTable.estimate(graph, devices)
+        if len(costs.devices) != len(devices):
+            raise PlanError(f"cost table is for {len(costs.devices)} devices, asked to plan on {len(devices)}")
+        costs.check_graph(graph)
+        return costs
+
+    def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
+        if mode not in ("latency", "throughput"):
+            raise PlanError(f"unknown plan mode {mode!r} (expected 'latency' or 'throughput')")
+        if not graph.kernels:
+            raise PlanError("cannot plan an empty graph")
+        cfg, costs = self.config, self._costs(graph, devices)
+        ndev = len(devices)
+        t0 = time.perf_counter()
+        prob = build_problem(graph, costs, cfg.max_units, cfg.tie_layers,
+                             cfg.tie_blocks or (ndev if ndev <= 4 else 4))
+        limit = cfg.time_limit_s or (4.5 if ndev <= 4 else 55.0)
+        max_inflight = cfg.max_inflight
+        sol = solve_or_explain(prob, costs, mode, time_limit_s=limit, mip_rel_gap=cfg.mip_rel_gap,
+                               inflight=max_inflight, verbose=cfg.progress)
+        assignment = prob.assignment(sol.class_device)
+        thr = mode == "throughput"
+
+        def evaluate(p: Plan) -> tuple[Prediction, float]:
+            pred = choose_inflight(p, costs, max_inflight) if thr else simulate(p, costs, inflight=1)
+            return pred, (pred.throughput if thr else -pred.step_s)
+
+        best = build_plan(graph, devices, assignment, name=f"tessera-{mode}", mode=mode)
+        best_pred, best_score = evaluate(best)
+        source = "milp"
+        if cfg.fallback:
+            from .baselines import candidate_assignments
+            for name, cand in candidate_assignments(graph, costs):
+                p = build_plan(graph, devices, cand, name=f"tessera-{mode}", mode=mode)
+                if any(fits(graph, p, costs)):
+                    continue
+                pred, score = evaluate(p)
+                better = score > best_score * (1 + 1e-9) if thr else score > best_score + 1e-12
+                if better:
+                    best, best_pred, best_score, source = p, pred, score, name
+        annotate(best, best_pred, best_pred.inflight if thr else 1)
+        best.meta.update({
+            "source": source,
+            "solver": {"objective_s": sol.objective_s, "bound_s": sol.bound_s, "mip_gap": sol.gap,
+                       "status": sol.status, "solve_s": sol.solve_s, "variables": sol.nvars,
+                       "rows": sol.nrows, **prob.stats},
+            "plan_s": time.perf_counter() - t0,
+            "costs": costs.source,
+        })
+        return best
+
+
+def plan_both(graph: KernelGraph, devices: Sequence[str], costs: CostTable | None = None,
+              config: PlannerConfig | None = None) -> dict[str, Plan]:
+    """The latency and the throughput plan, as the monitor switches between them."""
+    planner = MilpPlanner(costs, config)
+    return {m: planner.plan(graph, devices, m) for m in ("latency", "throughput")}

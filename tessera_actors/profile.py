@@ -1,0 +1,48 @@
+"""Per-kernel profiling on a device: the cost table's measured input.
+
+Kernels are timed in program order during one run of the graph, each when
+its inputs hold the values a real step gives them (buffers are reused, so
+timing a kernel later could feed it another kernel's bytes - e.g. indices
+out of range).  On CUDA each kernel is timed as a CUDA graph of ``reps``
+launches on the device's own (possibly SM-limited) stream; on CPU by wall
+clock.  Progress is shown for long graphs.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import torch
+
+from actors.backends.aten import AtenProgram
+from actors.backends.base import DeviceBackend
+from .graph import KernelGraph
+from .runner import write_inputs
+
+
+def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs: dict[str, torch.Tensor],
+                    backend: DeviceBackend, reps: int = 10, progress: bool | None = None,
+                    program_cls=AtenProgram) -> list[float]:
+    """Seconds per launch of every kernel of ``graph`` on ``backend``."""
+    prog = program_cls(graph, backend.device, graph.buffers)
+    prog.load(values)
+    write_inputs(prog, graph, inputs)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = None
+    if show:
+        from tqdm import tqdm
+        bar = tqdm(total=len(graph.kernels), desc=f"profile {backend.spec.name}", unit="kernel", leave=False)
+    times: list[float] = []
+    for k in graph.kernels:
+        fn = prog.bind(k.id)
+        times.append(backend.time_kernel(fn, reps))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    backend.synchronize()
+    return times
+
+
+def time_segments(times: Sequence[float], segments) -> list[float]:
+    return [sum(times[k] for k in s.kernels) for s in segments]
