@@ -53,8 +53,9 @@ class _Installed:
 
 
 class DeviceActor(Actor):
-    def __init__(self, spec: DeviceSpec, transfer: str = "transfer") -> None:
+    def __init__(self, spec: DeviceSpec, transfer: str = "transfer", recv_timeout: float = 60.0) -> None:
         self.spec = spec
+        self.recv_timeout = recv_timeout
         self.transfer_name = transfer
         self.plans: dict[str, _Installed] = {}
         self.steps_run = 0
@@ -192,7 +193,13 @@ class DeviceActor(Actor):
             if st.op == "recv":
                 t0 = time.perf_counter()
                 fut = self._arrival(inst, msg.step, st.ref)
-                data = await fut
+                try:
+                    data = await asyncio.wait_for(asyncio.shield(fut), self.recv_timeout)
+                except asyncio.TimeoutError:
+                    src = plan.devices[transfers[st.ref].src]
+                    raise BackendError(f"{self.spec.name}: transfer {st.ref} of step {msg.step} from device "
+                                       f"{transfers[st.ref].src} ({src}) did not arrive within "
+                                       f"{self.recv_timeout} s") from None
                 del inst.arrived[(msg.step, st.ref)]
                 wait += time.perf_counter() - t0
                 t = transfers[st.ref]

@@ -25,7 +25,7 @@ import torch
 from tessera_actors.actor import Actor, ActorRef, handler
 from tessera_actors.graph import KernelGraph
 from tessera_actors.messages import (Deploy, Deployment, GetGraph, GetStats, Heartbeat, InstallPlan, LoadValues,
-                                     Place, Register, Registered, Routes, Stats)
+                                     Ok, Place, Register, Registered, ReportLost, Routes, Stats, Uninstall)
 from tessera_actors.plan import Plan, Planner, PlanError, plan_from_dict, plan_to_dict
 
 log = logging.getLogger("tessera_actors.scheduler")
@@ -51,6 +51,8 @@ class SchedulerActor(Actor):
         self.nodes: dict[str, _Node] = {}
         self.inventory: list[tuple[str, int, str]] = []   # (node, local index, device spec)
         self.plans: dict[str, Plan] = {}
+        self.routes: dict[str, list] = {}
+        self.reported_lost: set[str] = set()   # node names reported dead by an engine
 
     @handler(Register)
     def register(self, msg: Register) -> Registered:
@@ -74,7 +76,28 @@ class SchedulerActor(Actor):
 
     def lost_nodes(self) -> list[str]:
         now = time.monotonic()
-        return [n.name for n in self.nodes.values() if now - n.last_seen > self.heartbeat_timeout]
+        return [n.name for n in self.nodes.values()
+                if n.name in self.reported_lost or now - n.last_seen > self.heartbeat_timeout]
+
+    @handler(ReportLost)
+    async def report_lost(self, msg: ReportLost) -> Ok:
+        """Mark the node at ``endpoint`` lost and uninstall the plans that used
+        it from the surviving devices (their pending steps fail at once)."""
+        names = [n.name for n in self.nodes.values() if n.endpoint == msg.endpoint]
+        self.reported_lost.update(names)
+        log.warning("node(s) %s at %s reported lost: %s", names, msg.endpoint, msg.reason)
+        for plan_id, routes in list(self.routes.items()):
+            if not any(ep == msg.endpoint for _, ep, _ in routes):
+                continue
+            for _, ep, name in routes:
+                if ep != msg.endpoint:
+                    try:
+                        await (await self._ref(ep, name)).ask(Uninstall(plan_id), timeout=5)
+                    except Exception as e:  # a second casualty: reported by its own failure
+                        log.warning("could not uninstall %r from %s/%s: %s", plan_id, ep, name, e)
+            self.plans.pop(plan_id, None)
+            self.routes.pop(plan_id, None)
+        return Ok(f"lost: {names}")
 
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:
@@ -121,6 +144,7 @@ class SchedulerActor(Actor):
             held = [b for b in plan.resident[i] if b in self.values]
             await ref.ask(LoadValues(plan_id, held, [self.values[b] for b in held]), timeout=self.install_timeout)
         self.plans[plan_id] = plan
+        self.routes[plan_id] = routes
         log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])
         return Deployment(plan_id, routes, plan_bytes)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .memops import MemAccess, accesses, split_address, value_type, vector_width
+from .memops import MemAccess, accesses, split_address, value_type
 from .model import Function, Instruction, Module, type_bytes
 
 MEM = ("M",)
@@ -101,6 +101,7 @@ class Provenance:
         self._flows: list[tuple] = []
         self._ret_stores: list[tuple[str, str]] = []
         self._params = {p.name: p for p in fn.params}
+        self._memo: dict[str, tuple] = {}
         self._prepare()
         self._solve()
         self._collect_sites()
@@ -117,16 +118,28 @@ class Provenance:
         return None
 
     def _sources(self, operands) -> tuple:
-        refs = []
+        """Register names and constant origins read by ``operands`` (memoised per operand)."""
+        memo = self._memo
+        if len(operands) == 1:
+            hit = memo.get(operands[0])
+            return hit if hit is not None else self._one(operands[0])
+        out: tuple = ()
         for operand in operands:
-            for tok in _TOKEN.findall(operand):
-                if tok[0] == "%":
-                    refs.append(tok)
-                else:
-                    origin = self._const_origin(tok)
-                    if origin is not None:
-                        refs.append(frozenset((origin,)))
-        return tuple(refs)
+            hit = memo.get(operand)
+            out += hit if hit is not None else self._one(operand)
+        return out
+
+    def _one(self, operand: str) -> tuple:
+        refs = []
+        for tok in _TOKEN.findall(operand):
+            if tok[0] == "%":
+                refs.append(tok)
+            else:
+                origin = self._const_origin(tok)
+                if origin is not None:
+                    refs.append(frozenset((origin,)))
+        self._memo[operand] = out = tuple(refs)
+        return out
 
     @staticmethod
     def _dests(operand: str) -> list[str]:
@@ -324,7 +337,11 @@ class Provenance:
     # -- results --------------------------------------------------------------
     def _collect_sites(self) -> None:
         for idx, ins in enumerate(self.fn.body):
-            if not isinstance(ins, Instruction) or not any("[" in o for o in ins.operands):
+            if not isinstance(ins, Instruction):
+                continue
+            ops = ins.operands
+            # every memory instruction has an address among its first two operands
+            if not ops or ("[" not in ops[0] and (len(ops) < 2 or "[" not in ops[1])):
                 continue
             for acc in accesses(ins):
                 if acc.operand >= len(ins.operands):

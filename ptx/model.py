@@ -70,11 +70,12 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]
     guard: str | None = None
+    base: str = ""
 
-    @property
-    def base(self) -> str:
-        """The mnemonic without modifiers: ``ld`` for ``ld.global.f32``."""
-        return self.opcode.split(".", 1)[0]
+    def __post_init__(self) -> None:
+        if not self.base:
+            # the mnemonic without modifiers: ``ld`` for ``ld.global.f32``
+            self.base = self.opcode.partition(".")[0]
 
     @property
     def modifiers(self) -> tuple[str, ...]:

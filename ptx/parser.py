@@ -28,7 +28,8 @@ _FUNC = re.compile(
     re.S,
 )
 _GUARD = re.compile(r"@(!?%?[\w$]+)\s+")
-_SPLIT = re.compile(r",(?![^\[\]{}()]*[\]})])")
+_SPLIT = re.compile(r"\s*,\s*(?![^\[\]{}()]*[\]})])")
+_SIMPLE_SPLIT = re.compile(r"\s*,\s*")
 _WS = re.compile(r"\s+")
 _SYMBOL = re.compile(
     r"\.(?P<space>global|shared|local|const)\s+(?:\.align\s+\d+\s+)?(?:\.v\d\s+)?"
@@ -96,8 +97,32 @@ class _Parser:
         text, heads = self._preprocess()
         self._check_is_ptx(text, heads)
         line = 1
+        simple, split = _SIMPLE_SPLIT.split, _SPLIT.split
         for piece in text.split(";"):
-            self._piece(piece, line)
+            stripped = piece.lstrip()
+            # fast path: a plain instruction inside a body (no label, brace or directive)
+            if self.depth > 0 and stripped and stripped[0] not in "{}." and ":" not in stripped:
+                lead = len(piece) - len(stripped)
+                guard = None
+                if stripped[0] == "@":
+                    m = _GUARD.match(stripped)
+                    if m is None:
+                        raise PtxParseError("malformed predicate guard", line + piece.count("\n", 0, lead))
+                    guard = m.group(1)
+                    stripped = stripped[m.end():]
+                parts = stripped.split(None, 1)
+                if len(parts) == 1:
+                    operands: tuple[str, ...] = ()
+                else:
+                    ops = parts[1].rstrip()
+                    if "\n" in ops or "\t" in ops:
+                        ops = _WS.sub(" ", ops)
+                    operands = tuple(split(ops) if "[" in ops or "{" in ops or "(" in ops else simple(ops))
+                op = parts[0]
+                self.current.body.append(Instruction(line + piece.count("\n", 0, lead), op, operands, guard,
+                                                     op.partition(".")[0]))
+            elif stripped:
+                self._piece(piece, line)
             line += piece.count("\n")
         if self.depth != 0:
             raise PtxParseError("unexpected end of file: missing '}'", line)
@@ -252,7 +277,7 @@ class _Parser:
             ops = parts[1]
             if "\n" in ops or "\t" in ops:
                 ops = _WS.sub(" ", ops)
-            operands = tuple(o.strip() for o in _SPLIT.split(ops))
+            operands = tuple(_SPLIT.split(ops.strip()))
         self.current.body.append(Instruction(line, opcode, operands, guard))
 
     def _directive(self, text: str, line: int) -> None:

@@ -19,16 +19,20 @@ def report(text: str) -> dict[str, dict]:
     return report_module(parse(text))
 
 
-def report_module(module: Module) -> dict[str, dict]:
-    """Report every kernel of an already parsed module, in file order."""
+def report_module(module: Module, features: bool = True) -> dict[str, dict]:
+    """Report every kernel of an already parsed module, in file order.
+
+    ``features=False`` leaves out the cost features (access analysis only).
+    """
     out = {}
     for name, res in analyze_module(module).items():
         out[name] = {
             "params": [p.to_json() for p in res.params],
             "indirect": res.indirect,
             "reasons": res.reasons,
-            "features": kernel_features(module.functions[name], module),
         }
+        if features:
+            out[name]["features"] = kernel_features(module.functions[name], module)
     return out
 
 

@@ -55,6 +55,10 @@ class ArenaConfig:
     out: str = "benchmarks/results"
     link_latency_s: float = 25e-6
     link_bandwidth: float = 385e9
+    max_inflight: int = 4
+    capture: str = "aten"           # aten | inductor
+    r_mem: float | None = 0.6       # memory variant: R's budget (<1: fraction of the whole model+cache; else bytes)
+    compile_baseline: bool = False  # also time torch.compile(mode="reduce-overhead") on L
     log: Any = print
     extra: dict = field(default_factory=dict)
 
@@ -112,11 +116,23 @@ class Phase:
                            max_batch=batch, max_seq=cfg.cache)
         self.inputs = {k: v.to(dev) for k, v in model.example_inputs(kind, batch=batch, seq=seq,
                                                                      pos=cfg.cache - seq - 1).items()}
-        cap = capture_module(model, self.inputs, meta={"model": name, "bucket": f"{kind}:{batch}:{seq}"})
+        meta = {"model": name, "bucket": f"{kind}:{batch}:{seq}"}
+        self.program_cls = None
+        if cfg.capture == "inductor":
+            from actors.backends.triton import TritonProgram
+            from .capture.inductor import capture_inductor
+            cap = capture_inductor(model, self.inputs, meta=meta)
+            self.program_cls = TritonProgram
+        else:
+            from actors.backends.aten import AtenProgram
+            cap = capture_module(model, self.inputs, meta=meta)
+            self.program_cls = AtenProgram
+        self.compiled_step_s = compiled_baseline(model, self.inputs) if cfg.compile_baseline and kind == "decode" else None
         del model
         self.graph, self.values = cap.graph, cap.values
         self.capture_s = time.perf_counter() - t0
-        self.profiles = [profile_kernels(self.graph, self.values, self.inputs, be) for be in backends]
+        self.profiles = [profile_kernels(self.graph, self.values, self.inputs, be, program_cls=self.program_cls)
+                         for be in backends]
         self.profile_s = time.perf_counter() - t0 - self.capture_s
         from .planning import CostTable
         links = {(0, 1): (cfg.link_latency_s, cfg.link_bandwidth), (1, 0): (cfg.link_latency_s, cfg.link_bandwidth)}
@@ -126,17 +142,34 @@ class Phase:
                 f"R {sum(self.profiles[1]) * 1e6:.0f} us")
 
 
-def measure(phase: Phase, plan: Plan, backends, microbatches: int, steps: int) -> float:
-    """Measured seconds per step (all micro-batches) of ``plan``."""
-    used = sorted(set(plan.assignment))
-    if len(plan.devices) == 1:
-        bes = [backends[0]]
-    else:
-        bes = list(backends)
-    ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches)
+def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
+    """Seconds per step of the same model and batch under plain
+    ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), on L."""
+    if not torch.cuda.is_available():
+        return None
+    fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            fn(**inputs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn(**inputs)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def measure(phase: Phase, plan: Plan, backends, microbatches: int, steps: int, held: list | None = None) -> float:
+    """Measured seconds per step (all micro-batches) of ``plan``; the bytes
+    each device holds are appended to ``held`` when given."""
+    bes = list(backends)
+    ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches,
+                           program_cls=phase.program_cls)
     ex.enqueue([phase.inputs] * microbatches)
     t = ex.time_steps(steps)
-    del ex, used
+    if held is not None:
+        held.extend(ex.allocated_bytes())
+    del ex
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return t
@@ -149,25 +182,29 @@ def predicted_step(plan: Plan, costs, microbatches: int) -> float:
 
 
 def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
+    """Decode policies on one graph at ``cfg.batch``. Pipelined policies keep
+    several such micro-batches in flight (each a full batch with its own KV
+    cache), as Request Distribution keeps one per device; tokens/s counts
+    every micro-batch."""
     from .planning import MilpPlanner
     from .planning.baselines import af_plan, layer_split_plan
     L, R = cfg.devices
     log = cfg.log
     log(f"== {name}: {cfg.layers} layers, {cfg.dtype}, L={L} R={R}")
     full = Phase(cfg, name, "decode", cfg.batch, 1, backends)
-    half = Phase(cfg, name, "decode", cfg.batch // 2, 1, backends)
     rows: list[dict[str, Any]] = []
+    devs = list(cfg.devices)
 
-    def add(policy: str, plan: Plan | None, phase: Phase, mb: int, step_s: float | None = None,
+    def add(policy: str, plan: Plan | None, mb: int, step_s: float | None = None,
             devices_used: tuple[str, ...] = (L, R), note: str = "") -> dict[str, Any]:
         if step_s is None:
-            step_s = measure(phase, plan, backends if len(plan.devices) > 1 else
-                             [backends[cfg.devices.index(plan.devices[0])]], mb, cfg.steps)
-        tokens = mb * (cfg.batch // mb if phase is half else cfg.batch) / step_s
+            bes = backends if len(plan.devices) > 1 else [backends[cfg.devices.index(plan.devices[0])]]
+            step_s = measure(full, plan, bes, mb, cfg.steps)
+        tokens = mb * cfg.batch / step_s
         row = {"policy": policy, "step_us": step_s * 1e6, "tokens_per_s": tokens,
                "microbatches": mb, "devices": list(devices_used), "note": note}
         if plan is not None:
-            pc = full.costs if phase is full else half.costs
+            pc = full.costs
             if len(plan.devices) == 1:
                 from .planning import CostTable
                 d = cfg.devices.index(plan.devices[0])
@@ -175,45 +212,83 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
             row["predicted_us"] = predicted_step(plan, pc, mb) * 1e6
             row["bytes_per_step"] = plan.bytes_per_step() * mb
             row["segments"] = len(plan.segments)
+            if "predicted" in plan.meta:
+                row["predicted_busy"] = plan.meta["predicted"].get("busy")
         rows.append(row)
-        log(f"  {policy:<22} {row['step_us']:9.0f} us/step  {tokens:10.0f} tok/s"
-            + (f"  (predicted {row['predicted_us']:.0f} us)" if "predicted_us" in row else ""))
+        log(f"  {policy:<22} {row['step_us']:9.0f} us/step x{mb}  {tokens:10.0f} tok/s"
+            + (f"  (predicted {row['predicted_us']:.0f} us, {row.get('segments')} segments)" if "predicted_us" in row else ""))
         return row
 
-    homo_l = add("Homo-L", single_device_plan(full.graph, L), full, 1, devices_used=(L,))
-    homo_r = add("Homo-R", single_device_plan(full.graph, R), full, 1, devices_used=(R,))
+    homo_l = add("Homo-L", single_device_plan(full.graph, L), 1, devices_used=(L,))
+    homo_r = add("Homo-R", single_device_plan(full.graph, R), 1, devices_used=(R,))
     rd_step = 1 / (1 / (homo_l["step_us"] * 1e-6) + 1 / (homo_r["step_us"] * 1e-6))
-    add("Request Distribution", None, full, 1, step_s=rd_step, note="a replica per device; from the Homo runs")
-    devs = list(cfg.devices)
-    try:
-        add("AF", af_plan(half.graph, devs, half.costs), half, 2)
-    except Exception as e:  # a model without attention scopes, say
-        log(f"  AF not applicable: {e}")
-    add("layer split", layer_split_plan(half.graph, devs, half.costs), half, 2)
+    add("Request Distribution", None, 1, step_s=rd_step, note="a replica per device; from the Homo runs")
+    for policy, make in (("AF", af_plan), ("layer split", layer_split_plan)):
+        try:
+            add(policy, make(full.graph, devs, full.costs), 2)
+        except Exception as e:  # e.g. no attention scopes
+            log(f"  {policy} not applicable: {type(e).__name__}: {e}")
+    t0 = time.perf_counter()
     lat = MilpPlanner(full.costs).plan(full.graph, devs, "latency")
-    add("Tessera latency", lat, full, 1)
-    thr = MilpPlanner(half.costs).plan(half.graph, devs, "throughput")
-    thr_row = add("Tessera throughput", thr, half, 2, note=f"source {thr.meta.get('source')}, "
-                  f"gap {thr.meta.get('solver', {}).get('mip_gap')}")
-    ideal_full = ideal_split(full.profiles)
-    ideal_half = ideal_split(half.profiles)
-    ideal = {"decode_full_us": ideal_full * 1e6, "decode_full_tokens_per_s": cfg.batch / ideal_full,
-             "decode_2x_half_tokens_per_s": cfg.batch / (2 * ideal_half)}
-    best_ideal = max(ideal["decode_full_tokens_per_s"], ideal["decode_2x_half_tokens_per_s"])
+    thr = MilpPlanner(full.costs).plan(full.graph, devs, "throughput")
+    plan_s = time.perf_counter() - t0
+    add("Tessera latency", lat, 1, note=f"source {lat.meta.get('source')}")
+    mb = max(1, min(thr.microbatches, cfg.max_inflight))
+    add("Tessera throughput", thr, mb, note=f"source {thr.meta.get('source')}, "
+        f"gap {thr.meta.get('solver', {}).get('mip_gap')}")
+    memory = memory_variant(cfg, full, backends, add) if cfg.r_mem else None
+    ideal_s = ideal_split(full.profiles)
+    best_ideal = cfg.batch / ideal_s
     for r in rows:
         r["of_ideal"] = r["tokens_per_s"] / best_ideal
         r["price_per_h"] = sum(price_of(d) for d in r["devices"])
         r["tokens_per_dollar"] = r["tokens_per_s"] * 3600 / r["price_per_h"]
-    log(f"  ideal zero-comm split: {ideal['decode_full_us']:.0f} us/step at batch {cfg.batch} "
-        f"({best_ideal:.0f} tok/s best of 1x{cfg.batch} / 2x{cfg.batch // 2}); "
-        f"Tessera throughput = {thr_row['of_ideal'] * 100:.1f}% of it")
-    result = {"model": name, "decode": rows, "ideal": ideal,
-              "capture_s": full.capture_s, "profile_s": full.profile_s,
+    tess = max(r["tokens_per_s"] for r in rows if r["policy"].startswith("Tessera") and "GiB" not in r["policy"])
+    log(f"  ideal zero-comm split: {ideal_s * 1e6:.0f} us per batch-{cfg.batch} step ({best_ideal:.0f} tok/s); "
+        f"best Tessera plan = {tess / best_ideal * 100:.1f}% of it; both plans solved in {plan_s:.1f} s")
+    if full.compiled_step_s:
+        over = rows[0]["step_us"] * 1e-6 / full.compiled_step_s - 1
+        log(f"  overhead check: Homo-L through tessera {rows[0]['step_us']:.0f} us vs torch.compile(reduce-overhead) "
+            f"{full.compiled_step_s * 1e6:.0f} us: {over * 100:+.1f}%")
+    result = {"model": name, "decode": rows, "memory_variant": memory, "compiled_step_us": (full.compiled_step_s or 0) * 1e6, "ideal": {"step_us": ideal_s * 1e6, "tokens_per_s": best_ideal},
+              "capture_s": full.capture_s, "profile_s": full.profile_s, "plan_s": plan_s,
               "kernels": len(full.graph.kernels)}
-    del full, half
+    del full
     gc.collect()
     result.update(run_prefill(cfg, name, backends, result))
     return result
+
+
+def memory_variant(cfg: ArenaConfig, full: Phase, backends, add) -> dict[str, Any]:
+    """R gets a memory budget it cannot fit the whole model and its KV cache
+    into: Request Distribution and PD (decode on R) are out; Tessera's
+    memory-aware plan keeps what R holds under the budget."""
+    from .planning import MilpPlanner
+    from .plan import PlanError
+    g = full.graph
+    whole = sum(b.nbytes for b in g.buffers.values())
+    budget = int(cfg.r_mem * whole) if cfg.r_mem < 1 else int(cfg.r_mem)
+    cfg.log(f"  memory variant: R budget {budget / 2**30:.2f} GiB, the whole model + cache needs "
+            f"{whole / 2**30:.2f} GiB: Request Distribution and PD-with-decode-on-R do not fit")
+    costs = full.costs.with_mem([None, budget])
+    out: dict[str, Any] = {"budget_bytes": budget, "whole_bytes": whole}
+    for mode in ("latency", "throughput"):
+        try:
+            plan = MilpPlanner(costs).plan(g, list(cfg.devices), mode)
+        except PlanError as e:
+            cfg.log(f"  memory variant {mode}: {e}")
+            out[mode] = {"error": str(e)}
+            continue
+        mb = 1 if mode == "latency" else max(1, min(plan.microbatches, cfg.max_inflight))
+        held: list[int] = []
+        step = measure(full, plan, backends, mb, cfg.steps, held)
+        row = add(f"Tessera {mode} (R {budget / 2**30:.1f} GiB)", plan, mb, step_s=step)
+        row["held_bytes"] = held
+        row["fits"] = held[1] <= budget
+        cfg.log(f"    held on R: {held[1] / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB "
+                f"({'within' if row['fits'] else 'OVER'} budget with {mb} micro-batch(es))")
+        out[mode] = row
+    return out
 
 
 def run_prefill(cfg: ArenaConfig, name: str, backends, decode: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +306,8 @@ def run_prefill(cfg: ArenaConfig, name: str, backends, decode: dict[str, Any]) -
     t["Tessera"] = measure(pre, lat, backends, 1, max(3, cfg.steps // 4))
     for k, v in t.items():
         log(f"  prefill 1x{cfg.prompt} {k:<10} {v * 1e6:9.0f} us")
-    dec = {r["policy"]: r["step_us"] * 1e-6 for r in decode["decode"]}
+    # decode seconds per batch-sized step (pipelined policies: per micro-batch)
+    dec = {r["policy"]: r["step_us"] * 1e-6 / r["microbatches"] for r in decode["decode"]}
     kv_bytes = sum(b.nbytes for b in pre.graph.buffers.values() if b.role == "state") / max(cfg.batch, 1)
     kv_s = cfg.link_latency_s + kv_bytes / cfg.link_bandwidth
 
@@ -248,7 +324,8 @@ def run_prefill(cfg: ArenaConfig, name: str, backends, decode: dict[str, Any]) -
     for pol in ("AF", "layer split"):  # their prefill: on L alone (the better single device)
         if pol in dec:
             wl[pol] = workload(min(t["Homo-L"], t["Homo-R"]), dec[pol])
-    wl["Tessera"] = workload(t["Tessera"], min(dec["Tessera throughput"], dec["Tessera latency"]))
+    per_token = {r["policy"]: r["step_us"] * 1e-6 / r["microbatches"] for r in decode["decode"]}
+    wl["Tessera"] = workload(t["Tessera"], min(per_token["Tessera throughput"], per_token["Tessera latency"]))
     log("  workload output tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in wl.items()))
     return {"prefill_us": {k: v * 1e6 for k, v in t.items()}, "workload_tokens_per_s": wl}
 
@@ -257,10 +334,11 @@ def print_table(results: list[dict[str, Any]], cfg: ArenaConfig) -> str:
     lines = [f"arena: L={cfg.devices[0]} R={cfg.devices[1]}, decode batch {cfg.batch}, cache {cfg.cache}, "
              f"{cfg.layers} layers, {cfg.dtype}; prices $/h L={price_of(cfg.devices[0]):.2f} "
              f"R={price_of(cfg.devices[1]):.2f}",
-             f"| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs PD-free best |",
+             f"| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs best single-plan baseline |",
              "|---|---|---|---|---|---|---|---|"]
     for res in results:
-        best_other = max(r["tokens_per_s"] for r in res["decode"] if not r["policy"].startswith("Tessera"))
+        best_other = max(r["tokens_per_s"] for r in res["decode"] if not r["policy"].startswith("Tessera")
+                         and r["policy"] != "Request Distribution")
         for r in res["decode"]:
             pred = f"{r['predicted_us']:.0f}" if "predicted_us" in r else "-"
             lines.append(f"| {res['model']} | {r['policy']} | {r['step_us']:.0f} | {pred} | {r['tokens_per_s']:.0f} | "
@@ -284,8 +362,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
         names = [r["policy"] for r in res["decode"]]
         vals = [r["tokens_per_s"] for r in res["decode"]]
         ax.barh(names, vals, color=["tab:orange" if n.startswith("Tessera") else "tab:blue" for n in names])
-        ax.axvline(max(res["ideal"]["decode_full_tokens_per_s"], res["ideal"]["decode_2x_half_tokens_per_s"]),
-                   color="k", ls="--", label="ideal zero-comm split")
+        ax.axvline(res["ideal"]["tokens_per_s"], color="k", ls="--", label="ideal zero-comm split")
         ax.set_title(f"{res['model']} decode")
         ax.set_xlabel("tokens/s")
         ax.legend(loc="lower right")

@@ -21,6 +21,27 @@ def _plan(args: argparse.Namespace) -> int:
     return plan_command(args.graph, args.devices.split(","), args.mode, args.png, args.costs)
 
 
+def _budget(text: str) -> float | None:
+    from .devices import parse_bytes
+    try:
+        v = float(text)
+    except ValueError:
+        return float(parse_bytes(text))
+    return v or None
+
+
+def _arena(args: argparse.Namespace) -> int:
+    from .arena import ArenaConfig, default_devices, run_arena
+    devices = tuple(args.devices.split(",")) if args.devices else default_devices()
+    if len(devices) != 2:
+        raise ValueError("--devices takes two devices: L,R")
+    cfg = ArenaConfig(tuple(args.models.split(",")), devices, args.layers, args.batch, args.cache, args.prompt,
+                      args.out_tokens, args.steps, args.dtype, args.size, args.out,
+                      capture=args.capture, compile_baseline=args.compile_baseline, r_mem=_budget(args.r_mem))
+    run_arena(cfg)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tessera", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -47,6 +68,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", default=None, help="cost table file (default: estimate from kernel features)")
     p.add_argument("--png", default=None, help="write a timeline of the predicted schedule")
     p.set_defaults(fn=_plan)
+
+    p = sub.add_parser("bench", help="benchmarks: arena (all policies side by side)")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("arena", help="every placement policy on one heterogeneous pair, side by side")
+    b.add_argument("--models", default="llama,moe")
+    b.add_argument("--devices", default=None, help="L,R (default: cuda:0,cuda:1?sms=32 on two GPUs)")
+    b.add_argument("--layers", type=int, default=4)
+    b.add_argument("--batch", type=int, default=64)
+    b.add_argument("--cache", type=int, default=2048)
+    b.add_argument("--prompt", type=int, default=1024)
+    b.add_argument("--out-tokens", type=int, default=128)
+    b.add_argument("--steps", type=int, default=20)
+    b.add_argument("--dtype", default="bfloat16")
+    b.add_argument("--size", default="real")
+    b.add_argument("--out", default="benchmarks/results")
+    b.add_argument("--capture", default="aten", choices=["aten", "inductor"],
+                   help="kernel program: aten ops (default) or inductor's generated kernels")
+    b.add_argument("--compile-baseline", action="store_true",
+                   help="also time plain torch.compile(mode='reduce-overhead') on L (overhead check)")
+    b.add_argument("--r-mem", default="0.6",
+                   help="memory variant: R's budget as a fraction of the whole model+cache, or bytes (24GiB); 0: skip")
+    b.set_defaults(fn=_arena)
 
     p = sub.add_parser("node", help="run a node daemon", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -267,3 +267,11 @@ class Deployment:
 @message
 class Shutdown:
     """Ask a node to shut down in order (as SIGTERM does)."""
+
+
+@message
+class ReportLost:
+    """To the scheduler: the node serving ``endpoint`` stopped answering;
+    later placements leave it out. Reply: ``Ok``."""
+    endpoint: str
+    reason: str = ""

@@ -41,7 +41,10 @@ def _overlaps(ranges_a, s: int, e: int) -> bool:
 
 class PipelinedExecutor:
     def __init__(self, graph: KernelGraph, plan: Plan, values: dict[int, torch.Tensor],
-                 backends: Sequence[DeviceBackend], microbatches: int = 1, capture: bool = True) -> None:
+                 backends: Sequence[DeviceBackend], microbatches: int = 1, capture: bool = True,
+                 program_cls: type = AtenProgram) -> None:
+        """``program_cls`` runs the graph's kernels (``AtenProgram`` for aten
+        captures; a subclass for graphs of generated kernels)."""
         if len(backends) != len(plan.devices):
             raise ValueError(f"{len(backends)} backends for a plan of {len(plan.devices)} devices")
         if microbatches < 1:
@@ -57,7 +60,7 @@ class PipelinedExecutor:
                     t[: values[b].numel()].copy_(values[b].reshape(-1))
             row = []
             for m in range(microbatches):
-                p = AtenProgram(graph, be.device, plan.resident[d], shared=weights)
+                p = program_cls(graph, be.device, plan.resident[d], shared=weights)
                 p.load({b: v for b, v in values.items() if graph.buffers[b].role == "state"})
                 row.append(p)
             self.progs.append(row)
@@ -156,6 +159,16 @@ class PipelinedExecutor:
                         g_id = self.src_guard[t.tag]
                         (waits_before if g_id > s.id else self._carry)[(g_id, m)].append(done)
         self.step_count += 1
+
+    def allocated_bytes(self) -> list[int]:
+        """Bytes of plan buffers held on each device: shared weights once,
+        everything else once per micro-batch."""
+        out = []
+        for d, row in enumerate(self.progs):
+            weights = sum(self.graph.buffers[b].nbytes for b in self.plan.resident[d]
+                          if self.graph.buffers[b].role == "weight")
+            out.append(weights + sum(p.nbytes for p in row))
+        return out
 
     def synchronize(self) -> None:
         for be in self.backends:

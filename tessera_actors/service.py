@@ -9,7 +9,10 @@ request handlers; it streams tokens as they are produced.
 Contract: requests are served one at a time in arrival order (the captured
 graph has batch 1 and one KV cache); a waiting request is never dropped -
 it is served when the one ahead finishes, or fails with the error that made
-the engine unusable.  ``max_queue`` bounds the waiting line: beyond it
+the engine unusable.  A lost device (a node that stops answering) is
+reported to the scheduler, the graph is re-placed on the survivors and the
+request continues there with the tokens already produced, so the client
+sees one uninterrupted reply.  ``max_queue`` bounds the waiting line: beyond it
 ``generate`` raises ``ServiceBusy`` at once instead of queueing forever.
 """
 from __future__ import annotations
@@ -29,8 +32,9 @@ from actors.transfer import TransferActor
 from .capture import capture_module
 from .cluster import LocalCluster
 from .devices import parse_devices
-from .engine import Engine
-from .messages import GetStats, Place, Register
+from .engine import Engine, StepFailed
+from .errors import ActorError
+from .messages import GetStats, Ping, Place, Register, ReportLost
 from .plan import plan_from_dict
 from .planners import get_planner
 from .system import ActorSystem
@@ -49,6 +53,7 @@ class ServiceConfig:
     planner: str = "contiguous"
     max_queue: int = 64
     step_timeout: float = 60.0
+    ping_timeout: float = 2.0
 
 
 class GenerationService:
@@ -95,11 +100,18 @@ class GenerationService:
             for i, spec in enumerate(specs):
                 await self.system.spawn(DeviceActor(spec), f"device{i}")
             await sched.ask(Register("local", address, [s.name for s in specs]))
-        dep = await sched.ask(Place("service", "latency"), timeout=300)
+        self.generation = 0
+        await self._place("service")
+
+    async def _place(self, plan_id: str) -> None:
+        sched = self.system.ref("scheduler")
+        dep = await sched.ask(Place(plan_id, "latency"), timeout=300)
         self.plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
+        self.routes = dep.routes
+        address = self.system.address
         refs = [await self.system.remote_ref(ep, name) if ep != address else self.system.ref(name)
                 for _, ep, name in dep.routes]
-        self.engine = Engine(self.graph, self.plan, "service", refs, cfg.step_timeout)
+        self.engine = Engine(self.graph, self.plan, plan_id, refs, self.cfg.step_timeout)
         self.log(self.plan.describe(self.graph))
 
     async def stop(self) -> None:
@@ -138,21 +150,56 @@ class GenerationService:
         finally:
             self._waiting -= 1
         try:
-            eos = self.eos()
-            logits = None
-            for pos, tok in enumerate(prompt_ids):
-                logits = (await self.engine.step({"input_ids": torch.tensor([[tok]]),
-                                                  "positions": torch.tensor([pos])}))[0]
-            pos = len(prompt_ids)
-            for _ in range(max_new):
-                tok = int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]))
-                if tok == eos:
-                    break
-                yield tok
-                if pos >= self.max_seq:
-                    break
-                logits = (await self.engine.step({"input_ids": torch.tensor([[tok]]),
-                                                  "positions": torch.tensor([pos])}))[0]
-                pos += 1
+            produced: list[int] = []
+            attempts = 0
+            while True:
+                try:
+                    async for tok in self._decode(list(prompt_ids) + produced, max_new - len(produced)):
+                        produced.append(tok)
+                        yield tok
+                    return
+                except StepFailed as e:
+                    attempts += 1
+                    if attempts > len(self.plan.devices):
+                        raise
+                    await self._recover(e)   # then continue the same request on the survivors
         finally:
             self._lock.release()
+
+    async def _decode(self, context: list[int], max_new: int) -> AsyncIterator[int]:
+        eos = self.eos()
+        logits = None
+        for pos, tok in enumerate(context):
+            logits = (await self.engine.step({"input_ids": torch.tensor([[tok]]),
+                                              "positions": torch.tensor([pos])}))[0]
+        pos = len(context)
+        for _ in range(max_new):
+            tok = int(torch.argmax(logits.reshape(-1, logits.shape[-1])[-1]))
+            if tok == eos:
+                return
+            yield tok
+            if pos >= self.max_seq:
+                return
+            logits = (await self.engine.step({"input_ids": torch.tensor([[tok]]),
+                                              "positions": torch.tensor([pos])}))[0]
+            pos += 1
+
+    async def _recover(self, failure: Exception) -> None:
+        """Find the nodes that stopped answering, report them, re-place the
+        graph on the survivors; re-raise ``failure`` when every node answers
+        (the fault is not a lost device)."""
+        lost = []
+        for ep in sorted({ep for _, ep, _ in self.routes}):
+            try:
+                ref = self.system.ref("device0") if ep == self.system.address else await self.system.remote_ref(ep, "node")
+                await ref.ask(Ping(), timeout=self.cfg.ping_timeout)
+            except ActorError:
+                lost.append(ep)
+        if not lost:
+            raise failure
+        sched = self.system.ref("scheduler")
+        for ep in lost:
+            await sched.ask(ReportLost(ep, str(failure)))
+        self.generation += 1
+        self.log(f"lost {lost}; re-placing on the survivors")
+        await self._place(f"service-{self.generation}")

@@ -74,8 +74,24 @@ class StoppingCounter(Counter):
     restart_policy = "stop"
 
 
+@message
+class ActWaitGate:
+    pass
+
+
 class TinyMailbox(Counter):
+    """Mailbox of 2; ``ActWaitGate`` blocks the actor until ``gate`` is set."""
     mailbox_size = 2
+
+    def __init__(self):
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
+
+    @handler(ActWaitGate)
+    async def wait_gate(self, msg):
+        self.waiting.set()
+        await self.gate.wait()
 
 
 @pytest.fixture
@@ -193,15 +209,17 @@ async def test_handler_exception_restart_resets_state(system):
 
 
 async def test_handler_exception_stop_policy(system):
-    ref = await system.spawn(StoppingCounter(), "c")
+    actor = StoppingCounter()
+    ref = await system.spawn(actor, "c")
+    failing = asyncio.ensure_future(ref.ask(ActFail()))
     queued = asyncio.ensure_future(ref.ask(ActGet()))
     with pytest.raises(RemoteError):
-        await ref.ask(ActFail())
-    await asyncio.sleep(0)
-    assert not ref.alive
+        await failing
+    with pytest.raises(ActorDead):   # was queued behind the failure
+        await queued
+    assert not ref.alive and actor.stops == 1
     with pytest.raises(ActorDead):
         await ref.ask(ActGet())
-    queued.cancel()
 
 
 async def test_failing_tell_is_logged_and_actor_serves_on(system, caplog):
@@ -212,9 +230,10 @@ async def test_failing_tell_is_logged_and_actor_serves_on(system, caplog):
 
 
 async def test_bounded_mailbox_backpressure(system):
-    ref = await system.spawn(TinyMailbox(), "c")
-    blocker = asyncio.ensure_future(ref.ask(ActSleep(0.1)))
-    await asyncio.sleep(0.01)   # the actor is busy in the sleep handler
+    actor = TinyMailbox()
+    ref = await system.spawn(actor, "c")
+    blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
+    await actor.waiting.wait()   # the actor is busy; its mailbox is empty
     await ref.tell(ActAdd())
     await ref.tell(ActAdd())    # mailbox (2) now full
     with pytest.raises(MailboxFull):
@@ -222,20 +241,24 @@ async def test_bounded_mailbox_backpressure(system):
     third = asyncio.ensure_future(ref.tell(ActAdd()))
     await asyncio.sleep(0.02)
     assert not third.done()     # waits for space
+    actor.gate.set()
     await blocker
     await third
     assert await ref.ask(ActGet()) == 3
 
 
 async def test_ask_timeout_while_mailbox_full(system):
-    ref = await system.spawn(TinyMailbox(), "c")
-    blocker = asyncio.ensure_future(ref.ask(ActSleep(0.2)))
-    await asyncio.sleep(0.01)
+    actor = TinyMailbox()
+    ref = await system.spawn(actor, "c")
+    blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
+    await actor.waiting.wait()
     await ref.tell(ActAdd())
     await ref.tell(ActAdd())
     with pytest.raises(AskTimeout):
         await ref.ask(ActGet(), timeout=0.02)
+    actor.gate.set()
     await blocker
+    assert await ref.ask(ActGet()) == 2
 
 
 async def test_local_ask_passes_objects_without_copy(system):

@@ -51,6 +51,20 @@ def test_registry_rejects_unknown_names_and_sizes():
         models.get("moe", dispatch="magic")
 
 
+@pytest.mark.parametrize("name", ["llama", "moe", "mamba2", "vlm"])
+def test_state_is_sized_by_config_overrides(name):
+    """Capture buckets pick the cache size: ``max_batch``/``max_seq`` overrides."""
+    m = models.get(name, max_batch=8, max_seq=32) if name != "mamba2" else models.get(name, max_batch=8)
+    buffers = dict(m.named_buffers())
+    first = buffers[m.state_names()[0]]
+    assert first.shape[0] == 8
+    if name != "mamba2":
+        assert first.shape[1] == 32
+    assert m(**m.example_inputs("decode", batch=8, pos=3)).shape[0] == 8
+    with pytest.raises(ValueError, match="max_batch"):
+        m(**m.example_inputs("decode", batch=9, pos=3))
+
+
 @pytest.mark.parametrize("name", LMS)
 def test_lm_example_inputs_and_output_shapes(name):
     m = models.get(name)

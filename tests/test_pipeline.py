@@ -31,7 +31,7 @@ def cosine(a, b):
 
 
 def captured(device, dtype, batch=1, name="llama"):
-    m = models.get(name, "tiny", dtype=dtype, seed=0, device=device)
+    m = models.get(name, "tiny", dtype=dtype, seed=0, device=device, max_seq=128)
     inp = {k: v.to(device) for k, v in m.example_inputs("decode", batch=batch).items()}
     return capture_module(m, inp), inp
 

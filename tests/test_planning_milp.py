@@ -4,7 +4,7 @@ import pytest
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable
-from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
+from tessera_actors.planning.planner import MilpPlanner, PlannerConfig, fits
 from tessera_actors.planning.baselines import single_graph_baselines
 from tessera_actors.planning.synthetic import random_costs, transformer_graph
 
@@ -137,3 +137,28 @@ def test_latency_plan_memory_budget_on_synthetic_model():
     p = plan(g, costs, "latency")
     assert len(set(p.assignment)) == 2
     assert all(r <= m for r, m in zip(p.resident_bytes(g), costs.mem))
+
+
+def test_layers_inferred_from_scope_and_names():
+    """A capture that left layer/signature empty: layers come from the
+    module path, repeated kernels from their names."""
+    src = transformer_graph(6, hidden=256, tokens=8)
+    ks = [Kernel(x.id, x.name, x.kind, x.accesses, flops=x.flops, bytes=x.bytes, scope=x.scope) for x in src.kernels]
+    g = KernelGraph(ks, src.buffers, src.inputs, src.outputs)
+    p = plan(g, random_costs(g, DEVS, seed=1), "throughput")
+    assert p.meta["solver"]["tied_kernels"] == 72
+
+
+def test_inflight_limited_by_activation_memory():
+    g = transformer_graph(6, hidden=256, tokens=8)
+    costs = random_costs(g, DEVS, seed=0)
+    free = plan(g, costs, "throughput")
+    assert free.microbatches > 2
+    res = free.resident_bytes(g)
+    act = [sum(g.buffers[b].nbytes for b in bufs if g.buffers[b].role != "weight" and g.buffers[b].role != "state")
+           for bufs in free.resident]
+    tight = costs.with_mem([r + a for r, a in zip(res, act)])     # room for two micro-batches on the same split
+    p = plan(g, tight, "throughput")
+    assert not any(fits(g, p, tight, p.microbatches))
+    if p.assignment == free.assignment:
+        assert p.microbatches <= 2

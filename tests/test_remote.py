@@ -56,6 +56,7 @@ class RemoteBadReply:
 class Summer(Actor):
     async def on_start(self):
         self.calls = 0
+        self.sleeping = asyncio.Event()
 
     @handler(RemoteSum)
     def sum(self, msg):
@@ -68,6 +69,7 @@ class Summer(Actor):
 
     @handler(RemoteSleep)
     async def sleep(self, msg):
+        self.sleeping.set()
         await asyncio.sleep(msg.seconds)
         return self.calls
 
@@ -79,7 +81,8 @@ class Summer(Actor):
 @pytest.fixture
 async def pair():
     async with ActorSystem("server") as server, ActorSystem("client") as client:
-        await server.spawn(Summer(), "summer")
+        server.summer = Summer()   # the tests look at its state, as a user's test would
+        await server.spawn(server.summer, "summer")
         address = await server.listen()
         yield server, client, address
 
@@ -140,7 +143,7 @@ async def test_remote_stop_and_pending_asks(pair):
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
     pending = asyncio.ensure_future(ref.ask(RemoteSleep(10)))
-    await asyncio.sleep(0.05)
+    await server.summer.sleeping.wait()
     await ref.stop()
     with pytest.raises(ActorDead):
         await pending
@@ -154,7 +157,7 @@ async def test_client_shutdown_fails_pending_remote_asks(pair):
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
     pending = asyncio.ensure_future(ref.ask(RemoteSleep(10)))
-    await asyncio.sleep(0.05)
+    await server.summer.sleeping.wait()
     await client.shutdown()
     with pytest.raises(ActorDead):
         await pending
@@ -164,7 +167,7 @@ async def test_server_shutdown_answers_pending_remote_asks_with_actor_dead(pair)
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
     pending = asyncio.ensure_future(ref.ask(RemoteSleep(10), timeout=5))
-    await asyncio.sleep(0.05)
+    await server.summer.sleeping.wait()
     await server.shutdown()
     with pytest.raises(ActorDead):
         await asyncio.wait_for(pending, 2)

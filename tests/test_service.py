@@ -74,3 +74,19 @@ async def test_chat_http_example_answers_and_rejects_bad_input():
         assert r.status == 200 and len((await r.text()).split()) == 4
         r = await client.get("/health")
         assert "segments" in (await r.json())["plan"]
+
+
+async def test_lost_node_mid_request_is_replaced_and_the_reply_continues():
+    """Kill one of two node processes during a request: the service reports
+    it, re-places the graph on the survivor and finishes the same reply."""
+    cfg = ServiceConfig(model="llama", size="tiny", nodes=("cpu", "cpu"), step_timeout=3.0, ping_timeout=1.0)
+    want = eager_greedy([5, 6, 7], 10)
+    async with GenerationService(cfg) as svc:
+        assert len({ep for _, ep, _ in svc.routes}) == 2
+        got = []
+        async for tok in svc.generate([5, 6, 7], 10):
+            got.append(tok)
+            if len(got) == 3:
+                svc.cluster.nodes[1].proc.kill()
+        assert got == want
+        assert len(svc.plan.devices) == 1 and svc.generation == 1

@@ -21,28 +21,27 @@ its arguments (tensor references and scalars), so
 kernel's PTX and source are stored once in ``graph.meta`` (zlib-compressed
 when ``compress``). A kernel whose PTX is missing or cannot be analysed is
 pinned (``indirect``) with every tensor argument read-write, and listed in
-``graph.meta["pinned"]`` - never a silently wrong graph.
+``graph.meta["pinned"]`` - never a silently wrong graph. Kernels the PTX
+analysis finds indirect are listed in ``graph.meta["indirect_kernels"]``.
 """
 from __future__ import annotations
 
 import logging
-import re
 import time
-import zlib
 from typing import Any, Callable
 
 import torch
 
-from ..graph import Access, Buffer, Kernel, KernelGraph
 from . import inductor_hooks as hooks
-from .aten import CaptureError, CaptureResult, _pack_temps, _Recorder, _remap_payload, byte_span
-from .inductor_match import KernelAnalysis, analyze_ptx, inductor_opinion, launch_access
+from .aten import CaptureError, CaptureResult, _Recorder, byte_span
+from .inductor_graph import assemble
+from .inductor_match import (KernelAnalysis, analyze_ptx, inductor_opinion, launch_access, ptx_text,
+                             triton_source, unpack_text)
 
 log = logging.getLogger("tessera.capture.inductor")
 
 _ALLOC = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
           "aten::new_empty_strided"}
-_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
 
 
 def dense(t: torch.Tensor) -> bool:
@@ -71,6 +70,8 @@ class _InductorRecorder(_Recorder):
         if self.suspended:  # ops inside a Triton launch (scratch allocation)
             return func(*args, **kwargs)
         qual = func._schema.name
+        if func.is_view:  # no data touched; do not let a first sighting make a temp a weight
+            return func(*args, **kwargs)
         if qual in _ALLOC:
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor):
@@ -104,6 +105,10 @@ class _InductorRecorder(_Recorder):
     # -- Triton launches --------------------------------------------------
     def on_launch(self, tuner, args: tuple, kwargs: dict, call: Callable[[], Any]) -> Any:
         k = self._kernel(tuner)
+        tensor_kwargs = [n for n, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        if tensor_kwargs:  # not inductor's calling convention: refuse rather than guess positions
+            raise CaptureError(f"Triton kernel {k['name']} was launched with tensor keyword arguments "
+                               f"{tensor_kwargs}; the capture cannot match them to PTX parameters")
         names = k["info"]["arg_names"]
         named = [(names[i] if i < len(names) else None, "tensor" if isinstance(a, torch.Tensor) else "scalar")
                  for i, a in enumerate(args)]
@@ -205,25 +210,6 @@ def _read_source(path: str) -> str:
         return ""
 
 
-def pack_text(text: str, compress: bool) -> Any:
-    return zlib.compress(text.encode(), 6) if compress else text
-
-
-def unpack_text(v: Any) -> str:
-    """Text stored by :func:`pack_text` (plain or zlib bytes)."""
-    if isinstance(v, (bytes, bytearray)):
-        return zlib.decompress(v).decode()
-    return v or ""
-
-
-def ptx_text(graph: KernelGraph, key: str) -> str:
-    return unpack_text(graph.meta.get("ptx", {}).get(key))
-
-
-def triton_source(graph: KernelGraph, key: str) -> str:
-    return unpack_text(graph.meta.get("triton_src", {}).get(key))
-
-
 # -- capture ------------------------------------------------------------------
 def compile_model(model: torch.nn.Module, *, reset: bool = True) -> Callable[..., Any]:
     """``torch.compile`` with inductor, fullgraph, static shapes, no CUDA graphs."""
@@ -257,13 +243,15 @@ def _unique_graphs() -> int:
 def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      state_names: list[str] | None = None, meta: dict[str, Any] | None = None, *,
                      warmup: int = 2, reuse_temps: bool = True, keep_ptx: bool = True,
-                     compress: bool = True, progress: Callable[[str], None] | None = None) -> CaptureResult:
+                     compress: bool = True, progress: Callable[[str], None] | None = None,
+                     compiled: Callable[..., Any] | None = None) -> CaptureResult:
     """Compile ``model`` with inductor and record ``model(**inputs)``.
 
     Weights are the model's parameters and non-state buffers; state buffers
     (default ``model.state_names()``) are snapshot before the recorded run
     and restored after it (warm-up runs too), so the model's state is
-    unchanged by the capture. ``progress`` receives phase names. Raises
+    unchanged by the capture. ``progress`` receives phase names; ``compiled``
+    (from :func:`compile_model`) reuses an already compiled model. Raises
     :class:`CaptureError` when the model cannot be compiled or recorded."""
     say = progress or (lambda msg: log.info("%s", msg))
     if state_names is None:
@@ -286,7 +274,8 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     try:
         t0 = time.perf_counter()
         say("compiling")
-        compiled = compile_model(model)
+        if compiled is None:
+            compiled = compile_model(model)
         try:
             with torch.no_grad():
                 for i in range(max(1, warmup)):
@@ -321,93 +310,22 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
             raise CaptureError("the model was recompiled during the recorded run (guards failed): "
                                "the recorded program would not be the warmed-up one")
         times["record_s"] = time.perf_counter() - t1
+        warnings = []
+        if device.type == "cuda" and rec.launches == 0:
+            warnings.append("no Triton kernel launch was recorded: the compiled frame may have been "
+                            "skipped (run eagerly) under the recorder; the graph holds aten ops only")
+            log.warning("%s", warnings[-1])
         say("building graph")
         t2 = time.perf_counter()
-        res = _assemble(rec, result, inputs, dict(meta or {}), reuse_temps, compress, keep_ptx)
+        res = assemble(rec, result, inputs, dict(meta or {}), reuse_temps, compress, keep_ptx)
         times["assemble_s"] = time.perf_counter() - t2
         times["total_s"] = time.perf_counter() - t0
         res.graph.meta["capture_times"] = {k: round(v, 3) for k, v in times.items()}
         res.graph.meta["torch"] = torch.__version__
+        res.graph.meta["warnings"] = warnings
         return res
     finally:
         restore()
 
 
-def _assemble(rec: _InductorRecorder, result: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any],
-              reuse_temps: bool, compress: bool, keep_ptx: bool) -> CaptureResult:
-    outs = list(result) if isinstance(result, (list, tuple)) else [result]
-    if not all(isinstance(t, torch.Tensor) for t in outs):
-        raise CaptureError("the compiled model must return a tensor or a tuple of tensors")
-    if not rec.records:
-        raise CaptureError("no kernel was recorded: is the model empty, or did the run hit a fallback?")
-    storages = sorted(rec.storages.values(), key=lambda s: s["id"])
-    out_ids = [rec._storage(t, producing=True) for t in outs]
-    storages = sorted(rec.storages.values(), key=lambda s: s["id"])
-    for b in out_ids:
-        if storages[b]["role"] == "temp":
-            storages[b]["role"] = "output"
-    for r in rec.records:  # anything written that was provided is state
-        for b, _, _, m in r["accesses"]:
-            if "w" in m and storages[b]["role"] in ("weight", "input"):
-                storages[b]["role"] = "state"
-    packed = _pack_temps(rec.records, storages) if reuse_temps else {}
-    base = len(storages)
-    remap = {b: base + slot for b, (slot, _) in packed.items()}
-    buffers: dict[int, Buffer] = {}
-    for s in storages:
-        if s["id"] not in remap:
-            buffers[s["id"]] = Buffer(s["id"], s["nbytes"], s["role"], s["name"], s["dtype"], s["shape"])
-    for b, (slot, size) in packed.items():
-        if base + slot not in buffers:
-            buffers[base + slot] = Buffer(base + slot, size, "temp", f"slot{slot}", "uint8", (size,))
-    names = {s["id"]: s["name"] for s in storages}
-    kernels: list[Kernel] = []
-    layer, scope = -1, ""
-    for i, r in enumerate(rec.records):
-        acc = tuple(Access(remap.get(b, b), s, e, m) for b, s, e, m in r["accesses"])
-        layer, scope = _layer_of(r["accesses"], names, storages, layer, scope)
-        if r.get("kind") == "ptx":
-            payload = _remap_payload(r["payload"], remap)
-            kernels.append(Kernel(i, r["op"], "ptx", acc, bool(r["indirect"]), r["flops"],
-                                  float(sum(a.nbytes for a in acc)), r["sig"], layer, scope, payload))
-        else:
-            payload = _remap_payload({"op": r["op"], "args": r["args"], "kwargs": r["kwargs"], "outs": r["outs"]},
-                                     remap)
-            kernels.append(Kernel(i, r["qual"].removeprefix("aten::"), "library", acc, False, r["flops"],
-                                  float(sum(a.nbytes for a in acc)), r["sig"], layer, scope, payload))
-    views = {"input_views": {n: _remap_payload(rec._ref(t), remap)["t"] for n, t in inputs.items()},
-             "output_views": [_remap_payload(rec._ref(t), remap)["t"] for t in outs]}
-    meta.update(backend="triton", **views, **_kernel_meta(rec, compress, keep_ptx))
-    graph = KernelGraph(kernels, buffers, {n: rec._storage(t, False) for n, t in inputs.items()},
-                        [remap.get(b, b) for b in out_ids], meta)
-    values = {s["id"]: s["initial"] for s in storages
-              if s["role"] in ("weight", "state") and s["initial"] is not None}
-    return CaptureResult(graph, values, [t.detach().clone() for t in outs])
-
-
-def _layer_of(accesses, names, storages, layer: int, scope: str) -> tuple[int, str]:
-    """Layer/scope of a kernel from the weights it reads; kernels reading no
-    weight inherit the previous kernel's (layers run in order)."""
-    weights = [names[b] for b, _, _, _ in accesses if storages[b]["role"] in ("weight", "state") and names[b]]
-    if not weights:
-        return layer, scope
-    m = _LAYER.search(weights[0] + ".")
-    return (int(m.group(1)) if m else -1), weights[0].rsplit(".", 1)[0]
-
-
-def _kernel_meta(rec: _InductorRecorder, compress: bool, keep_ptx: bool) -> dict[str, Any]:
-    ptx, src, kinfo, pinned = {}, {}, {}, []
-    for k in rec.kernels.values():
-        a = k["analysis"]
-        if keep_ptx and k["launch"]["ptx"]:
-            ptx[k["key"]] = pack_text(k["launch"]["ptx"], compress)
-        if k["source"]:
-            src[k["key"]] = pack_text(k["source"], compress)
-        kinfo[k["key"]] = {"name": k["name"], "file": k["info"]["file"], "config": k["launch"]["config"],
-                           "ptx_source": k["launch"]["ptx_source"], "indirect": a.indirect,
-                           "error": a.error, "reasons": a.reasons[:5], "mutated": k["info"]["mutated"],
-                           "params": [[p.name, p.is_ptr, p.access] for p in a.params]}
-        if a.error or a.indirect:
-            pinned.append(k["key"])
-    return {"ptx": ptx, "triton_src": src, "triton_kernels": kinfo, "pinned": sorted(pinned),
-            "text_encoding": "zlib" if compress else "plain", "launches": rec.launches}
+__all__ = ["capture_inductor", "compile_model", "dense", "ptx_text", "triton_source", "unpack_text"]

@@ -149,9 +149,11 @@ def find_ptx(tuner: Any, launcher: Any, cfg: Any) -> tuple[str | None, str]:
             kernels.append(getattr(res, "kernel", None))
     kernels.append(getattr(launcher, "bin", None))
     for k in kernels:
-        asm = getattr(k, "asm", None)
-        if isinstance(asm, dict) and asm.get("ptx"):
-            text = asm["ptx"]
+        try:
+            text = getattr(k, "asm", {})["ptx"]
+        except Exception:
+            text = None
+        if text:
             return (text.decode() if isinstance(text, bytes) else str(text)), "compiled kernel asm"
     for k in kernels:
         for attr in ("cubin_path", "_cubin_path"):
@@ -263,10 +265,3 @@ def _pin_config(tuner: Any, config: dict[str, Any]) -> None:
         except Exception as e:
             log.warning("%s: cannot pin config %s (%s); autotuning may pick another one",
                         kernel_name(tuner), config, e)
-
-
-def launch(tuner: Any, args: list[Any], device_index: int) -> None:
-    """Launch on the current stream of ``device_index`` (no host sync)."""
-    import torch
-    stream = torch.cuda.current_stream(device_index).cuda_stream
-    tuner.run(*args, stream=stream)

@@ -24,6 +24,7 @@ Rules (the cardinal one: never miss a write):
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass, field
 
 _ROLE = re.compile(r"^(in_out_ptr|in_ptr|out_ptr)\d+$")
@@ -158,3 +159,25 @@ def launch_access(args: list[tuple[str | None, str]], analysis: KernelAnalysis,
     if analysis.indirect:
         out.pinned_reason = "indirect: " + "; ".join(analysis.reasons[:3])
     return out
+
+
+# -- texts stored in graph.meta (PTX, generated sources) ------------------------
+def pack_text(text: str, compress: bool) -> Any:
+    return zlib.compress(text.encode(), 6) if compress else text
+
+
+def unpack_text(v: Any) -> str:
+    """Text stored by :func:`pack_text` (plain or zlib bytes)."""
+    if isinstance(v, (bytes, bytearray)):
+        return zlib.decompress(v).decode()
+    return v or ""
+
+
+def ptx_text(graph, key: str) -> str:
+    """PTX text of distinct kernel ``key`` of a captured graph ('' if not kept)."""
+    return unpack_text(graph.meta.get("ptx", {}).get(key))
+
+
+def triton_source(graph, key: str) -> str:
+    """Generated Triton module source of kernel ``key`` ('' if not kept)."""
+    return unpack_text(graph.meta.get("triton_src", {}).get(key))

@@ -46,15 +46,23 @@ class VLMConfig:
 
     @classmethod
     def tiny(cls, **overrides) -> "VLMConfig":
-        return cls(**overrides)
+        """Tiny ViT + tiny Llama; ``max_batch``/``max_seq`` go to the decoder."""
+        text = overrides.pop("text", None) or LlamaConfig.tiny(**_text_overrides(overrides))
+        return cls(text=text, **overrides)
 
     @classmethod
     def llava_1_5_7b(cls, **overrides) -> "VLMConfig":
-        """CLIP ViT-L/14 at 336 px (576 image tokens) + Llama-2-7B (Vicuna) decoder."""
-        text = overrides.pop("text", None) or LlamaConfig.llama_2_7b()
+        """CLIP ViT-L/14 at 336 px (576 image tokens) + Llama-2-7B (Vicuna)
+        decoder; ``max_batch``/``max_seq`` go to the decoder."""
+        text = overrides.pop("text", None) or LlamaConfig.llama_2_7b(**_text_overrides(overrides))
         cfg = dict(image_size=336, patch=14, vis_dim=1024, vis_layers=24, vis_heads=16, vis_mlp=4096)
         cfg.update(overrides)
         return cls(text=text, **cfg)
+
+
+def _text_overrides(overrides: dict) -> dict:
+    """Pop the KV-cache sizing fields meant for the text decoder."""
+    return {k: overrides.pop(k) for k in ("max_batch", "max_seq") if k in overrides}
 
 
 class VitBlock(nn.Module):

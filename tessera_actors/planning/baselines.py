@@ -16,7 +16,8 @@ processes the graph's batch: multiply by its tokens for tokens/s).
 * **AF** (:func:`af_plan`): attention kernels on one device, everything else
   (FFN/MLP/experts, norms, embeddings) on the other, two micro-batches
   ping-ponging.  A kernel is attention when its ``scope`` has a module path
-  part containing ``attn``/``attention``; kernels without scope fall back to
+  part containing ``attn``/``attention`` but not ``norm`` (so
+  ``post_attention_layernorm`` is not attention); kernels without scope fall back to
   their name (``attn``, ``attention``, ``sdpa``, ``flash``, ``softmax``,
   ``rope``/``rotary``, ``q/k/v/o_proj``).  With more than two devices it uses
   the two fastest, trying both orientations.
@@ -38,8 +39,9 @@ import numpy as np
 
 from ..graph import KernelGraph
 from ..plan import Plan, PlanError, build_plan, legal_cuts, validate_assignment
+from .coarsen import layer_of
 from .costs import CostTable
-from .planner import annotate, choose_inflight, fits
+from .planner import annotate, choose_inflight, default_inflight, fits, memory_inflight
 from .simulate import simulate
 
 _ATTN_SCOPE = re.compile(r"attn|attention", re.I)
@@ -112,7 +114,7 @@ def request_distribution(graph: KernelGraph, devices: Sequence[str], costs: Cost
 
 def is_attention(kernel) -> bool:
     if kernel.scope:
-        return any(_ATTN_SCOPE.search(part) for part in kernel.scope.split("."))
+        return any(_ATTN_SCOPE.search(p) and "norm" not in p.lower() for p in kernel.scope.split("."))
     return bool(_ATTN_NAME.search(kernel.name))
 
 
@@ -146,7 +148,7 @@ def layer_split_assignment(graph: KernelGraph, costs: CostTable) -> list[int]:
     greedy fill, optimal for an ordered partition)."""
     n, ndev = len(graph.kernels), costs.ndev
     ok = legal_cuts(graph)
-    layer_cuts = [i for i in range(1, n) if ok[i] and graph.kernels[i].layer != graph.kernels[i - 1].layer]
+    layer_cuts = [i for i in range(1, n) if ok[i] and layer_of(graph.kernels[i]) != layer_of(graph.kernels[i - 1])]
     cuts = layer_cuts or [i for i in range(1, n) if ok[i]]
     cand = np.asarray(cuts + [n])
     times = np.asarray(costs.times, dtype=float).reshape(n, ndev)
@@ -180,9 +182,12 @@ def layer_split_assignment(graph: KernelGraph, costs: CostTable) -> list[int]:
     return repair(graph, assignment)
 
 
-def layer_split_plan(graph: KernelGraph, devices: Sequence[str], costs: CostTable, max_inflight: int = 16) -> Plan:
+def layer_split_plan(graph: KernelGraph, devices: Sequence[str], costs: CostTable,
+                     max_inflight: int | None = None) -> Plan:
+    """Micro-batches in flight chosen by simulation up to ``max_inflight``
+    (default: the planner's default for this many devices)."""
     p = build_plan(graph, devices, layer_split_assignment(graph, costs), name="layer-split", mode="throughput")
-    pred = choose_inflight(p, costs, min(max_inflight, 2 * len(devices)))
+    pred = choose_inflight(p, costs, memory_inflight(graph, p, costs, max_inflight or default_inflight(len(devices))))
     return annotate(p, pred)
 
 

@@ -87,6 +87,7 @@ def plan_command(graph_path: str, devices: list[str], mode: str, out_png: str | 
         return 2
     print(f"planning {len(graph.kernels)} kernels on {len(names)} devices ({mode})...", file=sys.stderr)
     try:
+        config = config or PlannerConfig(progress=sys.stderr.isatty())
         plan = MilpPlanner(costs, config).plan(graph, names, mode)
     except PlanError as e:
         print(f"tessera plan: {e}", file=sys.stderr)

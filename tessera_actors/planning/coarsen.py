@@ -23,6 +23,7 @@ used by several classes: held once on each device running any of them).
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -85,19 +86,34 @@ class _UnionFind:
             self.parent[max(ra, rb)] = min(ra, rb)
 
 
+_LAYER_IN_SCOPE = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+
+
+def layer_of(kernel) -> int:
+    """``kernel.layer``, or the index in a module path like ``layers.3.mlp``
+    (also ``h.3``, ``blocks.3``) when the capture left it at -1."""
+    if kernel.layer >= 0:
+        return kernel.layer
+    m = _LAYER_IN_SCOPE.search(kernel.scope)
+    return int(m.group(1)) if m else -1
+
+
 def tied_positions(graph: KernelGraph, blocks: int = 1) -> list[tuple[int, int] | None]:
     """Per kernel ``(pattern, position)`` when it lies in a layer whose
-    signature sequence occurs in at least two layers, else ``None``.  The
+    signature sequence occurs in at least two layers, else ``None``.
+    Layers come from :func:`layer_of`; a kernel without a signature is
+    compared by name (inductor reuses one kernel for every layer).  The
     layers of one signature sequence are split into ``blocks`` runs of
     consecutive layers; each run is its own pattern (so the MILP can still
     give different layer ranges different patterns, e.g. a layer split)."""
     layers: dict[int, list[int]] = defaultdict(list)
     for k in graph.kernels:
-        if k.layer >= 0:
-            layers[k.layer].append(k.id)
+        lay = layer_of(k)
+        if lay >= 0:
+            layers[lay].append(k.id)
     patterns: dict[tuple, list[int]] = defaultdict(list)
     for lay, ks in layers.items():
-        sig = tuple(graph.kernels[k].signature for k in ks)
+        sig = tuple(graph.kernels[k].signature or graph.kernels[k].name for k in ks)
         contiguous = ks[-1] - ks[0] == len(ks) - 1
         if contiguous and all(sig):
             patterns[sig].append(lay)
@@ -139,7 +155,7 @@ def build_problem(graph: KernelGraph, costs: CostTable, max_units: int = 300,
             continue
         a, b = tie[i - 1], tie[i]
         same_layer = a is not None and b is not None and a[0] == b[0] and b[1] == a[1] + 1 \
-            and graph.kernels[i - 1].layer == graph.kernels[i].layer
+            and layer_of(graph.kernels[i - 1]) == layer_of(graph.kernels[i])
         if (a is not None or b is not None) and not same_layer:
             kept_always.add(i)
             continue
@@ -160,7 +176,7 @@ def build_problem(graph: KernelGraph, costs: CostTable, max_units: int = 300,
     chunk_class: list[int] = []
     for a, b in chunks:
         t0, t1 = tie[a], tie[b - 1]
-        if t0 is not None and t1 is not None and graph.kernels[a].layer == graph.kernels[b - 1].layer:
+        if t0 is not None and t1 is not None and layer_of(graph.kernels[a]) == layer_of(graph.kernels[b - 1]):
             key = ("t", t0[0], t0[1], t1[1])
         else:
             key = ("u", a)

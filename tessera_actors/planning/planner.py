@@ -7,7 +7,11 @@ budget), has ``predicted_step_s`` (one micro-batch alone) and
 ``microbatches`` set from the simulation, and ``meta`` holding
 ``solver`` (objective, dual bound, ``mip_gap``, status, solve seconds,
 problem size), ``predicted`` (step_s, throughput, item_latency_s, busy) and
-``source`` (``milp`` or the baseline it fell back to).  Because the MILP
+``source`` (``milp`` or the baseline it fell back to).  Micro-batches in
+flight (throughput plan) are chosen by simulation up to
+``PlannerConfig.max_inflight`` and as far as every device's budget holds
+one copy of the activations (temporaries, inputs, outputs) per micro-batch;
+the MILP's memory rows count activations once.  Because the MILP
 works on a coarsened, linearised model, the planner also simulates the
 single-plan baselines that fit in memory (Homo on each device, layer split,
 AF) and returns the best by the simulated objective (throughput, or step
@@ -17,9 +21,11 @@ naming the shortfall in bytes.
 """
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from ..graph import KernelGraph
 from ..plan import Plan, PlanError, build_plan
@@ -33,24 +39,59 @@ from .simulate import Prediction, simulate
 class PlannerConfig:
     """Knobs of the MILP planner; ``None`` means chosen from the device count."""
 
-    time_limit_s: float | None = None    # default 4.5 s for <= 4 devices, 55 s beyond
+    time_limit_s: float | None = None    # default 4.5 s for <= 4 devices, 45 s beyond
     mip_rel_gap: float = 0.01
     max_units: int = 300
     tie_layers: bool = True
-    tie_blocks: int | None = None        # default: devices (<= 4), else 4
-    max_inflight: int = 8                # micro-batches in flight at most (throughput plan)
+    tie_blocks: int | None = None        # default: one per device, at most 8
+    max_inflight: int | None = None      # micro-batches in flight at most; default max(8, 2 x devices) <= 32
     fallback: bool = True                # compare with the single-plan baselines
-    progress: bool = False               # HiGHS log lines on stdout
+    progress: bool = False               # a tqdm bar (stderr) while the MILP solves
+    solver_log: bool = False             # HiGHS log lines on stdout
 
     def __post_init__(self) -> None:
         if self.time_limit_s is not None and self.time_limit_s <= 0:
             raise PlanError(f"time_limit_s must be positive, got {self.time_limit_s}")
         if not 0 <= self.mip_rel_gap < 1:
             raise PlanError(f"mip_rel_gap must be in [0, 1), got {self.mip_rel_gap}")
-        if self.max_inflight < 1:
+        if self.max_inflight is not None and self.max_inflight < 1:
             raise PlanError(f"max_inflight must be >= 1, got {self.max_inflight}")
         if self.max_units < 1:
             raise PlanError(f"max_units must be >= 1, got {self.max_units}")
+
+
+@contextmanager
+def _progress(enabled: bool, limit_s: float, desc: str) -> Iterator[None]:
+    """A tqdm bar of elapsed seconds against the time limit, ticking from a
+    thread while the (blocking) solve runs; nothing when disabled."""
+    if not enabled:
+        yield
+        return
+    from tqdm import tqdm
+    stop = threading.Event()
+    bar = tqdm(total=round(limit_s, 1), desc=desc, unit="s", leave=False,
+               bar_format="{desc}: {n:.1f}/{total} s (time limit) {bar}")
+
+    def tick() -> None:
+        t0 = time.perf_counter()
+        while not stop.wait(0.2):
+            bar.n = min(round(time.perf_counter() - t0, 1), bar.total)
+            bar.refresh()
+
+    th = threading.Thread(target=tick, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join()
+        bar.close()
+
+
+def default_inflight(ndev: int) -> int:
+    """Micro-batches in flight the planner allows by default: enough for a
+    pipeline through every device twice, at least 8, at most 32."""
+    return min(max(8, 2 * ndev), 32)
 
 
 def choose_inflight(plan: Plan, costs: CostTable, max_inflight: int, tol: float = 0.01) -> Prediction:
@@ -68,10 +109,32 @@ def choose_inflight(plan: Plan, costs: CostTable, max_inflight: int, tol: float 
     return best
 
 
-def fits(graph: KernelGraph, plan: Plan, costs: CostTable) -> list[int]:
-    """Bytes by which each device exceeds its budget under ``plan`` (0: fits)."""
-    res = plan.resident_bytes(graph)
-    return [max(0, r - m) if m is not None else 0 for r, m in zip(res, costs.mem)]
+_PER_MICROBATCH = ("temp", "input", "output")
+
+
+def fits(graph: KernelGraph, plan: Plan, costs: CostTable, inflight: int = 1) -> list[int]:
+    """Bytes by which each device exceeds its budget under ``plan`` with
+    ``inflight`` micro-batches in flight (0: fits).  Weights and state are
+    held once; temporaries, inputs and outputs once per micro-batch."""
+    out = []
+    for d, bufs in enumerate(plan.resident):
+        cap = costs.mem[d]
+        if cap is None:
+            out.append(0)
+            continue
+        once = sum(graph.buffers[b].nbytes for b in bufs if graph.buffers[b].role not in _PER_MICROBATCH)
+        each = sum(graph.buffers[b].nbytes for b in bufs if graph.buffers[b].role in _PER_MICROBATCH)
+        out.append(max(0, once + inflight * each - cap))
+    return out
+
+
+def memory_inflight(graph: KernelGraph, plan: Plan, costs: CostTable, limit: int) -> int:
+    """The most micro-batches in flight (<= ``limit``, >= 1) whose
+    activations fit every device's budget."""
+    m = max(limit, 1)
+    while m > 1 and any(fits(graph, plan, costs, m)):
+        m -= 1
+    return m
 
 
 def annotate(plan: Plan, pred: Prediction, microbatches: int | None = None) -> Plan:
@@ -110,16 +173,20 @@ class MilpPlanner:
         ndev = len(devices)
         t0 = time.perf_counter()
         prob = build_problem(graph, costs, cfg.max_units, cfg.tie_layers,
-                             cfg.tie_blocks or (ndev if ndev <= 4 else 4))
-        limit = cfg.time_limit_s or (4.5 if ndev <= 4 else 55.0)
-        max_inflight = cfg.max_inflight
-        sol = solve_or_explain(prob, costs, mode, time_limit_s=limit, mip_rel_gap=cfg.mip_rel_gap,
-                               inflight=max_inflight, verbose=cfg.progress)
+                             cfg.tie_blocks or min(ndev, 8))
+        limit = cfg.time_limit_s or (4.5 if ndev <= 4 else 45.0)
+        max_inflight = cfg.max_inflight or default_inflight(ndev)
+        with _progress(cfg.progress, limit, f"MILP {prob.ncls} classes x {ndev} devices"):
+            sol = solve_or_explain(prob, costs, mode, time_limit_s=limit, mip_rel_gap=cfg.mip_rel_gap,
+                                   inflight=max_inflight, verbose=cfg.solver_log)
         assignment = prob.assignment(sol.class_device)
         thr = mode == "throughput"
 
         def evaluate(p: Plan) -> tuple[Prediction, float]:
-            pred = choose_inflight(p, costs, max_inflight) if thr else simulate(p, costs, inflight=1)
+            if thr:
+                pred = choose_inflight(p, costs, memory_inflight(graph, p, costs, max_inflight))
+            else:
+                pred = simulate(p, costs, inflight=1)
             return pred, (pred.throughput if thr else -pred.step_s)
 
         best = build_plan(graph, devices, assignment, name=f"tessera-{mode}", mode=mode)

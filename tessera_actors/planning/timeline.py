@@ -37,8 +37,9 @@ def render_png(plan: Plan, costs: CostTable, path: str, inflight: int | None = N
     ax.set_yticklabels(rows)
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
+    thr = plan.meta.get("predicted", {}).get("throughput", pred.throughput)   # steady-state figure
     ax.set_title(title or f"{plan.name}: {m} micro-batch(es) in flight, step {pred.step_s * 1e3:.3f} ms, "
-                 f"{pred.throughput:.1f} steps/s")
+                 f"{thr:.1f} steps/s (first {len(set(e.item for e in pred.events))} micro-batches shown)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

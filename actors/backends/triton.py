@@ -1,0 +1,46 @@
+"""Run kernels recorded by the inductor capture (CUDA) on one torch device.
+
+:class:`TritonProgram` is an :class:`~actors.backends.aten.AtenProgram` (same
+arena: one flat uint8 tensor per buffer) that also binds ``ptx`` kernels: it
+obtains the kernel's inductor ``CachingAutotuner`` - the live one when the
+capture ran in this process, else one re-created from the generated module
+file (or from the source stored in the graph when the file is gone), pinned
+to the captured config - and launches it on the device's current stream with
+views into the arena. ``library`` kernels go through the aten path.
+Blocking: launches are asynchronous on the stream; nothing here syncs.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tessera_actors.capture import inductor_hooks as hooks
+from tessera_actors.capture.inductor_match import triton_source
+
+from .aten import AtenProgram, BackendError
+
+
+class TritonProgram(AtenProgram):
+    def _bind(self, kid: int) -> Callable[[], None]:
+        k = self.graph.kernels[kid]
+        if k.kind != "ptx":
+            return super()._bind(kid)
+        if self.device.type != "cuda":
+            raise BackendError(f"kernel {kid} ({k.name}) is a Triton kernel: it needs a CUDA device, "
+                               f"not {self.device}")
+        p = k.payload
+        if not isinstance(p, dict) or "triton" not in p:
+            raise BackendError(f"kernel {kid} ({k.name}): payload is not a Triton launch record")
+        try:
+            tuner = hooks.load_autotuner(p.get("file", ""), p["triton"], triton_source(self.graph, p.get("key", "")),
+                                         p.get("config") or {})
+        except Exception as e:
+            raise BackendError(f"kernel {kid} ({k.name}): cannot load the Triton kernel: {e}") from e
+        args = [self._arg(a) for a in p["args"]]
+        kwargs = {n: self._arg(v) for n, v in (p.get("kwargs") or {}).items()}
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+        def launch() -> None:
+            tuner.run(*args, stream=torch.cuda.current_stream(index).cuda_stream, **kwargs)
+        return launch

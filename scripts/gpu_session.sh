@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (device tool), from the repo root. Usage:
+#   bash scripts/gpu_session.sh PART...   (parts: env tests arena arena-small ptx fixtures capture)
+# Writes logs and results under $OUT (or ./out). Never hangs: every part has a timeout.
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+part() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $? ($(date +%T))"; tail -n 40 "$OUT/$name.log"; }
+for p in "$@"; do case $p in
+  env) part env 60 bash -c 'nvidia-smi; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.device_count())"' ;;
+  tests) part tests 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
+  arena-small) part arena_small 300 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --out "$OUT/arena_small" ;;
+  arena) part arena 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --out "$OUT/arena" ;;
+  ptx) part ptx 300 python3 scripts/ptx_gpu_check.py --out "$OUT/ptx" ;;
+  triton) part triton 300 python3 scripts/gen_triton_fixtures.py --out "$OUT/triton" ;;
+  fixtures) part fixtures 400 python3 scripts/gen_cuda_fixtures.py --out "$OUT/graphs" ;;
+  capture) part capture 500 python3 scripts/gpu_capture_check.py --out "$OUT/capture" ;;
+  *) echo "unknown part $p" ;;
+esac; done
+ls -R "$OUT" | head -50

@@ -1,0 +1,238 @@
+"""CUDA capture (inductor): the pure parts on CPU, capture + replay on the GPU.
+
+CPU: matching Python launch arguments to PTX parameters, merging the PTX
+analysis with inductor's metadata (never losing a write), a recorded launch
+sequence (fake inductor tuner around real Triton PTX) assembled into a graph
+that survives save/load, buckets, and ``tessera capture`` on the aten path.
+GPU (``gpu`` marker): a tiny Llama captured through inductor replays bitwise
+in program order and in random topological orders via ``TritonProgram``.
+"""
+import argparse
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tessera_actors.capture import inductor_hooks as hooks
+from tessera_actors.capture.inductor import _InductorRecorder
+from tessera_actors.capture.inductor_graph import assemble
+from tessera_actors.capture.inductor_buckets import bucket_name, capture_buckets, parse_bucket
+from tessera_actors.capture.inductor_match import (analyze_ptx, launch_access, merge_access, ptx_text,
+                                                   triton_source)
+from tessera_actors.graph import KernelGraph
+
+DATA = Path(__file__).parent / "data" / "ptx"
+ADD_PTX = (DATA / "handwritten" / "triton_style_add.ptx").read_text()
+ADD = "triton_poi_fused_add_mul_0"
+ARGS = [("in_ptr0", "tensor"), ("in_ptr1", "tensor"), ("out_ptr0", "tensor"), ("xnumel", "scalar")]
+
+
+# -- matching and merging -------------------------------------------------
+def test_tensor_args_match_ptx_pointers_by_position_and_hidden_params_are_reported():
+    acc = launch_access(ARGS, analyze_ptx(ADD_PTX, ADD), set(), {0: True, 1: True, 2: True})
+    assert acc.modes == {0: "r", 1: "r", 2: "w"}
+    assert not acc.indirect and not acc.pinned_reason and not acc.disagreements
+    assert len(acc.hidden_params) == 2  # Triton's global/profile scratch pointers
+
+
+def test_a_write_not_known_to_cover_its_range_is_read_write():
+    acc = launch_access(ARGS, analyze_ptx(ADD_PTX, ADD), set(), {2: False})
+    assert acc.modes[2] == "rw"
+
+
+def test_inductor_metadata_adds_writes_the_ptx_does_not_show():
+    names = [("in_ptr0", "tensor"), ("in_out_ptr0", "tensor"), ("out_ptr0", "tensor"), ("xnumel", "scalar")]
+    acc = launch_access(names, analyze_ptx(ADD_PTX, ADD), set(), {0: True, 1: True, 2: True})
+    assert acc.modes[1] == "rw"
+    assert acc.disagreements and "in_out_ptr0" in acc.disagreements[0]
+    mode, note = merge_access("read", "in_ptr3", {"in_ptr3"}, True)  # mutated_arg_names
+    assert mode == "rw" and note
+
+
+def test_ptx_writes_win_over_inductor_read_only_names():
+    mode, note = merge_access("write", "in_ptr0", set(), True)
+    assert mode == "rw" and note  # union of writes; never a pure overwrite without inductor's out_ptr
+    assert merge_access("none", None, set(), True) == (None, "")
+    assert merge_access("write", "out_ptr1", set(), False)[0] == "rw"
+    assert merge_access("write", "out_ptr1", {"out_ptr1"}, True)[0] == "rw"
+
+
+def test_unanalysable_or_unmatched_kernels_are_pinned_read_write():
+    bad = launch_access(ARGS, analyze_ptx("this is not ptx", ADD), set(), {})
+    assert bad.indirect and bad.pinned_reason and set(bad.modes.values()) == {"rw"}
+    missing = launch_access(ARGS, analyze_ptx(None, ADD), set(), {})
+    assert missing.indirect and "no PTX" in missing.pinned_reason
+    many = [(f"in_ptr{i}", "tensor") for i in range(6)]
+    unmatched = launch_access(many, analyze_ptx(ADD_PTX, ADD), set(), {})
+    assert unmatched.indirect and "cannot match" in unmatched.pinned_reason
+
+
+def test_indirect_ptx_pins_the_kernel():
+    a = analyze_ptx((DATA / "cuda" / "indirect.ptx").read_text(), "scatter_ptrs")
+    assert a.indirect and not a.error
+    acc = launch_access([("in_ptr0", "tensor"), ("in_ptr1", "tensor"), ("out_ptr0", "tensor")], a, set(),
+                        {0: True, 1: True, 2: True})
+    assert acc.indirect and acc.pinned_reason.startswith("indirect")
+    assert set(acc.modes.values()) == {"rw"}
+
+
+# -- a recorded launch sequence, assembled ----------------------------------
+def _fake_tuner(file="/nonexistent/cfake.py"):
+    launcher = SimpleNamespace(config=SimpleNamespace(kwargs={"XBLOCK": 128}, num_warps=4, num_stages=1),
+                               bin=SimpleNamespace(asm={"ptx": ADD_PTX}), cache_hash=None, shared=0)
+    return SimpleNamespace(fn=SimpleNamespace(__name__=ADD, arg_names=["in_ptr0", "in_ptr1", "out_ptr0", "xnumel"]),
+                           triton_meta={"signature": {"in_ptr0": "*fp32", "in_ptr1": "*fp32", "out_ptr0": "*fp32",
+                                                      "xnumel": "i32", "XBLOCK": "constexpr"}},
+                           inductor_meta={}, mutated_arg_names=[], launchers=[launcher], filename=file,
+                           compile_results=[])
+
+
+def _record():
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 8), torch.randn(4, 8)
+    roles = {w.untyped_storage()._cdata: ("weight", "layers.0.w"), x.untyped_storage()._cdata: ("input", "x")}
+    rec = _InductorRecorder(roles, [""], True)
+    rec._storage(w, False)
+    rec._storage(x, False)
+    tuner = _fake_tuner()
+    with torch.no_grad(), rec:
+        buf = torch.empty_strided((4, 8), (8, 1))
+        torch.mm(x, w, out=buf)                       # extern kernel: library, out= written
+        out = torch.empty(32)
+
+        def call():
+            out.copy_((buf.reshape(-1) + x.reshape(-1)) * 2)
+        rec.on_launch(tuner, (buf, x, out, 32), {"stream": 0}, call)
+    return rec, out, {"x": x}
+
+
+def test_recorded_launches_become_a_graph_that_survives_save_and_load(tmp_path):
+    rec, out, inputs = _record()
+    res = assemble(rec, out, inputs, {"model": "fake"}, True, True, True)
+    g = res.graph
+    assert [k.kind for k in g.kernels] == ["library", "ptx"]
+    mm, tri = g.kernels
+    assert tri.name == ADD and not tri.indirect
+    assert sorted(a.mode for a in tri.accesses) == ["r", "r", "w"]
+    assert any(e.src == mm.id and e.dst == tri.id and e.kind == "RAW" for e in g.edges)
+    assert g.buffers[g.outputs[0]].role == "output"
+    assert tri.layer == 0 and mm.layer == 0  # from the weight the mm reads, inherited by the next kernel
+    assert ptx_text(g, tri.payload["key"]) == ADD_PTX
+    assert tri.payload["config"]["kwargs"] == {"XBLOCK": 128} and tri.payload["args"][3] == 32
+    path = tmp_path / "fake.tgraph"
+    g.save(path)
+    h = KernelGraph.load(path)
+    assert h.kernels == g.kernels and h.buffers == g.buffers
+    assert ptx_text(h, tri.payload["key"]) == ADD_PTX and triton_source(h, tri.payload["key"]) == ""
+    assert [(e.src, e.dst, e.kind) for e in h.edges] == [(e.src, e.dst, e.kind) for e in g.edges]
+
+
+def test_run_hook_patches_and_restores_the_launcher():
+    cls = hooks.autotuner_class()
+    orig = cls.__dict__["run"]
+    seen = []
+    with hooks.run_hook(lambda tuner, args, kwargs, call: seen.append(args)):
+        assert cls.__dict__["run"] is not orig
+        cls.run(object.__new__(cls), 1, 2, stream=0)
+    assert cls.__dict__["run"] is orig and seen == [(1, 2)]
+
+
+# -- buckets and the command --------------------------------------------------
+def test_bucket_specs():
+    assert parse_bucket("decode:64") == ("decode", 64, 1)
+    assert parse_bucket("prefill:1:1024") == ("prefill", 1, 1024)
+    assert parse_bucket("denoise:2") == ("denoise", 2, 1)
+    for bad in ("decode", "prefill:4", "decode:0", "train:2", "decode:x"):
+        with pytest.raises(ValueError):
+            parse_bucket(bad)
+    assert bucket_name("prefill", 1, 128) == "prefill-b1-t128"
+
+
+def test_buckets_share_state_buffer_names(tmp_path):
+    from tessera_actors import models
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
+    got = capture_buckets(m, [("decode", [1, 2]), ("prefill", [8])], device="cpu", out_dir=str(tmp_path))
+    assert set(got) == {"decode-b1", "decode-b2", "prefill-b1-t8"}
+    graphs = [KernelGraph.load(tmp_path / f"{n}.tgraph") for n in got]
+    names = [sorted(b.name for b in g.buffers.values() if b.role == "state") for g in graphs]
+    assert names[0] == names[1] == names[2] == sorted(m.state_names())
+
+
+def test_capture_command_on_cpu_writes_a_graph_and_prints_the_summary(tmp_path, capsys):
+    from tessera_actors.capture_cli import main
+    out = tmp_path / "g.tgraph"
+    args = argparse.Namespace(model="llama", size="tiny", bucket="decode:2", dtype="float32", device="cpu",
+                              out=str(out))
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    for word in ("kernels", "buffers", "edges", "indirect", "bytes", "weight", "state"):
+        assert word in text
+    g = KernelGraph.load(out)
+    assert g.meta["bucket"] == "decode-b2" and len(g.kernels) > 0
+
+
+def test_capture_command_reports_bad_models_clearly(tmp_path, capsys):
+    from tessera_actors.capture_cli import main
+    args = argparse.Namespace(model="nosuch", size="tiny", bucket="decode:2", dtype="float32", device="cpu",
+                              out=str(tmp_path / "x.tgraph"))
+    assert main(args) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+# -- GPU: capture through inductor, replay with TritonProgram -----------------
+@pytest.fixture(scope="module")
+def cuda_llama():
+    from tessera_actors import models
+    from tessera_actors.capture.inductor import capture_inductor
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0, device="cuda")
+    inp = m.example_inputs("decode", batch=2, pos=3)
+    return capture_inductor(m, inp), inp
+
+
+def _replay(res, inp, order):
+    from actors.backends.triton import TritonProgram
+    from tessera_actors.runner import write_inputs
+    g = res.graph
+    prog = TritonProgram(g, torch.device("cuda"), g.buffers)
+    prog.load(res.values)
+    write_inputs(prog, g, inp)
+    prog.run(order)
+    torch.cuda.synchronize()
+    return [prog.view(v).clone() for v in g.meta["output_views"]]
+
+
+@pytest.mark.gpu
+def test_cuda_capture_records_triton_kernels_with_ptx(cuda_llama):
+    res, _ = cuda_llama
+    kinds = {k.kind for k in res.graph.kernels}
+    assert "ptx" in kinds
+    assert not res.graph.meta["pinned"], res.graph.meta["pinned"]
+
+
+@pytest.mark.gpu
+def test_cuda_program_order_and_random_orders_replay_bitwise(cuda_llama):
+    from tessera_actors.testing import random_topological_order
+    res, inp = cuda_llama
+    got = _replay(res, inp, range(len(res.graph.kernels)))
+    assert all(torch.equal(a, b) for a, b in zip(got, res.outputs))
+    rng = random.Random(0)
+    for _ in range(5):
+        got = _replay(res, inp, random_topological_order(res.graph, rng))
+        assert all(torch.equal(a, b) for a, b in zip(got, res.outputs))
+
+
+def test_gpu_check_helpers_run_on_cpu_with_an_aten_graph():
+    """The helpers the GPU scripts use (replay in orders, compare, greedy tokens)
+    run the same on a CPU aten capture, where TritonProgram takes the aten path."""
+    from tessera_actors import models
+    from tessera_actors.capture import capture_module
+    from tessera_actors.capture.inductor_check import greedy_tokens, soundness
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
+    inp = m.example_inputs("decode", batch=2, pos=3)
+    res = capture_module(m, inp)
+    s = soundness(res, inp, orders=5, device="cpu")
+    assert s["program_order"]["equal"] and s["orders"] == 5 and s["mismatches"] == 0
+    tok = greedy_tokens(m, m, res, inp, steps=3, device="cpu")
+    assert tok["identical"] and tok["min_cosine"] > 0.999
