@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dataflow import LOCAL, MEM, UNKNOWN, Provenance, Site, Summary
+from .dataflow import Provenance
+from .origins import MEM, UNKNOWN, Site, Summary
 from .model import Function, Instruction, Module
-from .parser import parse
+from .parser import no_gc, parse
 
 NONE, READ, WRITE, READWRITE = "none", "read", "write", "readwrite"
 _LOCAL_SPACES = ("shared", "local", "const", "param")
@@ -35,7 +36,13 @@ def join(a: str, b: str) -> str:
 
 @dataclass(slots=True)
 class ParamAccess:
-    """Access of one parameter; ``fields`` maps struct byte offsets to access."""
+    """Access of one parameter; ``fields`` maps struct byte offsets to access.
+
+    ``pointer`` is true when the parameter is declared ``.ptr`` (Triton) or is
+    used as an address; nvcc does not mark pointers, so an unused pointer
+    parameter of nvcc PTX reads as ``pointer=False, access="none"``. In an
+    indirect kernel every parameter wide enough for an address is a pointer.
+    """
 
     index: int
     name: str
@@ -78,15 +85,17 @@ class KernelAccess:
 
 def analyze(text: str) -> dict[str, KernelAccess]:
     """Parse ``text`` and classify every kernel; see the module docstring."""
-    return analyze_module(parse(text))
+    with no_gc():
+        return analyze_module(parse(text))
 
 
 def analyze_module(module: Module) -> dict[str, KernelAccess]:
     """Classify every kernel of a parsed module, in file order."""
-    summaries = _summaries(module)
-    provs = {fn.name: Provenance(fn, module, summaries) for fn in module.entries}
-    written = _written_symbols(provs.values(), summaries.values())
-    return {fn.name: _classify(fn, provs[fn.name], written) for fn in module.entries}
+    with no_gc():
+        summaries = _summaries(module)
+        provs = {fn.name: Provenance(fn, module, summaries) for fn in module.entries}
+        written = _written_symbols(provs.values(), summaries.values())
+        return {fn.name: _classify(fn, provs[fn.name], written) for fn in module.entries}
 
 
 def _written_symbols(provs, summaries) -> set[str]:
@@ -178,9 +187,8 @@ def _classify(fn: Function, prov: Provenance, written: set[str]) -> KernelAccess
                 reasons.append(f"line {line}: address from an opaque operation")
             elif tag == "S" and o[2] == "global" and (acc != READ or o[1] in written):
                 reasons.append(f"line {line}: access to module variable {o[1]!r}")
-        if not found and not reasons_cover(bases):
-            if not bases:
-                reasons.append(f"line {line}: address not derived from any parameter")
+        if not bases:
+            reasons.append(f"line {line}: address not derived from any parameter")
 
     indirect = bool(reasons)
     out = []
@@ -198,21 +206,6 @@ def _classify(fn: Function, prov: Provenance, written: set[str]) -> KernelAccess
         pointer = p.is_ptr or access != NONE
         out.append(ParamAccess(p.index, p.name, p.type, pointer, access, per))
     return KernelAccess(fn.name, out, indirect, sorted(set(reasons), key=_line_key), prov.sites)
-
-
-def reasons_cover(bases: frozenset) -> bool:
-    """True when ``bases`` only name non-global storage (stack, shared, params)."""
-    if not bases:
-        return False
-    for o in bases:
-        if o == LOCAL or o[0] == "A":
-            continue
-        if o[0] == "S" and o[2] in ("shared", "local", "const", "param"):
-            continue
-        if o == MEM or o == UNKNOWN or (o[0] == "S" and o[2] == "global") or o[0] == "P":
-            return True
-        return False
-    return True
 
 
 def _line_key(reason: str) -> int:

@@ -13,14 +13,15 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
 from .errors import PtxParseError
-from .parser import parse
+from .parser import no_gc, parse
 from .report import report_module
 
 
 def _one(args: tuple[int, str, bool]) -> tuple[int, dict | None, str | None, int]:
     index, text, features = args
     try:
-        return index, report_module(parse(text), features), None, 0
+        with no_gc():
+            return index, report_module(parse(text), features), None, 0
     except PtxParseError as exc:
         return index, None, exc.message, exc.line
 

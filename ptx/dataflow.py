@@ -5,16 +5,7 @@ the union of what all of its assignments may produce, iterated until nothing
 changes. That is sound across branches and loops (it covers every path) and,
 because nvcc and LLVM emit PTX in near-SSA form, it loses little precision.
 
-Origins (tuples, so they hash fast):
-
-* ``("P", name, offset)``: derived from parameter ``name``; ``offset`` is the
-  byte offset inside a struct (byte-array) parameter, 0 for plain ones, -1
-  when unknown.
-* ``("A", name)``: the address of a parameter (``mov %rd, param``).
-* ``("S", name, space)``: address of a named variable in ``space``.
-* ``MEM``: a 64-bit value loaded from memory (a pointer we cannot bound).
-* ``UNKNOWN``: produced by something we cannot follow (an opaque call).
-* ``LOCAL``: the local stack (``%SP``/``__local_depot``).
+Origins are described in :mod:`ptx.origins`.
 
 Products (mul, shl, ...) drop origins: a scaled pointer is an index, never a
 base. If an address ends up with no base at all, the caller treats it as
@@ -25,13 +16,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .memops import MemAccess, accesses, split_address, value_type
+from .memops import accesses, split_address, value_type, vector_width
 from .model import Function, Instruction, Module, type_bytes
+from .origins import EMPTY, LOCAL, MEM, UNKNOWN, Site, Summary, substitute
 
-MEM = ("M",)
-UNKNOWN = ("U",)
-LOCAL = ("L",)
-EMPTY: frozenset = frozenset()
 
 _TOKEN = re.compile(r"(?<![\w$.%])[%A-Za-z_$][\w$]*")
 _KILL = {"mul", "mul24", "mad24", "shl", "shr", "shf", "div", "rem", "neg", "not", "cnot", "popc",
@@ -46,30 +34,6 @@ _FIRST_ONLY = {"sub", "subc"}
 _TWO_OF_THREE = {"selp", "slct", "bfi"}
 _HARMLESS_EXTERNS = {"vprintf", "__assertfail", "__assert_fail", "__nv_static_64__",
                      "cudaGetParameterBufferV2", "cudaLaunchDeviceV2"}
-
-
-@dataclass(slots=True)
-class Site:
-    """A memory access of the function with the provenance of its address."""
-
-    index: int
-    ins: Instruction
-    access: MemAccess
-    bases: frozenset
-
-
-@dataclass(slots=True)
-class Summary:
-    """What a function does, in terms of its own parameters' origins.
-
-    ``effects``: (kind, space, bases, line) for every access, callees included.
-    ``returns``: return-parameter name -> origins of the value stored there.
-    """
-
-    params: list[str]
-    returns_order: list[str]
-    effects: list[tuple[str, str, frozenset, int]] = field(default_factory=list)
-    returns: dict[str, frozenset] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -95,13 +59,17 @@ class Provenance:
         self.module = module
         self.summaries = summaries
         self.regs: dict[str, frozenset] = {}
-        self.cells: dict[str, frozenset] = {"local": EMPTY, "shared": EMPTY}
+        # what was stored to non-global memory: ("shared"|"local", span) -> origins;
+        # span is (offset, width) for a plain store at a fixed stack offset
+        # (``[%SP+8]``), else None (anywhere in that space)
+        self.cells: dict[tuple, frozenset] = {}
         self.calls: list[_Call] = []
         self.sites: list[Site] = []
         self._flows: list[tuple] = []
         self._ret_stores: list[tuple[str, str]] = []
         self._params = {p.name: p for p in fn.params}
         self._memo: dict[str, tuple] = {}
+        self._wide_memo: dict[str, bool] = {}
         self._prepare()
         self._solve()
         self._collect_sites()
@@ -132,7 +100,7 @@ class Provenance:
     def _one(self, operand: str) -> tuple:
         refs = []
         for tok in _TOKEN.findall(operand):
-            if tok[0] == "%":
+            if tok[0] == "%" or tok in self.fn.registers:
                 refs.append(tok)
             else:
                 origin = self._const_origin(tok)
@@ -141,11 +109,26 @@ class Provenance:
         self._memo[operand] = out = tuple(refs)
         return out
 
-    @staticmethod
-    def _dests(operand: str) -> list[str]:
+    def _wide(self, reg: str) -> bool:
+        """Can ``reg`` hold an address? 32/64-bit integer registers are tracked
+        (shared-memory addresses are 32-bit; Triton stages pointers through
+        shared memory). A pointer squeezed through a float, predicate or
+        16-bit register loses its origin, which makes its later use an
+        unknown address (indirect), so skipping those never hides a write."""
+        hit = self._wide_memo.get(reg)
+        if hit is None:
+            decl = self.fn.registers.get(reg.rstrip("0123456789")) or self.fn.registers.get(reg)
+            hit = decl is None or decl in ("b64", "u64", "s64", "b32", "u32", "s32")
+            self._wide_memo[reg] = hit
+        return hit
+
+    def _dests(self, operand: str) -> list[str]:
+        regs = self.fn.registers
         if operand.startswith("{"):
-            return [t.strip() for t in operand.strip("{} ").split(",") if t.strip().startswith("%")]
-        return [operand.split("|")[0]] if operand.startswith("%") else []
+            names = [t.strip() for t in operand.strip("{} ").split(",")]
+            return [t for t in names if t.startswith("%") or t in regs]
+        name = operand.split("|")[0]
+        return [name] if name.startswith("%") or name in regs else []
 
     # -- pre-pass: build flows ------------------------------------------------
     def _prepare(self) -> None:
@@ -170,7 +153,7 @@ class Provenance:
                 continue
             if base in _KILL or not ops:
                 continue
-            dests = self._dests(ops[0])
+            dests = [d for d in self._dests(ops[0]) if self._wide(d)]
             if not dests:
                 continue
             if base == "mad" or base == "madc":
@@ -217,8 +200,9 @@ class Provenance:
                     flows.append(("ret", d, ret_owner[name], name))
             return
         addr = self._sources((f"{name}",)) if name else ()
+        span = self._stack_span(name, off, ins)
         for d in dests:
-            flows.append(("load", d, addr))
+            flows.append(("load", d, addr, span))
 
     def _prepare_store(self, ins: Instruction, pending: dict) -> None:
         ops = ins.operands
@@ -234,7 +218,19 @@ class Provenance:
             elif name is not None and any(name == r.name for r in self.fn.returns):
                 self._ret_stores.append((name, ops[1]))
             return
-        self._flows.append(("store", None, self._sources((name,)) if name else (), self._sources(ops[1:])))
+        span = self._stack_span(name, off, ins) if not ops[1].startswith("{") else None
+        self._flows.append(("store", None, self._sources((name,)) if name else (), self._sources(ops[1:]), span))
+
+    def _stack_span(self, name: str | None, off: int, ins: Instruction) -> tuple[int, int] | None:
+        """(offset, width) when the address is the stack base plus a constant
+        (how debug builds spill), so distinct spill slots stay distinct."""
+        if name not in ("%SP", "%SPL") or vector_width(ins) != 1:
+            return None
+        vt = value_type(ins)
+        try:
+            return (off, type_bytes(vt)) if vt else None
+        except ValueError:
+            return None
 
     def _prepare_call(self, ins: Instruction, pending: dict, ret_owner: dict) -> None:
         ops = [o for o in ins.operands]
@@ -263,14 +259,23 @@ class Provenance:
                 out = out | v
         return out
 
-    def _loaded(self, addr: frozenset) -> frozenset:
+    def _cell_values(self, space: str, span: tuple[int, int] | None) -> frozenset:
+        out = EMPTY
+        for (sp, key), val in self.cells.items():
+            if sp != space:
+                continue
+            if key is None or span is None or (key[0] < span[0] + span[1] and span[0] < key[0] + key[1]):
+                out = out | val
+        return out
+
+    def _loaded(self, addr: frozenset, span: tuple[int, int] | None = None) -> frozenset:
         out = EMPTY
         plain = False
         for o in addr:
             if o is LOCAL or o == LOCAL:
-                out = out | self.cells["local"]
+                out = out | self._cell_values("local", span)
             elif o[0] == "S" and o[2] in ("shared", "local"):
-                out = out | self.cells["shared" if o[2] == "shared" else "local"]
+                out = out | self._cell_values(o[2], None)
             elif o[0] == "A":
                 out = out | {("P", o[1], -1)}
             else:
@@ -306,7 +311,7 @@ class Provenance:
                 elif kind == "const":
                     new = flow[2]
                 elif kind == "load":
-                    new = self._loaded(self._value(flow[2]))
+                    new = self._loaded(self._value(flow[2]), flow[3])
                 elif kind == "ret":
                     new = self._ret_value(self.calls[flow[2]], flow[3])
                 else:  # store into a local/shared cell
@@ -315,10 +320,15 @@ class Provenance:
                     if not val:
                         continue
                     for o in addr:
-                        cell = "local" if o == LOCAL or (o[0] == "S" and o[2] == "local") else \
-                            "shared" if o[0] == "S" and o[2] == "shared" else None
-                        if cell and not val <= self.cells[cell]:
-                            self.cells[cell] = self.cells[cell] | val
+                        if o == LOCAL:
+                            cell = ("local", flow[4])
+                        elif o[0] == "S" and o[2] in ("local", "shared"):
+                            cell = (o[2], None)
+                        else:
+                            continue
+                        old = self.cells.get(cell, EMPTY)
+                        if not val <= old:
+                            self.cells[cell] = old | val
                             changed = True
                     continue
                 if not new:
@@ -382,17 +392,3 @@ class Provenance:
             for kind, space, bases, _line in summary.effects:
                 out.append((kind, space, substitute(bases, summary.params, call.values), call.line))
         return out
-
-
-def substitute(bases: frozenset, params: list[str], values: list[frozenset]) -> frozenset:
-    """Replace callee-parameter origins in ``bases`` by the caller's argument values."""
-    out = EMPTY
-    for o in bases:
-        if o[0] == "P" and o[1] in params:
-            pos = params.index(o[1])
-            out = out | (values[pos] if pos < len(values) else frozenset((UNKNOWN,)))
-        elif o[0] == "A" and o[1] in params:
-            out = out | {LOCAL}
-        else:
-            out = out | {o}
-    return out

@@ -84,10 +84,10 @@ def initial_slots(n_sites: int) -> bytes:
 
 
 def _is_wide_register(fn: Function, name: str) -> bool:
-    m = _REG_PREFIX.match(name)
-    if m is None:
-        return False
-    t = fn.registers.get(m.group(1)) or fn.registers.get(name)
+    t = fn.registers.get(name)
+    if t is None:
+        m = _REG_PREFIX.match(name)
+        t = fn.registers.get(m.group(1)) if m else None
     return t is not None and t.endswith("64")
 
 
@@ -136,8 +136,11 @@ def instrument_module(module: Module, text: str) -> Instrumented:
         first_fn = min(f.line for f in module.functions.values())
         before.setdefault(first_fn, []).insert(0, f".global .align 8 .u64 {PROBE_GLOBAL};")
     for no, line in enumerate(lines, start=1):
-        out.extend(before.get(no, ()))
-        out.append(line)
+        pending = before.get(no, ())
+        header = [p for p in pending if isinstance(p, str)]
+        probes = [p for p in pending if not isinstance(p, str)]
+        out.extend(header)
+        out.extend(_weave(line, probes) if probes else (line,))
         out.extend(after.get(no, ()))
     kernels = {}
     calls = _reachable(module)
@@ -166,14 +169,15 @@ def _rewrite_sites(fn: Function, fn_sites, sites: list[SiteInfo], before: dict) 
             name = None
         params = tuple(sorted({o[1] for o in site.bases if o[0] == "P"})) if fn.is_entry else ()
         index = len(sites)
-        ok = name is not None and (not name.startswith("%") or _is_wide_register(fn, name))
+        is_reg = name is not None and (name.startswith("%") or name in fn.registers)
+        ok = name is not None and (not is_reg or _is_wide_register(fn, name))
         sites.append(SiteInfo(index, fn.name, ins.line, ins.opcode, acc.kind, acc.width, params, ok))
         mine.append(index)
         if not ok:
             continue
         guard = f"@{ins.guard} " if ins.guard else ""
         code = []
-        if name.startswith("%"):
+        if is_reg:
             code.append(f"\t{guard}add.s64 %tsa1, {name}, {off};")
         else:
             code.append(f"\t{guard}mov.u64 %tsa1, {name};")
@@ -181,8 +185,42 @@ def _rewrite_sites(fn: Function, fn_sites, sites: list[SiteInfo], before: dict) 
         slot = SLOT_BYTES * index
         code.append(f"\t{guard}atom.global.min.u64 %tsa2, [%tsa0+{slot}], %tsa1;")
         code.append(f"\t{guard}atom.global.max.u64 %tsa2, [%tsa0+{slot + 8}], %tsa1;")
-        before.setdefault(ins.line, []).extend(code)
+        before.setdefault(ins.line, []).append((ins, code))
     return mine
+
+
+_GUARD_TAIL = re.compile(r"@!?%?[\w$]+\s*$")
+
+
+def _weave(line: str, probes: list) -> list[str]:
+    """Split ``line`` so each probe lands right before its own statement.
+
+    Usually a site is alone on its line and the probes simply precede it;
+    inline-asm blocks may pack several statements (and a label) on one line,
+    where inserting before the whole line could read an address register
+    before the block computes it.
+    """
+    out: list[str] = []
+    cursor = 0
+    for ins, code in probes:
+        prefix = rf"@{re.escape(ins.guard)}\s+" if ins.guard else ""
+        pattern = re.compile(prefix + r"(?<![\w.$%])" + re.escape(ins.opcode) + r"(?=[\s;])")
+        pos, match = cursor, None
+        while True:
+            match = pattern.search(line, pos)
+            if match is None or ins.guard or not _GUARD_TAIL.search(line, 0, match.start()):
+                break
+            pos = match.end()
+        if match is None:
+            out.extend(code)  # cannot locate it: before the whole line is the best guess
+            continue
+        head = line[cursor:match.start()]
+        if head.strip():
+            out.append(head)
+        out.extend(code)
+        cursor = match.start()
+    out.append(line[cursor:])
+    return out
 
 
 def _prologue(fn: Function, uses_global: bool) -> list[str]:

@@ -88,7 +88,7 @@ def _imm(text: str) -> int | None:
 def _bulk(ins: Instruction, mods: tuple[str, ...], reduce: bool) -> list[MemAccess]:
     if "tensor" in mods:
         # TMA through a tensor map: the global address is hidden in the map.
-        return [MemAccess(1 if mods.index("tensor") >= 0 and _dst_is_shared(mods) else 0, "global", UNKNOWN, None)]
+        return [MemAccess(1 if _dst_is_shared(mods) else 0, "global", UNKNOWN, None)]
     size = _imm(ins.operands[2]) if len(ins.operands) > 2 else None
     spaces = [m for m in mods if m == "global" or m.startswith("shared")]
     if not spaces or spaces[0] != "global":

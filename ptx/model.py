@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 
 _BITS = re.compile(r"(\d+)$")
+_MODIFIERS: dict[str, tuple[str, ...]] = {}  # opcode -> modifiers; opcodes repeat a lot
+_TYPE_BYTES: dict[str, int] = {}
 
 
 def type_bytes(ptx_type: str) -> int:
@@ -16,6 +18,14 @@ def type_bytes(ptx_type: str) -> int:
 
     ``.pred`` counts as 1; a type without a bit width raises ``ValueError``.
     """
+    hit = _TYPE_BYTES.get(ptx_type)
+    if hit is not None:
+        return hit
+    _TYPE_BYTES[ptx_type] = size = _type_bytes(ptx_type)
+    return size
+
+
+def _type_bytes(ptx_type: str) -> int:
     t = ptx_type.lstrip(".")
     if t == "pred":
         return 1
@@ -63,7 +73,9 @@ class Instruction:
 
     ``opcode`` is the full dotted mnemonic (``ld.global.nc.v4.f32``);
     ``operands`` are split at top-level commas and stripped; ``guard`` is the
-    predicate text without ``@`` (``%p1`` or ``!%p1``), or ``None``.
+    predicate text without ``@`` (``%p1`` or ``!%p1``), or ``None``;
+    ``base`` is the mnemonic without modifiers (the parser fills it in; use
+    :meth:`make` when building instructions by hand).
     """
 
     line: int
@@ -72,15 +84,18 @@ class Instruction:
     guard: str | None = None
     base: str = ""
 
-    def __post_init__(self) -> None:
-        if not self.base:
-            # the mnemonic without modifiers: ``ld`` for ``ld.global.f32``
-            self.base = self.opcode.partition(".")[0]
+    @classmethod
+    def make(cls, line: int, opcode: str, operands: tuple[str, ...], guard: str | None = None) -> "Instruction":
+        """Build an instruction, deriving ``base`` (``ld`` for ``ld.global.f32``)."""
+        return cls(line, opcode, operands, guard, opcode.partition(".")[0])
 
     @property
     def modifiers(self) -> tuple[str, ...]:
         """The dotted modifiers after the mnemonic, in order."""
-        return tuple(self.opcode.split(".")[1:])
+        mods = _MODIFIERS.get(self.opcode)
+        if mods is None:
+            mods = _MODIFIERS[self.opcode] = tuple(self.opcode.split(".")[1:])
+        return mods
 
 
 @dataclass(slots=True)

@@ -11,12 +11,13 @@ from __future__ import annotations
 from .analysis import analyze_module
 from .features import kernel_features
 from .model import Module
-from .parser import parse
+from .parser import no_gc, parse
 
 
 def report(text: str) -> dict[str, dict]:
     """Parse ``text`` and report every kernel (raises ``PtxParseError``)."""
-    return report_module(parse(text))
+    with no_gc():
+        return report_module(parse(text))
 
 
 def report_module(module: Module, features: bool = True) -> dict[str, dict]:
@@ -25,7 +26,9 @@ def report_module(module: Module, features: bool = True) -> dict[str, dict]:
     ``features=False`` leaves out the cost features (access analysis only).
     """
     out = {}
-    for name, res in analyze_module(module).items():
+    with no_gc():
+        results = analyze_module(module)
+    for name, res in results.items():
         out[name] = {
             "params": [p.to_json() for p in res.params],
             "indirect": res.indirect,
@@ -43,12 +46,13 @@ def format_table(rep: dict[str, dict]) -> str:
         flag = "  [INDIRECT]" if r["indirect"] else ""
         f = r["features"]
         lines.append(f"{kernel}{flag}")
-        lines.append(f"  {'#':>3} {'param':<40} {'ptr':<4} access")
+        width = max([len(p["name"]) for p in r["params"]] + [5])
+        lines.append(f"  {'#':>3} {'param':<{width}} {'ptr':<4} access")
         for p in r["params"]:
             extra = ""
             if p.get("fields"):
                 extra = "  fields: " + ", ".join(f"+{k}:{v}" for k, v in p["fields"].items())
-            lines.append(f"  {p['index']:>3} {p['name']:<40} {'yes' if p['pointer'] else 'no':<4} {p['access']}{extra}")
+            lines.append(f"  {p['index']:>3} {p['name']:<{width}} {'yes' if p['pointer'] else 'no':<4} {p['access']}{extra}")
         for reason in r["reasons"]:
             lines.append(f"  why indirect: {reason}")
         mix = ", ".join(f"{k}={v}" for k, v in f["arith"].items() if v)

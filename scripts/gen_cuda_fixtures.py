@@ -68,6 +68,10 @@ def one(arch: str, bucket: str, args) -> dict:
     dropped = save_bounded(res.graph, path, args.max_mib)
     s = summarize(res.graph)
     check = soundness(res, inputs, orders=args.orders, seed=7, device=args.device)
+    from tessera_actors.capture.inductor_match import reanalyze
+    again = reanalyze(res.graph)  # the CPU re-derivation must reproduce the capture exactly
+    check["reanalysis_equal"] = [(k.accesses, k.indirect) for k in again.kernels] == \
+        [(k.accesses, k.indirect) for k in res.graph.kernels]
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -106,8 +110,13 @@ def main() -> int:
     ap.add_argument("--orders", type=int, default=20)
     ap.add_argument("--max-mib", type=float, default=1.9)
     ap.add_argument("--budget", type=float, default=500.0)
+    ap.add_argument("--verbose", action="store_true", help="log every hooked kernel (tessera.* loggers)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.verbose:
+        import logging
+        logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+        logging.getLogger("tessera").setLevel(logging.INFO)
     rows: list[dict] = []
     summary_path = os.path.join(args.out, "fixtures_summary.json")
 
@@ -136,6 +145,7 @@ def main() -> int:
             rows.append(one(arch, bucket, args))
             r = rows[-1]
             print(f"   {r['kernels']} kernels ({r['ptx']} ptx), {r['edges']} edges, pinned {r['pinned']}, "
+                  f"reanalysis equal {r['check']['reanalysis_equal']}, "
                   f"replay equal {r['check']['program_order']['equal']}, "
                   f"{r['check']['mismatches']}/{r['check']['orders']} order mismatches", flush=True)
         except Exception as e:
@@ -145,7 +155,8 @@ def main() -> int:
         dump()
     print(table(rows))
     print(f"total {time.perf_counter() - t0:.0f} s; summary {summary_path}")
-    ok = all("error" not in r and r["check"]["program_order"]["equal"] and r["check"]["mismatches"] == 0 for r in rows)
+    ok = all("error" not in r and r["check"]["program_order"]["equal"] and r["check"]["mismatches"] == 0
+             and r["check"]["reanalysis_equal"] for r in rows)
     return 0 if ok else 1
 
 

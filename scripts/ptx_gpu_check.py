@@ -195,7 +195,8 @@ def _run_job(job: dict) -> dict:
             ranges, lost = param_ranges(sites, [slots[s.index] for s in sites], buffers)
             stray.update(lost)
             for name, r in ranges.items():
-                o = observed.setdefault(name, {"read": None, "write": None})
+                o = observed.setdefault(name, {"read": None, "write": None, "exact": True})
+                o["exact"] = o["exact"] and r.exact
                 for kind in ("read", "write"):
                     got = getattr(r, kind)
                     if got:

@@ -214,8 +214,11 @@ class LocalRef(ActorRef):
             raise AskTimeout(f"ask to {self.name!r} got no answer within {timeout:g} s") from None
 
     def try_deliver(self, msg: Any, fut: asyncio.Future | None) -> bool:
-        """Enqueue ``msg`` (answer to ``fut``; None: a tell) without waiting;
-        False when the mailbox is full.  Used by the transport."""
+        """Enqueue ``msg`` without waiting; False when the mailbox is full.
+
+        ``fut`` receives the answer: an ``asyncio.Future`` or any object with
+        ``done()``, ``set_result()`` and ``set_exception()`` (the transport's
+        answer slot); None for a tell.  Used by the transport."""
         if self._dead:
             raise ActorDead(f"actor {self.name!r} is stopped")
         try:
@@ -225,8 +228,7 @@ class LocalRef(ActorRef):
         return True
 
     async def deliver(self, msg: Any, fut: asyncio.Future | None) -> None:
-        """Enqueue ``msg`` whose answer goes to ``fut`` (None: a tell); waits
-        while the mailbox is full.  Used by the transport for remote senders."""
+        """Like ``try_deliver`` but waits while the mailbox is full."""
         if self._dead:
             raise ActorDead(f"actor {self.name!r} is stopped")
         try:

@@ -45,7 +45,11 @@ class ActorSystem:
         ref = LocalRef(actor, name, on_exit=self._forget)
         actor.ref, actor.system, actor.name = ref, self, name
         self._actors[name] = ref
-        await ref.start()
+        try:
+            await ref.start()
+        except BaseException:
+            actor.ref, actor.system, actor.name = None, None, ""
+            raise
         return ref
 
     def ref(self, name: str) -> ActorRef:

@@ -73,7 +73,10 @@ def sample_value(tp, depth=0):
 
 
 def sample_instance(cls, depth=0):
-    hints = typing.get_type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:   # annotation names not importable at runtime: use defaults
+        hints = {}
     kwargs = {}
     for f in dataclasses.fields(cls):
         value = sample_value(hints.get(f.name, typing.Any), depth)

@@ -118,7 +118,7 @@ def test_recorded_launches_become_a_graph_that_survives_save_and_load(tmp_path):
     assert sorted(a.mode for a in tri.accesses) == ["r", "r", "w"]
     assert any(e.src == mm.id and e.dst == tri.id and e.kind == "RAW" for e in g.edges)
     assert g.buffers[g.outputs[0]].role == "output"
-    assert tri.layer == 0 and mm.layer == 0  # from the weight the mm reads, inherited by the next kernel
+    assert mm.layer == 0 and tri.layer == -1  # from the weight it reads; after the last layer: none
     assert ptx_text(g, tri.payload["key"]) == ADD_PTX
     assert tri.payload["config"]["kwargs"] == {"XBLOCK": 128} and tri.payload["args"][3] == 32
     path = tmp_path / "fake.tgraph"
@@ -127,6 +127,24 @@ def test_recorded_launches_become_a_graph_that_survives_save_and_load(tmp_path):
     assert h.kernels == g.kernels and h.buffers == g.buffers
     assert ptx_text(h, tri.payload["key"]) == ADD_PTX and triton_source(h, tri.payload["key"]) == ""
     assert [(e.src, e.dst, e.kind) for e in h.edges] == [(e.src, e.dst, e.kind) for e in g.edges]
+
+
+def test_reanalysis_from_the_stored_ptx_reproduces_the_capture(tmp_path):
+    from tessera_actors.capture.inductor_match import reanalyze
+    rec, out, inputs = _record()
+    g = assemble(rec, out, inputs, {}, True, True, True).graph
+    g.save(tmp_path / "g.tgraph")
+    again = reanalyze(KernelGraph.load(tmp_path / "g.tgraph"))
+    assert again.kernels == g.kernels and again.meta["reanalysis_skipped"] == []
+
+
+def test_kernels_without_layer_weights_take_the_layer_around_them():
+    from tessera_actors.capture.inductor_graph import _layers
+    names = {0: "layers.0.w", 1: "layers.1.w", 2: "norm.weight", 3: ""}
+    storages = [{"role": "weight"}] * 3 + [{"role": "temp"}]
+    reads = [[0], [3], [0], [3], [1], [3], [2]]
+    records = [{"accesses": [(b, 0, 1, "r") for b in r]} for r in reads]
+    assert [layer for layer, _ in _layers(records, names, storages)] == [0, 0, 0, -1, 1, -1, -1]
 
 
 def test_run_hook_patches_and_restores_the_launcher():
@@ -236,3 +254,49 @@ def test_gpu_check_helpers_run_on_cpu_with_an_aten_graph():
     assert s["program_order"]["equal"] and s["orders"] == 5 and s["mismatches"] == 0
     tok = greedy_tokens(m, m, res, inp, steps=3, device="cpu")
     assert tok["identical"] and tok["min_cosine"] > 0.999
+
+
+# -- committed CUDA fixtures (captured on an H200 by scripts/gen_cuda_fixtures.py) --
+FIXTURES = sorted((Path(__file__).parent / "data" / "graphs").glob("*.tgraph"))
+
+
+def _inductor_writes(graph, kernel):
+    """(buffer, start, end) of every tensor argument inductor itself names as written."""
+    from tessera_actors.capture.inductor_match import inductor_opinion, ref_span
+    info = graph.meta["triton_kernels"][kernel.payload["key"]]
+    names, mutated = info["arg_names"], set(info["mutated"])
+    out = set()
+    for i, a in enumerate(kernel.payload["args"]):
+        if isinstance(a, dict) and "t" in a and i < len(names):
+            op = inductor_opinion(names[i], mutated)
+            if op and op[1]:
+                out.add((a["t"][0], *ref_span(a["t"])))
+    return out
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_cuda_fixture_is_a_complete_kernel_graph(path):
+    from tessera_actors.testing import program_order_is_topological
+    g = KernelGraph.load(path)
+    assert g.meta["device"].startswith("cuda") and g.meta["backend"] == "triton"
+    ptx = [k for k in g.kernels if k.kind == "ptx"]
+    assert ptx and not g.meta["pinned"]
+    assert all(".entry" in ptx_text(g, k.payload["key"]) for k in ptx)
+    assert program_order_is_topological(g, range(len(g.kernels)))
+    state = {b.name for b in g.buffers.values() if b.role == "state"}
+    assert state == set(g.meta["state_names"])
+    for k in ptx:  # never a write inductor knows of that the graph lacks
+        written = {(a.buffer, a.start, a.end) for a in k.accesses if a.writes}
+        assert _inductor_writes(g, k) <= written, k.name
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_cuda_fixture_reanalysed_with_the_current_ptx_analyzer_keeps_every_write(path):
+    from tessera_actors.capture.inductor_match import reanalyze
+    g = reanalyze(KernelGraph.load(path))
+    assert not g.meta["reanalysis_skipped"] and not g.meta["pinned"]
+    for k in g.kernels:
+        if k.kind == "ptx":
+            written = {(a.buffer, a.start, a.end) for a in k.accesses if a.writes}
+            assert _inductor_writes(g, k) <= written, k.name
+    assert len(g.edges) > 0

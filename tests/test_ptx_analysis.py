@@ -94,3 +94,15 @@ def test_non_global_spaces_are_not_parameter_accesses(space):
     body = f"ld.param.u64 %rd1, [k_p0];\nst.{space}.u32 [%rd1], 1;" if space != "const" else \
         "ld.param.u64 %rd1, [k_p0];\nld.const.u32 %r1, [%rd1];"
     assert access(kernel(body)) == ["none", "none"]
+
+
+def test_stack_spill_slots_stay_distinct_but_overlaps_merge():
+    body = (".local .align 8 .b8 __local_depot0[16];\n.reg .b64 %SP;\n.reg .b64 %SPL;\n"
+            "mov.u64 %SPL, __local_depot0;\ncvta.local.u64 %SP, %SPL;\n"
+            "ld.param.u64 %rd1, [k_p0];\nld.param.u64 %rd2, [k_p1];\n"
+            "st.u64 [%SP+0], %rd1;\nst.u64 [%SP+8], %rd2;\n"
+            "ld.u64 %rd3, [%SP+8];\nst.global.u32 [%rd3], 1;")
+    assert access(kernel(body)) == ["none", "write"]
+    # a 64-bit reload that overlaps a 32-bit spill of p0's low half sees p0 too
+    body2 = body.replace("ld.u64 %rd3, [%SP+8];", "cvt.u32.u64 %r5, %rd1;\nst.u32 [%SP+12], %r5;\nld.u64 %rd3, [%SP+8];")
+    assert access(kernel(body2)) == ["write", "write"]

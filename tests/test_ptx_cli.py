@@ -54,3 +54,24 @@ def test_instrument_command_writes_ptx_and_sites(tmp_path):
     table = json.loads(sites.read_text())
     assert "atom.global.max.u64" in out.read_text()
     assert table["kernels"]["copy_float4"] and table["sites"][0]["width"] == 16
+
+
+def test_ptx_package_imports_neither_torch_nor_cupy():
+    code = "import sys, ptx, ptx.cli, ptx.batch; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'cupy')))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_report_many_keeps_order_and_reports_bad_module_index():
+    import pytest
+
+    from ptx import PtxParseError
+    from ptx.batch import report_many
+
+    texts = [open(os.path.join(DATA, "cuda", f)).read() for f in ("vector.ptx", "select.ptx")]
+    reps = report_many(texts, workers=2, features=False)
+    assert list(reps[0]) == ["copy_float4", "pack_int2"] and "select_store" in reps[1]
+    assert "features" not in reps[0]["copy_float4"]
+    with pytest.raises(PtxParseError) as err:
+        report_many(texts + ["not ptx"], workers=1)
+    assert "module #2" in str(err.value)

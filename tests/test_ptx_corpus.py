@@ -121,3 +121,23 @@ def test_no_write_is_ever_missed_across_corpus(checked_in):
         for p, want in zip(checked_in[kernel].params, t["access"]):
             if want in ("write", "readwrite"):
                 assert p.access in ("write", "readwrite"), (kernel, p.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["-G", "-arch=sm_90"], ["-lineinfo", "-arch=sm_100"], ["-O3", "-arch=sm_80"]],
+                         ids=["debug-sm90", "lineinfo-sm100", "O3-sm80"])
+def test_other_compile_modes_match_truth(flags, tmp_path):
+    """Debug builds (everything spilled to the local stack), other ISAs."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+
+    def build(src: str) -> str:
+        dst = os.path.join(tmp_path, os.path.basename(src)[:-3] + ".ptx")
+        subprocess.run([nvcc, "-ptx", *flags, "-o", dst, src], check=True, capture_output=True, timeout=300)
+        return dst
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = _analyze_dir(list(pool.map(build, sorted(glob.glob(os.path.join(CUDA, "*.cu"))))))
+    for kernel, truth in CUDA_TRUTH.items():
+        _check(results[kernel], truth)

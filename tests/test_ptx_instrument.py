@@ -104,3 +104,38 @@ def test_instrumented_text_still_analyzes_the_same():
     after = analyze(instrument(text).text)["select_store"]
     assert [p.access for p in after.params[:-1]] == [p.access for p in before.params]
     assert not re.search(r"tessera", text)
+
+
+ONE_LINE_ASM = """.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry k(.param .u64 k_p0, .param .u32 k_p1)
+{
+.reg .b64 %rd<3>;
+.reg .b32 %r<2>;
+.reg .pred %p<2>;
+ld.param.u64 %rd1, [k_p0];
+ld.param.u32 %r1, [k_p1];
+setp.ne.s32 %p1, %r1, 0;
+cvta.to.global.u64 %rd2, %rd1;
+{ .reg .b64 t; add.s64 t, %rd2, 8; st.global.u32 [t], 1; @%p1 st.global.u32 [t+4], 3; }
+$L1: st.global.u32 [%rd2], 2;
+ret;
+}
+"""
+
+
+def test_sites_packed_on_one_line_get_probes_in_place(tmp_path):
+    res = instrument(ONE_LINE_ASM)
+    assert [s.params for s in res.sites] == [("k_p0",)] * 3
+    text = res.text
+    # the probe for [t] comes after t is computed, and the guarded one keeps its guard
+    assert text.index("add.s64 %tsa1, t, 0;") > text.index("add.s64 t, %rd2, 8;")
+    assert "@%p1 add.s64 %tsa1, t, 4;" in text
+    assert text.index("$L1:") < text.index("add.s64 %tsa1, %rd2, 0;")
+    if PTXAS:
+        src = tmp_path / "k.ptx"
+        src.write_text(text)
+        proc = subprocess.run([PTXAS, "-arch=sm_90", str(src), "-o", str(tmp_path / "k.cubin")],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr

@@ -2,9 +2,10 @@
 
 ``Channel`` registers the socket's notification FD with ``loop.add_reader``
 and, when it fires, drains ready messages into a plain callback: no future and
-no task per message.  This halves the per-message overhead of ``zmq.asyncio``
-(measured ~50 us per round trip on a 2-core machine) and works on any loop
-with ``add_reader`` (asyncio, uvloop).
+no task per message.  Measured on the 2-core CI machine, a bare echo round
+trip between two processes took ~110 us this way against ~160 us with
+``zmq.asyncio`` sockets.  Works on any loop with ``add_reader`` (asyncio,
+uvloop).
 
 Contract: every method is non-blocking and must be called from the loop's
 thread.  ``send`` sends now or queues in order (returning a future that
@@ -103,7 +104,11 @@ class Channel:
                     self._flush()
                 if not events & _POLLIN or self._paused:
                     return
-                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                frame = sock.recv(_NOBLOCK, copy=False)
+                frames = [frame]
+                while frame.more:   # (Frame.more: no getsockopt per part)
+                    frame = sock.recv(_NOBLOCK, copy=False)
+                    frames.append(frame)
                 try:
                     self._on_message(frames)
                 except Exception:

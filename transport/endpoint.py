@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from functools import partial
 from typing import Any, Callable
 
 import zmq
@@ -60,11 +59,9 @@ class Server:
     def bind(self, endpoint: str) -> str:
         """Bind (non-blocking) and start serving; returns the resolved address."""
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-            port = self._sock.bind_to_random_port(endpoint[:-2])
-            self.address = f"{endpoint[:-2]}:{port}"
-        else:
-            self._sock.bind(endpoint)
-            self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            endpoint = endpoint[:-1] + "*"   # ZeroMQ's spelling of "any free port"
+        self._sock.bind(endpoint)
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._chan = Channel(self._sock, self._on_request)
         return self.address
 
@@ -85,9 +82,7 @@ class Server:
                 self._send_answer(identity, env.request_id, OP_FAILED,
                                   ErrorReply("NoSuchActor", f"no actor named {env.target!r}"))
                 return
-            fut = asyncio.get_running_loop().create_future()
-            fut.add_done_callback(partial(self._answer, identity, env.request_id))
-            self._deliver(ref, msg, fut)
+            self._deliver(ref, msg, _Answer(self, identity, env.request_id))
         elif op == OP_TELL:
             if ref is None:
                 log.warning("tell to unknown actor %r dropped", env.target)
@@ -136,19 +131,6 @@ class Server:
             await ref.stop()
         self._send_answer(identity, request_id, OP_REPLY, Ok("stopped"))
 
-    def _answer(self, identity, request_id: int, fut: asyncio.Future) -> None:
-        if fut.cancelled():
-            op, value = OP_FAILED, ErrorReply("ActorDead", "ask was cancelled")
-        elif (exc := fut.exception()) is None:
-            op, value = OP_REPLY, fut.result()
-        elif isinstance(exc, RemoteError):
-            op, value = OP_RAISED, ErrorReply(exc.kind, exc.message)
-        elif isinstance(exc, ActorError):
-            op, value = OP_FAILED, ErrorReply(type(exc).__name__, str(exc))
-        else:
-            op, value = OP_RAISED, ErrorReply(type(exc).__name__, str(exc))
-        self._send_answer(identity, request_id, op, value)
-
     def _send_answer(self, identity, request_id: int, op: int, value: Any) -> None:
         if self._chan is None or self._chan.closed:
             return
@@ -170,6 +152,39 @@ class Server:
             self._chan.close()
         else:
             self._sock.close(linger=0)
+
+
+class _Answer:
+    """Future-like answer slot for a remote ask, put in a local mailbox.
+
+    The actor calls ``set_result``/``set_exception`` as on a future; the
+    answer is encoded and sent at once (no extra event-loop hop)."""
+
+    __slots__ = ("_server", "_identity", "_request_id", "_done")
+
+    def __init__(self, server: Server, identity, request_id: int):
+        self._server, self._identity, self._request_id = server, identity, request_id
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, value: Any) -> None:
+        self._finish(OP_REPLY, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if isinstance(exc, RemoteError):
+            self._finish(OP_RAISED, ErrorReply(exc.kind, exc.message))
+        elif isinstance(exc, ActorError):
+            self._finish(OP_FAILED, ErrorReply(type(exc).__name__, str(exc)))
+        else:
+            self._finish(OP_RAISED, ErrorReply(type(exc).__name__, str(exc)))
+
+    def _finish(self, op: int, value: Any) -> None:
+        if self._done:
+            raise asyncio.InvalidStateError("answer already sent")
+        self._done = True
+        self._server._send_answer(self._identity, self._request_id, op, value)
 
 
 class Peer:
@@ -278,7 +293,9 @@ class RemoteRef(ActorRef):
 
     Same contract as a local ref, except that a remote ``tell`` returns once
     ZeroMQ took the message (it cannot see the remote mailbox; a tell to a
-    stopped or unknown remote actor is logged there and dropped).  ``alive``
+    stopped or unknown remote actor is logged there and dropped).  Tensors of
+    64 KiB and more are sent zero-copy: do not modify them in place until the
+    ask returned (for a tell: until the receiver acknowledged in some way).  ``alive``
     turns False after ``stop()``, after an ask answered ``ActorDead``, or when
     the connection is closed.
     """

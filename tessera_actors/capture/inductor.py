@@ -81,6 +81,8 @@ class _InductorRecorder(_Recorder):
         for t in written:
             if t.untyped_storage()._cdata not in self.storages and t.untyped_storage()._cdata not in self.roles:
                 self._storage(t, producing=True)
+        if torch.Tag.nondeterministic_seeded in func.tags and _without_dropout(func, args, kwargs):
+            func = _Seedless(func)  # e.g. SDPA that inductor's pattern matcher inserted, dropout_p=0
         n = len(self.records)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if len(self.records) > n:
@@ -178,6 +180,32 @@ class _InductorRecorder(_Recorder):
         log.info("triton kernel %s: file=%s ptx=%s indirect=%s error=%s", key, info["file"],
                  launch["ptx_source"], analysis.indirect, analysis.error)
         return k
+
+
+class _Seedless:
+    """An op tagged ``nondeterministic_seeded`` called with ``dropout_p == 0``:
+    it draws no random numbers, so the aten recorder may record it."""
+
+    def __init__(self, op) -> None:
+        self._op = op
+        self.tags = [t for t in op.tags if t != torch.Tag.nondeterministic_seeded]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._op, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._op(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return str(self._op)
+
+
+def _without_dropout(func, args, kwargs) -> bool:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+            return isinstance(v, (int, float)) and float(v) == 0.0
+    return False
 
 
 def a_device(args) -> int:

@@ -50,11 +50,11 @@ def assemble(rec, result: Any, inputs: dict[str, torch.Tensor], meta: dict[str, 
         if base + slot not in buffers:
             buffers[base + slot] = Buffer(base + slot, size, "temp", f"slot{slot}", "uint8", (size,))
     names = {s["id"]: s["name"] for s in storages}
+    places = _layers(rec.records, names, storages)
     kernels: list[Kernel] = []
-    layer, scope = -1, ""
     for i, r in enumerate(rec.records):
         acc = tuple(Access(remap.get(b, b), s, e, m) for b, s, e, m in r["accesses"])
-        layer, scope = _layer_of(r["accesses"], names, storages, layer, scope)
+        layer, scope = places[i]
         if r.get("kind") == "ptx":
             payload = _remap_payload(r["payload"], remap)
             kernels.append(Kernel(i, r["op"], "ptx", acc, bool(r["indirect"]), r["flops"],
@@ -74,14 +74,39 @@ def assemble(rec, result: Any, inputs: dict[str, torch.Tensor], meta: dict[str, 
     return CaptureResult(graph, values, [t.detach().clone() for t in outs])
 
 
-def _layer_of(accesses, names, storages, layer: int, scope: str) -> tuple[int, str]:
-    """Layer/scope of a kernel from the weights it reads; kernels reading no
-    weight inherit the previous kernel's (layers run in order)."""
-    weights = [names[b] for b, _, _, _ in accesses if storages[b]["role"] in ("weight", "state") and names[b]]
-    if not weights:
-        return layer, scope
-    m = _LAYER.search(weights[0] + ".")
-    return (int(m.group(1)) if m else -1), weights[0].rsplit(".", 1)[0]
+def _layers(records, names, storages) -> list[tuple[int, str]]:
+    """(layer, scope) per kernel. Layer: from the layered weights it reads
+    (``layers.N.``); a kernel reading none lies between two kernels of the same
+    layer (then it is that layer's) or at a boundary (-1). Scope: the module
+    of the first weight it reads, else the previous kernel's."""
+    own: list[int | None] = []
+    scopes: list[str] = []
+    scope = ""
+    for r in records:
+        weights = [names[b] for b, _, _, _ in r["accesses"]
+                   if storages[b]["role"] in ("weight", "state") and names[b]]
+        layers = [int(m.group(1)) for w in weights if (m := _LAYER.search(w + "."))]
+        own.append(layers[0] if layers else None)
+        layered = [w for w in weights if _LAYER.search(w + ".")]
+        if weights:
+            scope = (layered or weights)[0].rsplit(".", 1)[0]
+        scopes.append(scope)
+    out = []
+    prev = [None] * len(own)
+    last = None
+    for i, v in enumerate(own):
+        prev[i] = last
+        if v is not None:
+            last = v
+    nxt = None
+    for i in range(len(own) - 1, -1, -1):
+        v = own[i]
+        if v is None:
+            v = prev[i] if prev[i] is not None and prev[i] == nxt else -1
+        else:
+            nxt = own[i]
+        out.append((v, scopes[i]))
+    return out[::-1]
 
 
 def _kernel_meta(rec, compress: bool, keep_ptx: bool) -> dict[str, Any]:
@@ -95,6 +120,7 @@ def _kernel_meta(rec, compress: bool, keep_ptx: bool) -> dict[str, Any]:
         kinfo[k["key"]] = {"name": k["name"], "file": k["info"]["file"], "config": k["launch"]["config"],
                            "ptx_source": k["launch"]["ptx_source"], "indirect": a.indirect,
                            "error": a.error, "reasons": a.reasons[:5], "mutated": k["info"]["mutated"],
+                           "arg_names": k["info"]["arg_names"],
                            "params": [[p.name, p.is_ptr, p.access] for p in a.params]}
         if a.error:
             pinned.append(k["key"])

@@ -181,3 +181,88 @@ def ptx_text(graph, key: str) -> str:
 def triton_source(graph, key: str) -> str:
     """Generated Triton module source of kernel ``key`` ('' if not kept)."""
     return unpack_text(graph.meta.get("triton_src", {}).get(key))
+
+
+# -- re-deriving a captured graph's Triton accesses (CPU, no torch) -------------
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4,
+             "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1}
+
+
+def ref_span(ref) -> tuple[int, int]:
+    """[first, last+1) bytes a tensor reference ``[buffer, offset, shape, strides, dtype]``
+    can touch (the same rule as :func:`tessera_actors.capture.aten.byte_span`)."""
+    _, off, shape, stride, dt = ref
+    if dt not in _ITEMSIZE:
+        raise ValueError(f"unknown dtype {dt!r} in a tensor reference")
+    if any(s == 0 for s in shape):
+        return (0, 0)
+    last = sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
+    return (off, off + (last + 1) * _ITEMSIZE[dt])
+
+
+def ref_numel(ref) -> int:
+    n = 1
+    for s in ref[2]:
+        n *= s
+    return n
+
+
+def ref_dense(ref) -> bool:
+    s, e = ref_span(ref)
+    return e - s == ref_numel(ref) * _ITEMSIZE[ref[4]]
+
+
+def launch_inputs(args: list, names: list[str]) -> tuple[list[tuple[str | None, str]], dict[int, bool]]:
+    """(name, kind) per recorded launch argument and which tensor arguments are
+    dense and match the iteration space (product of the ``*numel`` scalars)."""
+    named = [(names[i] if i < len(names) else None,
+              "tensor" if isinstance(a, dict) and "t" in a else "scalar") for i, a in enumerate(args)]
+    numels = [int(a) for (n, _), a in zip(named, args)
+              if n and n.endswith("numel") and isinstance(a, int) and not isinstance(a, bool)]
+    spaces = set(numels)
+    if numels:
+        p = 1
+        for x in numels:
+            p *= x
+        spaces.add(p)
+    cover = {i: ref_dense(a["t"]) and ref_numel(a["t"]) in spaces
+             for i, a in enumerate(args) if named[i][1] == "tensor"}
+    return named, cover
+
+
+def reanalyze(graph):
+    """The graph with every ``ptx`` kernel's accesses re-derived from its stored
+    PTX and launch record by the current ``ptx`` analyzer (e.g. after the
+    analyzer improved, or to check a fixture). Kernels whose PTX was not kept,
+    or whose graph predates stored argument names, are left unchanged and
+    listed in ``meta["reanalysis_skipped"]``."""
+    from dataclasses import replace
+
+    from ..graph import Access, KernelGraph
+    kinfo = graph.meta.get("triton_kernels", {})
+    cache: dict[str, KernelAnalysis] = {}
+    kernels, skipped, pinned, indirect = [], set(), set(), set()
+    for k in graph.kernels:
+        p = k.payload if isinstance(k.payload, dict) else {}
+        key = p.get("key")
+        info = kinfo.get(key) if key else None
+        if k.kind != "ptx" or info is None or "arg_names" not in info or not ptx_text(graph, key):
+            if k.kind == "ptx":
+                skipped.add(key or k.name)
+            kernels.append(k)
+            continue
+        if key not in cache:
+            cache[key] = analyze_ptx(ptx_text(graph, key), info.get("name", k.name))
+        named, cover = launch_inputs(p["args"], info["arg_names"])
+        acc = launch_access(named, cache[key], set(info.get("mutated", [])), cover)
+        accesses = tuple(Access(a["t"][0], *ref_span(a["t"]), acc.modes[i]) for i, a in enumerate(p["args"])
+                         if named[i][1] == "tensor" and acc.modes.get(i))
+        meta = {"disagreements": acc.disagreements, "pinned": acc.pinned_reason, "hidden": acc.hidden_params}
+        (pinned if cache[key].error else indirect if acc.indirect else set()).add(key)
+        kernels.append(replace(k, accesses=accesses, indirect=acc.indirect, payload=dict(p, meta=meta),
+                               bytes=float(sum(a.nbytes for a in accesses))))
+    pinned |= {key for key in graph.meta.get("pinned", []) if key in skipped}
+    meta = dict(graph.meta, pinned=sorted(pinned), indirect_kernels=sorted(indirect),
+                reanalysis_skipped=sorted(skipped))
+    return KernelGraph(kernels, graph.buffers, dict(graph.inputs), list(graph.outputs), meta)

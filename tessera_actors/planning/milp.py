@@ -28,7 +28,8 @@ big-M terms, so it solves like a min-cut.
 sum_m bytes_m y[m,d] <= cap_d``: every buffer a device touches is held there
 once (weights only where used, state with its kernels, each temporary slot
 once, received buffers on the receiver) - exactly :meth:`Plan.resident_bytes`,
-with temporaries counted once per step, not once per micro-batch.
+for one micro-batch (the planner then limits micro-batches in flight to what
+the budgets hold, see planner.fits).
 
 An infeasible budget is re-solved with a slack per device; the
 :class:`PlanError` names the smallest total shortfall and its split.
