@@ -9,6 +9,7 @@ Counters (bytes and transfers, local and remote) answer ``GetStats``.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from tessera_actors.actor import Actor, ActorRef, handler
@@ -45,7 +46,11 @@ class TransferActor(Actor):
                       msg.dst, msg.plan_id, msg.tag, msg.step)
             return
         ref = await self._ref(endpoint, name)
-        await ref.tell(Deliver(msg.plan_id, msg.step, msg.tag, msg.data))
+        data = msg.data
+        if endpoint and getattr(data, "is_cuda", False):
+            # the wire carries host bytes: stage off the event loop (the copy waits for the GPU)
+            data = await asyncio.to_thread(data.to, "cpu")
+        await ref.tell(Deliver(msg.plan_id, msg.step, msg.tag, data))
         kind = "remote" if endpoint else "local"
         self.counts[f"{kind}_bytes"] += msg.data.numel() * msg.data.element_size()
         self.counts[f"{kind}_transfers"] += 1

@@ -170,11 +170,9 @@ def _classify(fn: Function, prov: Provenance, written: set[str]) -> KernelAccess
             reasons.append(f"line {line}: opaque access (tensor map, texture, surface or unknown call)")
             continue
         acc = READWRITE if kind in ("readwrite", "unknown") else kind
-        found = False
         for o in bases:
             tag = o[0]
             if tag == "P" and o[1] in params:
-                found = True
                 p = params[o[1]]
                 if p.is_aggregate:
                     per = fields.setdefault(p.name, {})

@@ -293,3 +293,44 @@ async def test_stop_from_own_handler(system):
     assert await ref.ask(ActQuit()) == "bye"
     await asyncio.sleep(0.01)
     assert not ref.alive
+
+
+# --- deferred replies (a handler returns a future it completes later) -------
+
+class _Later(Actor):
+    """Answers ``Ping`` only when released by an ``Ok`` message: the mailbox
+    must keep serving while the first ask waits."""
+
+    def __init__(self):
+        self.pending = []
+
+    @handler(Ping)
+    def later(self, msg):
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append((fut, msg.payload))
+        return fut
+
+    @handler(Ok)
+    def release(self, msg):
+        for fut, payload in self.pending:
+            if msg.detail == "fail":
+                fut.set_exception(ValueError("released with failure"))
+            else:
+                fut.set_result(Pong(payload))
+        self.pending.clear()
+        return Ok("released")
+
+
+async def test_deferred_reply_keeps_the_mailbox_serving():
+    async with ActorSystem() as system:
+        ref = await system.spawn(_Later(), "later")
+        first = asyncio.ensure_future(ref.ask(Ping(b"a"), timeout=5))
+        await asyncio.sleep(0.01)
+        assert not first.done()
+        assert (await ref.ask(Ok("go"), timeout=5)).detail == "released"
+        assert (await first).payload == b"a"
+        failing = asyncio.ensure_future(ref.ask(Ping(b"b"), timeout=5))
+        await asyncio.sleep(0.01)
+        await ref.ask(Ok("fail"), timeout=5)
+        with pytest.raises(RemoteError, match="released with failure"):
+            await failing

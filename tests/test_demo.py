@@ -13,8 +13,19 @@ async def test_demo_split_over_two_node_processes_matches_single_device():
     assert "tokens IDENTICAL, logits bitwise equal" in text
     single = next(l for l in lines if l.startswith("single device"))
     split = next(l for l in lines if l.startswith("split "))
-    assert single.split(":", 1)[1] == split.split(":", 1)[1]
+    tokens = lambda line: line[line.index("["):line.index("]") + 1]  # noqa: E731
+    assert tokens(single) == tokens(split)
     assert "nodes exited with [0, 0]" in text
     # the placement really uses both processes, and bytes crossed between them
     moved = next(l for l in lines if "bytes moved between devices" in l)
     assert "plan predicts 0" not in moved
+
+
+@pytest.mark.gpu
+async def test_demo_on_cuda_node_processes_matches_single_gpu():
+    import torch
+    nodes = ("cuda:0", "cuda:1") if torch.cuda.device_count() > 1 else ("cuda:0", "cuda:0")
+    lines = []
+    status = await run_demo(DemoConfig(nodes=nodes, prompt_len=4, new_tokens=8), out=lines.append)
+    assert status == 0, "\n".join(lines)
+    assert "tokens IDENTICAL" in "\n".join(lines)
