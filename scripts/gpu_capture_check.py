@@ -190,6 +190,7 @@ def part_xproc(args) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     out = json.loads(lines[-1]) if lines else {"error": (proc.stderr or proc.stdout)[-2000:]}
     out["returncode"] = proc.returncode
+    out["kernels_by_kind"] = {"ptx": out.get("ptx", 0), "library": out.get("kernels", 0) - out.get("ptx", 0)}
     return out
 
 

@@ -374,15 +374,16 @@ def plot(results: list[dict[str, Any]], path: Path) -> bool:
 def run_arena(cfg: ArenaConfig) -> list[dict[str, Any]]:
     backends = [backend_for(d) for d in cfg.devices]
     results = []
-    for name in cfg.models:
-        results.append(run_model(cfg, name, backends))
-    table = print_table(results, cfg)
-    cfg.log(table)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"devices": list(cfg.devices), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "config": {k: v for k, v in cfg.__dict__.items() if k not in ("log",)}}
-    (out / "arena.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    for name in cfg.models:
+        results.append(run_model(cfg, name, backends))
+        # written after every model, so an interrupted run keeps what it measured
+        (out / "arena.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
+    table = print_table(results, cfg)
+    cfg.log(table)
     if plot(results, out / "arena.png"):
         cfg.log(f"wrote {out / 'arena.json'} and {out / 'arena.png'}")
     else:

@@ -125,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
             progress("building model")
             model, inputs, (kind, batch, seq) = build_model(args.model, args.size, args.bucket, args.dtype, device)
             meta = {"model": args.model, "size": args.size, "bucket": bucket_name(kind, batch, seq),
-                    "dtype": args.dtype, "device": device, "state_names": list(model.state_names())}
+                    "dtype": args.dtype, "device": device,
+                    "state_names": list(getattr(model, "state_names", list)())}
             if device.startswith("cuda"):
                 from .capture.inductor import capture_inductor
                 res = capture_inductor(model, inputs, meta=meta, progress=progress)
