@@ -229,8 +229,10 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
         except Exception as e:  # e.g. no attention scopes
             log(f"  {policy} not applicable: {type(e).__name__}: {e}")
     t0 = time.perf_counter()
-    lat = MilpPlanner(full.costs).plan(full.graph, devs, "latency")
-    thr = MilpPlanner(full.costs).plan(full.graph, devs, "throughput")
+    from .planning.planner import PlannerConfig
+    pcfg = PlannerConfig(max_inflight=cfg.max_inflight)   # plan for the depth the executor will run
+    lat = MilpPlanner(full.costs, pcfg).plan(full.graph, devs, "latency")
+    thr = MilpPlanner(full.costs, pcfg).plan(full.graph, devs, "throughput")
     plan_s = time.perf_counter() - t0
     add("Tessera latency", lat, 1, note=f"source {lat.meta.get('source')}")
     mb = max(1, min(thr.microbatches, cfg.max_inflight))
@@ -274,7 +276,8 @@ def memory_variant(cfg: ArenaConfig, full: Phase, backends, add) -> dict[str, An
     out: dict[str, Any] = {"budget_bytes": budget, "whole_bytes": whole}
     for mode in ("latency", "throughput"):
         try:
-            plan = MilpPlanner(costs).plan(g, list(cfg.devices), mode)
+            from .planning.planner import PlannerConfig
+            plan = MilpPlanner(costs, PlannerConfig(max_inflight=cfg.max_inflight)).plan(g, list(cfg.devices), mode)
         except PlanError as e:
             cfg.log(f"  memory variant {mode}: {e}")
             out[mode] = {"error": str(e)}

@@ -68,14 +68,28 @@ class PipelinedExecutor:
         self.comm = [[be.stream(priority=-(microbatches - 1 - m)) for m in range(microbatches)] for be in backends]
         self.runs: list[list[dict[int, object]]] = [[{} for _ in range(microbatches)] for _ in range(nd)]
         for s in plan.segments:
-            be = backends[s.device]
             for m in range(microbatches):
                 prog = self.progs[s.device][m]
                 for k in s.kernels:
                     prog.bind(k)
-                fn = (lambda prog=prog, ks=s.kernels: prog.run(ks))
-                self.runs[s.device][m][s.id] = be.replayable(fn, self.compute[s.device][m]) if capture else fn
+                self.runs[s.device][m][s.id] = (lambda prog=prog, ks=s.kernels: prog.run(ks))
         self._derive_guards()
+        if capture:
+            # One eager step in program order, transfers included, so every
+            # kernel has met valid inputs (reused slots hold stale bytes of
+            # other values until the transfer lands) before graphs are
+            # captured; then undo what it did to the state.
+            self._eager_step()
+            state = {b: v for b, v in values.items() if graph.buffers[b].role == "state"}
+            for row in self.progs:
+                for p in row:
+                    p.load(state)
+            for s in plan.segments:
+                be = backends[s.device]
+                for m in range(microbatches):
+                    fn = self.runs[s.device][m][s.id]
+                    self.runs[s.device][m][s.id] = be.replayable(fn, self.compute[s.device][m], warmup=False)
+            self.synchronize()
         self.step_count = 0
 
     def _derive_guards(self) -> None:
@@ -111,6 +125,23 @@ class PipelinedExecutor:
         self.guard_segments = set(self.dst_guard.values())
         self._seg_done: dict[tuple[int, int], object] = {}          # latest event per (segment, m)
         self._carry: dict[tuple[int, int], list] = defaultdict(list)  # waits for the next step
+
+    def _eager_step(self) -> None:
+        plan = self.plan
+        by_src: dict[int, list] = defaultdict(list)
+        for t in plan.transfers:
+            by_src[t.src_segment].append(t)
+        for s in plan.segments:
+            be = self.backends[s.device]
+            for m in range(self.mb):
+                be.run_on(self.compute[s.device][m], self.runs[s.device][m][s.id])
+                be.synchronize()
+                for t in by_src[s.id]:
+                    src, dst = self.progs[s.device][m].arena[t.buffer], self.progs[t.dst][m].arena[t.buffer]
+                    for a, b in t.ranges:
+                        dst[a:b].copy_(src[a:b])
+                be.synchronize()
+        self.synchronize()
 
     def enqueue(self, inputs: Sequence[dict[str, torch.Tensor]] | None = None) -> None:
         """Queue one step for every micro-batch (inputs per micro-batch, or

@@ -68,11 +68,15 @@ class CudaBackend:
         stream.wait_event(event)
 
     # -- work -------------------------------------------------------------
-    def replayable(self, fn: Callable[[], None], stream: torch.cuda.Stream, pool=None) -> Callable[[], None]:
-        """Capture ``fn`` as a CUDA graph on ``stream`` (after one warm-up
-        run there) and return a replay bound to that stream."""
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            fn()
+    def replayable(self, fn: Callable[[], None], stream: torch.cuda.Stream, pool=None,
+                   warmup: bool = True) -> Callable[[], None]:
+        """Capture ``fn`` as a CUDA graph on ``stream`` and return a replay
+        bound to that stream.  ``warmup`` runs ``fn`` once first (lazy library
+        initialisation); callers whose buffers do not hold valid inputs yet
+        warm up themselves and pass False."""
+        if warmup:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                fn()
         stream.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.device(self.device):
@@ -86,14 +90,21 @@ class CudaBackend:
         return replay
 
     def run_on(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            fn()
+        """Run ``fn`` on ``stream`` after the work the caller already queued on
+        its current stream (e.g. the host-to-device copy of an input)."""
+        with torch.cuda.device(self.device):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                fn()
 
     def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
     def synchronize(self) -> None:
+        # a green context's streams live in their own context: wait on each
+        for s in self._streams:
+            s.synchronize()
         torch.cuda.synchronize(self.device)
 
     def time_kernel(self, fn: Callable[[], None], reps: int = 20) -> float:
