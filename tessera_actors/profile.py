@@ -35,7 +35,16 @@ def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs:
     times: list[float] = []
     for k in graph.kernels:
         fn = prog.bind(k.id)
+        # timing runs the kernel many times; an in-place kernel (a cache
+        # update, an accumulation) would drift its outputs - and later
+        # kernels' indices - so its written bytes are restored and it runs
+        # once more for the values the rest of the program reads
+        saved = [(a.buffer, a.start, a.end, prog.arena[a.buffer][a.start:a.end].clone())
+                 for a in k.accesses if a.writes and a.end > a.start]
         times.append(backend.time_kernel(fn, reps))
+        for b, s, e, v in saved:
+            prog.arena[b][s:e].copy_(v)
+        fn()
         if bar is not None:
             bar.update(1)
     if bar is not None:

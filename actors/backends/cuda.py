@@ -112,6 +112,7 @@ class CudaBackend:
         calls replayed on this device's compute context (launch overhead
         excluded, as in a segment replay)."""
         s = self._timing_stream = getattr(self, "_timing_stream", None) or self.stream()
+        s.wait_stream(torch.cuda.current_stream(self.device))   # inputs prepared by the caller
 
         def many() -> None:
             for _ in range(reps):

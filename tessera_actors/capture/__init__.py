@@ -4,4 +4,13 @@
 ``inductor`` (GPU) records the generated Triton kernels with their PTX."""
 from .aten import CaptureError, CaptureResult, capture, capture_module
 
-__all__ = ["CaptureError", "CaptureResult", "capture", "capture_module"]
+
+def __getattr__(name: str):
+    # the inductor capture imports torch._inductor: loaded only when asked for
+    if name in ("capture_inductor", "capture_buckets"):
+        from . import inductor, inductor_buckets
+        return getattr(inductor, name, None) or getattr(inductor_buckets, name)
+    raise AttributeError(name)
+
+
+__all__ = ["CaptureError", "CaptureResult", "capture", "capture_module", "capture_inductor", "capture_buckets"]

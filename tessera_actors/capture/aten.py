@@ -105,7 +105,10 @@ class _Recorder(TorchDispatchMode):
         if isinstance(v, torch.Tensor):
             ref = self._ref(v)
             s, e = byte_span(v)
-            accesses.append((ref["t"][0], s, e, mode_of()))
+            mode = mode_of()
+            if mode == "w" and e - s != v.numel() * v.element_size():
+                mode = "rw"  # a view with gaps: the bytes between its elements keep older values
+            accesses.append((ref["t"][0], s, e, mode))
             return ref
         if isinstance(v, (list, tuple)):
             return [self._encode(x, accesses, mode_of) for x in v]
@@ -162,7 +165,7 @@ class _Recorder(TorchDispatchMode):
             ref = self._ref(t, producing=not alias)
             if not alias:
                 s, e = byte_span(t)
-                accesses.append((ref["t"][0], s, e, "w"))
+                accesses.append((ref["t"][0], s, e, "w" if e - s == t.numel() * t.element_size() else "rw"))
             enc_outs.append({"ref": ref, "alias": alias})
         self.records.append({"op": str(func), "qual": qual, "args": enc_args, "kwargs": enc_kwargs,
                              "outs": enc_outs, "accesses": accesses, "scope": self.scope[-1],
