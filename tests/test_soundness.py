@@ -86,3 +86,29 @@ def test_harness_detects_a_missing_edge(captured):
     broken = KernelGraph(g.kernels, g.buffers, g.inputs, g.outputs, g.meta,
                          [e for e in g.edges if e.kind == "RAW"])
     assert run_orders(broken, res.values, inp, res.outputs, ORDERS, seed=3) > 0
+
+
+def test_unmodified_transformers_llama_captures_and_splits_bitwise():
+    """A third-party model, unchanged: transformers' LlamaForCausalLM built
+    from a config with random weights (optional: skipped without transformers)."""
+    transformers = pytest.importorskip("transformers")
+    from tessera_actors.capture import capture
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"   # its sdpa mask path reads tensor values on the host (.item())
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, 8))
+
+    def forward(input_ids):
+        return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
+    res = capture(forward, {"input_ids": ids}, params={**dict(model.named_parameters()), **dict(model.named_buffers())},
+                  module=model)
+    with torch.no_grad():
+        want = forward(ids)
+    assert torch.equal(res.outputs[0], want)
+    assert run_orders(res.graph, res.values, {"input_ids": ids}, [want], 50, seed=5) == 0
+    rng = random.Random(6)
+    for _ in range(3):
+        plan = build_plan(res.graph, ["cpu", "cpu"], random_assignment(res.graph, 2, rng))
+        assert torch.equal(PlanRunner(res.graph, plan, res.values).step({"input_ids": ids}, rng)[0], want)

@@ -340,12 +340,10 @@ def _remap_payload(v: Any, remap: dict[int, int]) -> Any:
     return v
 
 
-def capture_module(model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
-                   state_names: list[str] | None = None, reuse_temps: bool = True,
-                   meta: dict[str, Any] | None = None) -> CaptureResult:
-    """Capture ``model(**inputs)``: parameters and non-state buffers are
-    weights, the named buffers (default: ``model.state_names()`` when the
-    model has it) are state. The model's state is restored after capture."""
+def module_roles(model: torch.nn.Module, state_names: list[str] | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights, state) of a module: parameters and non-state buffers are
+    weights; state is the named buffers (default ``model.state_names()``)."""
     if state_names is None:
         state_names = list(model.state_names()) if hasattr(model, "state_names") else []
     named_buffers = dict(model.named_buffers())
@@ -355,6 +353,16 @@ def capture_module(model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
     state = {n: named_buffers[n] for n in state_names}
     params = dict(model.named_parameters())
     params.update({n: b for n, b in named_buffers.items() if n not in state})
+    return params, state
+
+
+def capture_module(model: torch.nn.Module, inputs: dict[str, torch.Tensor], *,
+                   state_names: list[str] | None = None, reuse_temps: bool = True,
+                   meta: dict[str, Any] | None = None) -> CaptureResult:
+    """Capture ``model(**inputs)``: parameters and non-state buffers are
+    weights, the named buffers (default: ``model.state_names()`` when the
+    model has it) are state. The model's state is restored after capture."""
+    params, state = module_roles(model, state_names)
     saved = {n: t.clone() for n, t in state.items()}
     try:
         return capture(model, inputs, params=params, state=state, module=model,

@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from . import inductor_hooks as hooks
-from .aten import CaptureError, CaptureResult, _Recorder, byte_span
+from .aten import CaptureError, CaptureResult, _Recorder, byte_span, module_roles
 from .inductor_graph import assemble
 from .inductor_match import (KernelAnalysis, analyze_ptx, inductor_opinion, launch_access, ptx_text,
                              triton_source, unpack_text)
@@ -282,15 +282,7 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     (from :func:`compile_model`) reuses an already compiled model. Raises
     :class:`CaptureError` when the model cannot be compiled or recorded."""
     say = progress or (lambda msg: log.info("%s", msg))
-    if state_names is None:
-        state_names = list(model.state_names()) if hasattr(model, "state_names") else []
-    named_buffers = dict(model.named_buffers())
-    missing = [n for n in state_names if n not in named_buffers]
-    if missing:
-        raise CaptureError(f"state buffers {missing} are not buffers of the model")
-    state = {n: named_buffers[n] for n in state_names}
-    params = dict(model.named_parameters())
-    params.update({n: b for n, b in named_buffers.items() if n not in state})
+    params, state = module_roles(model, state_names)
     device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
     saved = {n: t.clone() for n, t in state.items()}
     times: dict[str, float] = {}
