@@ -56,6 +56,7 @@ class ArenaConfig:
     link_latency_s: float = 25e-6
     link_bandwidth: float = 385e9
     max_inflight: int = 4
+    max_slots: int = 8              # micro-batch slots a mix may use (each holds its own KV cache)
     capture: str = "aten"           # aten | inductor
     r_mem: float | None = 0.6       # memory variant: R's budget (<1: fraction of the whole model+cache; else bytes)
     compile_baseline: bool = False  # also time torch.compile(mode="reduce-overhead") on L
@@ -159,12 +160,12 @@ def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
     return (time.perf_counter() - t0) / steps
 
 
-def measure(phase: Phase, plan: Plan, backends, microbatches: int, steps: int, held: list | None = None) -> float:
+def measure(phase: Phase, plan: Plan | list[Plan], backends, microbatches: int, steps: int, held: list | None = None) -> float:
     """Measured seconds per step (all micro-batches) of ``plan``; the bytes
     each device holds are appended to ``held`` when given."""
     bes = list(backends)
     ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches,
-                           program_cls=phase.program_cls)
+                           program_cls=phase.program_cls)   # a list of plans: one per slot
     ex.enqueue([phase.inputs] * microbatches)
     t = ex.time_steps(steps)
     if held is not None:
@@ -198,12 +199,18 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     def add(policy: str, plan: Plan | None, mb: int, step_s: float | None = None,
             devices_used: tuple[str, ...] = (L, R), note: str = "") -> dict[str, Any]:
         if step_s is None:
-            bes = backends if len(plan.devices) > 1 else [backends[cfg.devices.index(plan.devices[0])]]
+            devices_of = plan[0].devices if isinstance(plan, list) else plan.devices
+            bes = backends if len(devices_of) > 1 else [backends[cfg.devices.index(devices_of[0])]]
             step_s = measure(full, plan, bes, mb, cfg.steps)
         tokens = mb * cfg.batch / step_s
         row = {"policy": policy, "step_us": step_s * 1e6, "tokens_per_s": tokens,
                "microbatches": mb, "devices": list(devices_used), "note": note}
-        if plan is not None:
+        if isinstance(plan, list):   # a mix: a plan per micro-batch slot
+            from .planning.mix import predict_mix
+            row["predicted_us"] = predict_mix(plan, full.costs)[0] * 1e6
+            row["bytes_per_step"] = sum(p.bytes_per_step() for p in plan)
+            row["segments"] = sum(len(p.segments) for p in plan)
+        elif plan is not None:
             pc = full.costs
             if len(plan.devices) == 1:
                 from .planning import CostTable
@@ -239,6 +246,9 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     add("Tessera throughput", thr, mb, note=f"source {thr.meta.get('source')}, "
         f"gap {thr.meta.get('solver', {}).get('mip_gap')}")
     memory = memory_variant(cfg, full, backends, add) if cfg.r_mem else None
+    from .planning.mix import best_mix
+    mix = best_mix(full.graph, devs, full.costs, thr, max_slots=cfg.max_slots)
+    add("Tessera mix", mix.plans, len(mix.plans), note=mix.label)
     ideal_s = ideal_split(full.profiles)
     best_ideal = cfg.batch / ideal_s
     for r in rows:
@@ -328,7 +338,8 @@ def run_prefill(cfg: ArenaConfig, name: str, backends, decode: dict[str, Any]) -
         if pol in dec:
             wl[pol] = workload(min(t["Homo-L"], t["Homo-R"]), dec[pol])
     per_token = {r["policy"]: r["step_us"] * 1e-6 / r["microbatches"] for r in decode["decode"]}
-    wl["Tessera"] = workload(t["Tessera"], min(per_token["Tessera throughput"], per_token["Tessera latency"]))
+    wl["Tessera"] = workload(t["Tessera"], min(v for k, v in per_token.items()
+                                                if k.startswith("Tessera") and "GiB" not in k))
     log("  workload output tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in wl.items()))
     return {"prefill_us": {k: v * 1e6 for k, v in t.items()}, "workload_tokens_per_s": wl}
 
