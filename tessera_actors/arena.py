@@ -205,9 +205,9 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
         tokens = mb * cfg.batch / step_s
         row = {"policy": policy, "step_us": step_s * 1e6, "tokens_per_s": tokens,
                "microbatches": mb, "devices": list(devices_used), "note": note}
-        if isinstance(plan, list):   # a mix: a plan per micro-batch slot
+        if isinstance(plan, list):   # a mix: a plan per slot; "step" = the whole run of mb slot-steps
             from .planning.mix import predict_mix
-            row["predicted_us"] = predict_mix(plan, full.costs)[0] * 1e6
+            row["predicted_us"] = mb / predict_mix(plan, full.costs)[1] * 1e6
             row["bytes_per_step"] = sum(p.bytes_per_step() for p in plan)
             row["segments"] = sum(len(p.segments) for p in plan)
         elif plan is not None:
@@ -248,7 +248,13 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     memory = memory_variant(cfg, full, backends, add) if cfg.r_mem else None
     from .planning.mix import best_mix
     mix = best_mix(full.graph, devs, full.costs, thr, max_slots=cfg.max_slots)
-    add("Tessera mix", mix.plans, len(mix.plans), note=mix.label)
+    top = max(mix.rates)
+    slot_steps = [max(1, round(cfg.steps * r / top)) for r in mix.rates]   # each slot at its own pace
+    ex = PipelinedExecutor(full.graph, mix.plans, full.values, backends, program_cls=full.program_cls)
+    ex.enqueue([full.inputs] * ex.mb)
+    wall = ex.time_slots(slot_steps)
+    del ex
+    add("Tessera mix", mix.plans, sum(slot_steps), step_s=wall, note=f"{mix.label}; slot steps {slot_steps}")
     ideal_s = ideal_split(full.profiles)
     best_ideal = cfg.batch / ideal_s
     for r in rows:

@@ -157,20 +157,27 @@ class PipelinedExecutor:
                 be.synchronize()
         self.synchronize()
 
-    def enqueue(self, inputs: Sequence[dict[str, torch.Tensor]] | None = None) -> None:
-        """Queue one step for every micro-batch (inputs per micro-batch, or
-        None to reuse the inputs already in place). Does not wait."""
+    def enqueue(self, inputs: Sequence[dict[str, torch.Tensor]] | None = None,
+                slots: Sequence[int] | None = None) -> None:
+        """Queue one step for every micro-batch slot, or for ``slots`` only
+        (slots are independent request streams: they need not step
+        together).  ``inputs`` per slot, or None to reuse the inputs already
+        in place; given with ``slots``, one input set per chosen slot).
+        Does not wait."""
         mb = self.mb
+        chosen = list(range(mb) if slots is None else slots)
         if inputs is not None:
-            if len(inputs) != mb:
-                raise ValueError(f"{len(inputs)} input sets for {mb} micro-batches")
-            for m, slot in enumerate(self.slots):
+            if len(inputs) != len(chosen):
+                raise ValueError(f"{len(inputs)} input sets for {len(chosen)} micro-batch slots")
+            for m, inp in zip(chosen, inputs):
+                slot = self.slots[m]
                 for d, be in enumerate(self.backends):
                     feed = slot.plan.inputs[d]
                     if feed:
                         be.run_on(self.compute[d][m],
-                                  lambda p=self.progs[d][m], i=inputs[m], f=feed: write_inputs(p, self.graph, i, f))
-        for m, slot in enumerate(self.slots):
+                                  lambda p=self.progs[d][m], i=inp, f=feed: write_inputs(p, self.graph, i, f))
+        for m in chosen:
+            slot = self.slots[m]
             waits_before, slot.carry = slot.carry, defaultdict(list)   # segment -> events
             for s in slot.plan.segments:
                 d, be = s.device, self.backends[s.device]
@@ -233,3 +240,22 @@ class PipelinedExecutor:
             self.enqueue()
         self.synchronize()
         return (time.perf_counter() - t0) / n
+
+    def time_slots(self, steps: Sequence[int], warmup: int = 2) -> float:
+        """Seconds to run ``steps[m]`` steps of every slot ``m``, each slot
+        at its own pace (enqueued round-robin, one wait at the end): how a
+        mix serves independent request streams."""
+        if len(steps) != self.mb:
+            raise ValueError(f"{len(steps)} step counts for {self.mb} slots")
+        for _ in range(warmup):
+            self.enqueue()
+        self.synchronize()
+        left = list(steps)
+        t0 = time.perf_counter()
+        while any(left):
+            ready = [m for m, n in enumerate(left) if n]
+            self.enqueue(slots=ready)
+            for m in ready:
+                left[m] -= 1
+        self.synchronize()
+        return time.perf_counter() - t0

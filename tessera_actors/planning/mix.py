@@ -7,10 +7,12 @@ Request Distribution is the mix of one-device plans, and kernel-level plans
 mix with replicas.  ``best_mix`` searches slot counts and returns the mix
 with the highest predicted throughput that fits the memory budgets.
 
-Prediction (a step runs every slot once, slots in parallel on their own
-streams): each device's busy time is the sum over slots of the compute its
-plan puts there; a step takes the larger of the busiest device and the
-slowest slot's own latency (its critical path, transfers included).
+Prediction: slots are independent request streams (they share weights and
+devices, nothing else), so each runs at its own rate ``r_m``, at most once
+per its own latency (its critical path, transfers included), and together
+they may not keep any device busier than all the time:
+``max sum r_m  s.t.  r_m <= 1 / latency_m,  sum_m r_m * busy_m[d] <= 1``.
+A mix of one replica per device is then exactly Request Distribution.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ from .simulate import segment_times, simulate
 @dataclass
 class Mix:
     plans: list[Plan]
-    step_s: float          # predicted seconds per executor step (every slot once)
-    throughput: float      # graph executions per second
+    rates: list[float]     # predicted executions per second of every slot
+    throughput: float      # their sum
     label: str = ""
     meta: dict = field(default_factory=dict)
 
@@ -41,18 +43,20 @@ def device_busy(plan: Plan, costs: CostTable) -> list[float]:
     return busy
 
 
-def predict_mix(plans: Sequence[Plan], costs: CostTable) -> tuple[float, float]:
-    """(step seconds, executions per second) of running ``plans`` as slots."""
+def predict_mix(plans: Sequence[Plan], costs: CostTable) -> tuple[list[float], float]:
+    """(rate of every slot, total executions per second) of ``plans``."""
+    import numpy as np
+    from scipy.optimize import linprog
     if not plans:
         raise PlanError("an empty mix")
-    busy = [0.0] * len(plans[0].devices)
-    latency = 0.0
-    for p in plans:
-        for d, b in enumerate(device_busy(p, costs)):
-            busy[d] += b
-        latency = max(latency, simulate(p, costs, inflight=1).step_s)
-    step = max(max(busy), latency)
-    return step, (len(plans) / step if step > 0 else float("inf"))
+    lat = [simulate(p, costs, inflight=1).step_s for p in plans]
+    busy = np.array([device_busy(p, costs) for p in plans]).T      # device x slot
+    bounds = [(0.0, 1.0 / t if t > 0 else None) for t in lat]
+    res = linprog(-np.ones(len(plans)), A_ub=busy, b_ub=np.ones(busy.shape[0]), bounds=bounds, method="highs")
+    if res.status != 0:
+        raise PlanError(f"mix prediction failed: {res.message}")
+    rates = [float(r) for r in res.x]
+    return rates, sum(rates)
 
 
 def mix_memory(graph: KernelGraph, plans: Sequence[Plan]) -> list[int]:
@@ -86,11 +90,11 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
         held = mix_memory(graph, plans)
         if any(m is not None and h > m for h, m in zip(held, costs.mem)):
             continue
-        step, thr = predict_mix(plans, costs)
+        rates, thr = predict_mix(plans, costs)
         # prefer fewer slots on ties (less memory, lower latency)
         if best is None or thr > best.throughput * (1 + 1e-9):
             label = " + ".join(f"{c}x {name}" for (name, _), c in zip(choices, counts) if c)
-            best = Mix(plans, step, thr, label, {"counts": list(counts), "held_bytes": held})
+            best = Mix(plans, rates, thr, label, {"counts": list(counts), "held_bytes": held})
     if best is None:
         raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
     return best
