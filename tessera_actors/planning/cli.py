@@ -9,6 +9,7 @@ from ..devices import DeviceSpec, DeviceSpecError, parse_devices
 from ..graph import GraphError, KernelGraph
 from ..plan import Plan, PlanError
 from .baselines import BaselineResult, single_graph_baselines
+from .mix import best_mix
 from .costs import CostTable, costs_path_for
 from .planner import MilpPlanner, PlannerConfig
 from .timeline import TimelineUnavailable, render_png
@@ -94,6 +95,14 @@ def plan_command(graph_path: str, devices: list[str], mode: str, out_png: str | 
         return 1
     baselines = single_graph_baselines(graph, names, costs)
     print("\n".join(summary_lines(graph, plan, costs, baselines)))
+    if mode == "throughput":
+        try:
+            mix = best_mix(graph, names, costs, plan)
+            print(f"{'tessera-mix':<36}{mix.throughput:>12.2f}{'':>10}"
+                  f"{mix.throughput / max(plan.meta['predicted']['throughput'], 1e-30):>11.2f}  "
+                  f"slots: {mix.label}")
+        except PlanError as e:
+            print(f"tessera-mix: {e}")
     if out_png:
         try:
             render_png(plan, costs, out_png)
