@@ -90,7 +90,7 @@ def ideal_split(profiles: list[list[float]]) -> float:
     """min over kernel partitions of max(sum on L, sum on R): the zero-
     communication limit of kernel placement (no ordering, no transfers)."""
     import numpy as np
-    from scipy.optimize import LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint, milp
     n = len(profiles[0])
     tl, tr = np.array(profiles[0]), np.array(profiles[1])
     c = np.zeros(n + 1)
@@ -100,7 +100,7 @@ def ideal_split(profiles: list[list[float]]) -> float:
     a[1, :n], a[1, -1] = -tr, -1.0         # sum (1-x)*tr - T <= 0
     cons = LinearConstraint(a, [-np.inf, -np.inf], [0.0, -tr.sum()])
     integrality = np.r_[np.ones(n), 0]
-    bounds = __import__("scipy.optimize", fromlist=["Bounds"]).Bounds(np.r_[np.zeros(n), 0], np.r_[np.ones(n), np.inf])
+    bounds = Bounds(np.r_[np.zeros(n), 0], np.r_[np.ones(n), np.inf])
     res = milp(c, constraints=cons, integrality=integrality, bounds=bounds, options={"time_limit": 20})
     return float(res.fun) if res.x is not None else min(tl.sum(), tr.sum())
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from .graph import Buffer, KernelGraph, _IntervalMap, _merge
+from .graph import KernelGraph, _IntervalMap, _merge
 
 
 class PlanError(ValueError):
@@ -244,13 +244,6 @@ def single_device_plan(graph: KernelGraph, device: str) -> Plan:
     return build_plan(graph, [device], [0] * len(graph.kernels), name=f"homo[{device}]")
 
 
-def buffer_nbytes(graph: KernelGraph, ids: Sequence[int]) -> int:
-    return sum(graph.buffers[b].nbytes for b in ids)
-
-
-__all__ = ["plan_to_dict", "plan_from_dict", "Plan", "PlanError", "Planner", "Segment", "Step", "Transfer", "build_plan",
-           "validate_assignment", "final_writes", "legal_cuts", "ContiguousPlanner",
-           "single_device_plan", "Buffer"]
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -275,3 +268,8 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
         [[Step(op, ref) for op, ref in prog] for prog in d["programs"]],
         [list(r) for r in d["resident"]], [list(i) for i in d["inputs"]], [tuple(o) for o in d["outputs"]],
         d["mode"], d["microbatches"], d["predicted_step_s"], dict(d["meta"]))
+
+
+__all__ = ["ContiguousPlanner", "Plan", "PlanError", "Planner", "Segment", "Step", "Transfer", "build_plan",
+           "final_writes", "legal_cuts", "plan_from_dict", "plan_to_dict", "single_device_plan",
+           "validate_assignment"]

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from actors.backends.aten import AtenProgram
+from .capture.aten import dtype_from_name
 from .graph import KernelGraph
 from .plan import Plan, PlanError
 
@@ -43,7 +44,6 @@ def assemble_outputs(graph: KernelGraph, pieces: dict[tuple[int, int, int], torc
         buf = bufs.setdefault(b, torch.zeros(graph.buffers[b].nbytes, dtype=torch.uint8))
         buf[s:e].copy_(data.reshape(-1).view(torch.uint8).cpu())
     out = []
-    from .capture.aten import dtype_from_name
     for b, off, shape, stride, dt in graph.meta["output_views"]:
         dtype = dtype_from_name(dt)
         item = torch.empty((), dtype=dtype).element_size()
