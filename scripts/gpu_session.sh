@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool), from the repo root. Usage:
-#   bash scripts/gpu_session.sh PART...   (parts: env tests arena arena-small ptx fixtures capture)
+#   bash scripts/gpu_session.sh PART...   (parts: env tests arena arena-small triton ptx fixtures capture)
 # Writes logs and results under $OUT (or ./out). Never hangs: every part has a timeout.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -17,10 +17,10 @@ for p in "$@"; do case $p in
   tests) part tests 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
   arena-small) part arena_small 300 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --out "$OUT/arena_small" ;;
   arena) part arena 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --out "$OUT/arena" ;;
-  ptx) part ptx 300 python3 scripts/ptx_gpu_check.py --out "$OUT/ptx" ;;
-  triton) part triton 300 python3 scripts/gen_triton_fixtures.py --out "$OUT/triton" ;;
+  ptx) part ptx 300 python3 scripts/ptx_gpu_check.py --out "$OUT/gpu_check.json" ;;
+  triton) part triton 300 python3 scripts/gen_triton_fixtures.py --out "$OUT" --jobs 14 ;;
   fixtures) part fixtures 400 python3 scripts/gen_cuda_fixtures.py --out "$OUT/graphs" ;;
-  capture) part capture 500 python3 scripts/gpu_capture_check.py --out "$OUT/capture" ;;
+  capture) part capture 500 python3 scripts/gpu_capture_check.py --out "$OUT/capture" --budget 400 ;;
   *) echo "unknown part $p" ;;
 esac; done
 ls -R "$OUT" | head -50
