@@ -56,6 +56,7 @@ class ArenaConfig:
     link_latency_s: float = 25e-6
     link_bandwidth: float = 385e9
     max_inflight: int = 4
+    measure_links: bool = False     # time the L<->R copies instead of DESIGN.md's 25 us / 385 GB/s
     max_slots: int = 8              # micro-batch slots a mix may use (each holds its own KV cache)
     capture: str = "aten"           # aten | inductor
     r_mem: float | None = 0.6       # memory variant: R's budget (<1: fraction of the whole model+cache; else bytes)
@@ -136,7 +137,11 @@ class Phase:
                          for be in backends]
         self.profile_s = time.perf_counter() - t0 - self.capture_s
         from .planning import CostTable
-        links = {(0, 1): (cfg.link_latency_s, cfg.link_bandwidth), (1, 0): (cfg.link_latency_s, cfg.link_bandwidth)}
+        if cfg.measure_links:
+            from .profile import measured_links
+            links = measured_links(backends)
+        else:
+            links = {(0, 1): (cfg.link_latency_s, cfg.link_bandwidth), (1, 0): (cfg.link_latency_s, cfg.link_bandwidth)}
         self.costs = CostTable.from_profiles(self.graph, list(cfg.devices), self.profiles, links)
         cfg.log(f"  {name} {kind} batch {batch} x {seq}: {len(self.graph.kernels)} kernels, capture "
                 f"{self.capture_s:.1f} s, profile {self.profile_s:.1f} s; sum L {sum(self.profiles[0]) * 1e6:.0f} us, "

@@ -111,6 +111,26 @@ def build_model(name: str, size: str, bucket: str, dtype_name: str, device: str,
     return model, bucket_inputs(model, kind, batch, seq), (kind, batch, seq)
 
 
+def profile_to_costs(res, inputs, devices: list[str], graph_path: str) -> str:
+    """Time every kernel on every device and every device-to-device copy,
+    and save the cost table next to the graph (``tessera plan`` reads it)."""
+    from actors.backends.base import backend_for
+    from .planning.costs import CostTable, costs_path_for
+    from .profile import measured_links, profile_kernels
+    backends = [backend_for(d) for d in devices]
+    program_cls = None
+    if any(k.kind == "ptx" for k in res.graph.kernels):
+        from actors.backends.triton import TritonProgram as program_cls
+    else:
+        from actors.backends.aten import AtenProgram as program_cls
+    profiles = [profile_kernels(res.graph, res.values, {k: v.to(be.device) for k, v in inputs.items()}, be,
+                                program_cls=program_cls) for be in backends]
+    costs = CostTable.from_profiles(res.graph, devices, profiles, measured_links(backends))
+    path = costs_path_for(graph_path)
+    costs.save(path)
+    return str(path)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``tessera capture`` with parsed ``args`` (.model .size .bucket .dtype .device .out)."""
     import torch
@@ -136,8 +156,14 @@ def main(args: argparse.Namespace) -> int:
             progress("saving")
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             res.graph.save(args.out)
+            profiled = getattr(args, "profile", None)
+            if profiled:
+                progress("profiling kernels and links")
+                costs_file = profile_to_costs(res, inputs, profiled.split(","), args.out)
         except (CaptureError, KeyError, ValueError) as e:
             print(f"\ntessera capture: error: {e}", file=sys.stderr)
             return 2
     print(format_summary(res.graph, args.out))
+    if getattr(args, "profile", None):
+        print(f"costs    {costs_file}  (kernels and links profiled on {args.profile})")
     return 0

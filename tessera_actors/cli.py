@@ -37,7 +37,8 @@ def _arena(args: argparse.Namespace) -> int:
         raise ValueError("--devices takes two devices: L,R")
     cfg = ArenaConfig(tuple(args.models.split(",")), devices, args.layers, args.batch, args.cache, args.prompt,
                       args.out_tokens, args.steps, args.dtype, args.size, args.out,
-                      capture=args.capture, compile_baseline=args.compile_baseline, r_mem=_budget(args.r_mem))
+                      capture=args.capture, compile_baseline=args.compile_baseline, r_mem=_budget(args.r_mem),
+                      measure_links=args.measure_links)
     run_arena(cfg)
     return 0
 
@@ -59,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu (aten capture) or cuda (inductor capture)")
     p.add_argument("--out", required=True, help="graph file to write (.tgraph)")
+    p.add_argument("--profile", default=None,
+                   help="also time every kernel and link on these comma-separated devices and write the "
+                        "cost table next to the graph (read by tessera plan)")
     p.set_defaults(fn=_capture)
 
     p = sub.add_parser("plan", help="place a graph on devices and compare with the baselines")
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time plain torch.compile(mode='reduce-overhead') on L (overhead check)")
     b.add_argument("--r-mem", default="0.6",
                    help="memory variant: R's budget as a fraction of the whole model+cache, or bytes (24GiB); 0: skip")
+    b.add_argument("--measure-links", action="store_true",
+                   help="time the L<->R copies for the cost table (default: 25 us + 385 GB/s, DESIGN.md)")
     b.set_defaults(fn=_arena)
 
     p = sub.add_parser("node", help="run a node daemon", add_help=False)

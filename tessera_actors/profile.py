@@ -10,6 +10,7 @@ clock.  Progress is shown for long graphs.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Sequence
 
 import torch
@@ -55,3 +56,37 @@ def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs:
 
 def time_segments(times: Sequence[float], segments) -> list[float]:
     return [sum(times[k] for k in s.kernels) for s in segments]
+
+
+def profile_link(src: DeviceBackend, dst: DeviceBackend, sizes: tuple[int, int] = (1 << 12, 1 << 24),
+                 reps: int = 5) -> tuple[float, float]:
+    """(latency seconds, bytes per second) of copying from ``src`` to
+    ``dst`` in this process: a line through the mean times of a small and a
+    large copy, each timed by wall clock up to completion (launch and wait
+    included, as the runtime pays them)."""
+    small, large = sizes
+    if not 0 < small < large:
+        raise ValueError(f"sizes must be 0 < small < large, got {sizes}")
+    times = []
+    for n in sizes:
+        a = torch.ones(n, dtype=torch.uint8, device=src.device)
+        b = torch.empty(n, dtype=torch.uint8, device=dst.device)
+        b.copy_(a)                      # warm-up (peer access, allocator)
+        src.synchronize()
+        dst.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            b.copy_(a)
+        src.synchronize()
+        dst.synchronize()
+        times.append((time.perf_counter() - t0) / reps)
+    slope = (times[1] - times[0]) / (large - small)
+    bandwidth = 1.0 / slope if slope > 0 else float("inf")
+    latency = max(times[0] - small * slope, 0.0)
+    return latency, bandwidth
+
+
+def measured_links(backends: Sequence[DeviceBackend]) -> dict[tuple[int, int], tuple[float, float]]:
+    """``profile_link`` for every ordered pair of devices."""
+    return {(a, b): profile_link(backends[a], backends[b])
+            for a in range(len(backends)) for b in range(len(backends)) if a != b}

@@ -100,3 +100,21 @@ def test_capture_marks_a_gappy_out_view_read_write():
     mul = next(k for k in g.kernels if k.name.startswith("mul"))
     writes = [a for a in mul.accesses if a.writes]
     assert writes and all(a.mode == "rw" for a in writes)
+
+
+def test_capture_with_profile_writes_a_cost_table_that_plan_reads(tmp_path, capsys):
+    """``tessera capture --profile``: kernels and links timed on the devices,
+    the cost table saved next to the graph, and ``tessera plan`` uses it."""
+    import json
+    from tessera_actors.cli import main
+    out = tmp_path / "g.tgraph"
+    assert main(["capture", "--model", "llama", "--bucket", "decode:2", "--out", str(out),
+                 "--profile", "cpu,cpu?threads=1"]) == 0
+    costs = json.loads((tmp_path / "g.costs.json").read_text())
+    g = KernelGraph.load(out)
+    assert costs["devices"] == ["cpu", "cpu?threads=1"] and costs["source"] == "profile"
+    assert len(costs["times"]) == len(g.kernels) and all(t[0] > 0 and t[1] > 0 for t in costs["times"])
+    assert costs["bandwidth"][0][1] > 1e6 and costs["latency"][1][0] >= 0
+    capsys.readouterr()
+    assert main(["plan", str(out), "--devices", "cpu,cpu?threads=1"]) == 0
+    assert "costs: profile" in capsys.readouterr().out
