@@ -49,6 +49,9 @@ class DemoConfig:
             raise ValueError("--prompt-len and --new-tokens must be at least 1")
         if not self.nodes:
             raise ValueError("at least one node is needed")
+        from .devices import parse_devices
+        for node in self.nodes:   # fail here, with the reason, rather than in a child process
+            parse_devices(node)
 
 
 def describe_placement(graph: KernelGraph, plan: Plan, routes: list) -> str:
