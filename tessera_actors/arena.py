@@ -276,7 +276,7 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     result = {"model": name, "decode": rows, "memory_variant": memory, "compiled_step_us": (full.compiled_step_s or 0) * 1e6, "ideal": {"step_us": ideal_s * 1e6, "tokens_per_s": best_ideal},
               "capture_s": full.capture_s, "profile_s": full.profile_s, "plan_s": plan_s,
               "kernels": len(full.graph.kernels)}
-    del full
+    full.values.clear()   # free the decode phase's weights before the prefill phase
     gc.collect()
     result.update(run_prefill(cfg, name, backends, result))
     return result
@@ -359,7 +359,7 @@ def print_table(results: list[dict[str, Any]], cfg: ArenaConfig) -> str:
     lines = [f"arena: L={cfg.devices[0]} R={cfg.devices[1]}, decode batch {cfg.batch}, cache {cfg.cache}, "
              f"{cfg.layers} layers, {cfg.dtype}; prices $/h L={price_of(cfg.devices[0]):.2f} "
              f"R={price_of(cfg.devices[1]):.2f}",
-             f"| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs best single-plan baseline |",
+             "| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs best single-plan baseline |",
              "|---|---|---|---|---|---|---|---|"]
     for res in results:
         best_other = max(r["tokens_per_s"] for r in res["decode"] if not r["policy"].startswith("Tessera")

@@ -96,7 +96,7 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
         sched = await system.spawn(SchedulerActor(get_planner(cfg.planner), cap.values), "scheduler")
         cluster = LocalCluster(cfg.nodes, scheduler=address)
         async with cluster:
-            out(f"nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in cluster.nodes))
+            out("nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in cluster.nodes))
             deadline = time.monotonic() + 30
             while len((await sched.ask(GetStats())).values["nodes"]) < len(cfg.nodes):
                 if time.monotonic() > deadline:

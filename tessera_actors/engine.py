@@ -12,13 +12,11 @@ a decode step (inputs ``input_ids`` [1, 1] and ``positions`` [1]).
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Awaitable, Callable, Sequence
 
 import torch
 
 from .actor import ActorRef
-from .errors import ActorError
 from .graph import KernelGraph
 from .messages import RunStep, StepDone
 from .plan import Plan
@@ -50,9 +48,6 @@ class Engine:
         results = await asyncio.gather(*asks, return_exceptions=True)
         for d, r in enumerate(results):
             if isinstance(r, BaseException):
-                for other in results:
-                    if isinstance(other, BaseException) and other is not r:
-                        other.__traceback__ = None
                 raise StepFailed(f"step {step}: device {d} ({self.plan.devices[d]}) failed: "
                                  f"{type(r).__name__}: {r}") from r
         self.last = list(results)

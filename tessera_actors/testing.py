@@ -2,7 +2,6 @@
 by anyone checking a captured graph of their own)."""
 from __future__ import annotations
 
-import heapq
 import random
 from typing import Sequence
 

@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from tessera_actors.cluster import LocalCluster
 from tessera_actors.messages import Describe, GetStats, Shutdown

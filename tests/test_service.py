@@ -2,7 +2,6 @@
 example, on a tiny random Llama with in-process CPU devices."""
 import asyncio
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest

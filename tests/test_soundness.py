@@ -2,7 +2,6 @@
 their edges, and any interleaving of a split plan's device programs, gives
 outputs bitwise equal to program order - for all five architectures."""
 import random
-from dataclasses import replace
 
 import pytest
 import torch

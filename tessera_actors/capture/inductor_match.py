@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from typing import Any
 from dataclasses import dataclass, field
 
 _ROLE = re.compile(r"^(in_out_ptr|in_ptr|out_ptr)\d+$")
