@@ -23,4 +23,7 @@ for p in "$@"; do case $p in
   capture) part capture 500 python3 scripts/gpu_capture_check.py --out "$OUT/capture" --budget 400 ;;
   *) echo "unknown part $p" ;;
 esac; done
-ls -R "$OUT" | head -50
+# the device tool brings back at most 8 files: pack every result folder into one archive
+dirs=$(cd "$OUT" && find . -mindepth 1 -maxdepth 1 -type d | sed 's|^./||')
+if [ -n "$dirs" ]; then (cd "$OUT" && tar czf results.tgz $dirs && rm -rf $dirs); fi
+ls -la "$OUT"

@@ -198,6 +198,11 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     log = cfg.log
     log(f"== {name}: {cfg.layers} layers, {cfg.dtype}, L={L} R={R}")
     full = Phase(cfg, name, "decode", cfg.batch, 1, backends)
+    # the graph and its measured cost table, so plans can be studied offline later
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    full.graph.save(out / f"{name}-decode-b{cfg.batch}.tgraph")
+    full.costs.save(out / f"{name}-decode-b{cfg.batch}.costs.json")
     rows: list[dict[str, Any]] = []
     devs = list(cfg.devices)
 
