@@ -43,20 +43,27 @@ def device_busy(plan: Plan, costs: CostTable) -> list[float]:
     return busy
 
 
-def predict_mix(plans: Sequence[Plan], costs: CostTable) -> tuple[list[float], float]:
-    """(rate of every slot, total executions per second) of ``plans``."""
+def _slot_facts(plans: Sequence[Plan], costs: CostTable) -> tuple[list[float], list[list[float]]]:
+    return ([simulate(p, costs, inflight=1).step_s for p in plans], [device_busy(p, costs) for p in plans])
+
+
+def _rates(lat: Sequence[float], busy: Sequence[Sequence[float]]) -> tuple[list[float], float]:
     import numpy as np
     from scipy.optimize import linprog
-    if not plans:
-        raise PlanError("an empty mix")
-    lat = [simulate(p, costs, inflight=1).step_s for p in plans]
-    busy = np.array([device_busy(p, costs) for p in plans]).T      # device x slot
+    a = np.array(busy, dtype=float).T                                  # device x slot
     bounds = [(0.0, 1.0 / t if t > 0 else None) for t in lat]
-    res = linprog(-np.ones(len(plans)), A_ub=busy, b_ub=np.ones(busy.shape[0]), bounds=bounds, method="highs")
+    res = linprog(-np.ones(len(lat)), A_ub=a, b_ub=np.ones(a.shape[0]), bounds=bounds, method="highs")
     if res.status != 0:
         raise PlanError(f"mix prediction failed: {res.message}")
     rates = [float(r) for r in res.x]
     return rates, sum(rates)
+
+
+def predict_mix(plans: Sequence[Plan], costs: CostTable) -> tuple[list[float], float]:
+    """(rate of every slot, total executions per second) of ``plans``."""
+    if not plans:
+        raise PlanError("an empty mix")
+    return _rates(*_slot_facts(plans, costs))
 
 
 def mix_memory(graph: KernelGraph, plans: Sequence[Plan]) -> list[int]:
@@ -70,31 +77,77 @@ def mix_memory(graph: KernelGraph, plans: Sequence[Plan]) -> list[int]:
     return out
 
 
+def offload_family(graph: KernelGraph, devices: Sequence[str], costs: CostTable,
+                   scales: Sequence[float] = (0.5, 0.75, 1.5, 2.0)) -> list[Plan]:
+    """Kernel-level plans from mostly-on-one-device to mostly-on-another:
+    throughput plans solved with one device's kernel times scaled, so the
+    split moves.  Mixed with replicas, they let kernels run where they are
+    relatively fast while every device stays busy."""
+    from .planner import MilpPlanner, PlannerConfig
+    plans: list[Plan] = []
+    seen: set[tuple[int, ...]] = set()
+    for d in range(len(devices)):
+        for a in scales:
+            times = [[t * a if j == d else t for j, t in enumerate(row)] for row in costs.times]
+            scaled = CostTable(list(costs.devices), times, costs.latency, costs.bandwidth, list(costs.mem), costs.source)
+            try:
+                p = MilpPlanner(scaled, PlannerConfig(fallback=False, max_inflight=2)).plan(graph, devices, "throughput")
+            except PlanError:
+                continue
+            key = tuple(p.assignment)
+            if len(set(key)) > 1 and key not in seen:
+                seen.add(key)
+                p.name = f"offload[{devices[d]} x{a:g}]"
+                plans.append(p)
+    return plans
+
+
 def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kernel_plan: Plan | None = None,
-             max_slots: int = 8) -> Mix:
+             max_slots: int = 8, family: bool | None = None) -> Mix:
     """The best mix of up to ``max_slots`` slots drawn from one-device plans
-    (replicas) and ``kernel_plan`` (e.g. the MILP throughput plan)."""
+    (replicas), ``kernel_plan`` (e.g. the MILP throughput plan) and, on up to
+    four devices (``family``), the offload family.  An LP over all
+    candidates (rates, slot budget, device capacity) picks the two most
+    useful kernel-level plans; slot counts are then searched exactly."""
     ndev = len(devices)
-    choices: list[tuple[str, Plan]] = [(f"homo[{devices[d]}]", build_plan(graph, devices, [d] * len(graph.kernels),
-                                                                        name=f"replica[{devices[d]}]"))
-                                       for d in range(ndev)]
-    if kernel_plan is not None:
-        choices.append((kernel_plan.name, kernel_plan))
-    per_choice = max_slots if len(choices) <= 3 else 2
+    replicas = [build_plan(graph, devices, [d] * len(graph.kernels), name=f"homo[{devices[d]}]")
+                for d in range(ndev)]
+    kernel_level = [kernel_plan] if kernel_plan is not None else []
+    if family if family is not None else ndev <= 4:
+        kernel_level += offload_family(graph, devices, costs)
+
+    def fits(plans: Sequence[Plan]) -> bool:
+        return all(m is None or h <= m for h, m in zip(mix_memory(graph, plans), costs.mem))
+    replicas = [p for p in replicas if fits([p])]
+    kernel_level = [p for p in kernel_level if fits([p])]
+    if len(kernel_level) > 2:
+        import numpy as np
+        from scipy.optimize import linprog
+        lat, busy = _slot_facts(kernel_level + replicas, costs)
+        a = np.vstack([np.array(busy, dtype=float).T, np.array(lat, dtype=float)[None, :]])
+        b = np.r_[np.ones(ndev), float(max_slots)]
+        res = linprog(-np.ones(len(lat)), A_ub=a, b_ub=b, bounds=[(0, None)] * len(lat), method="highs")
+        weight = res.x[: len(kernel_level)] if res.status == 0 else np.zeros(len(kernel_level))
+        order = sorted(range(len(kernel_level)), key=lambda j: -weight[j])
+        kernel_level = [kernel_level[j] for j in order[:2]]
+    choices = replicas + kernel_level
+    if not choices:
+        raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
+    lat, busy = _slot_facts(choices, costs)
     best: Mix | None = None
-    for counts in itertools.product(range(per_choice + 1), repeat=len(choices)):
-        total = sum(counts)
-        if not 1 <= total <= max_slots:
+    for counts in itertools.product(range(max_slots + 1), repeat=len(choices)):
+        if not 1 <= sum(counts) <= max_slots:
             continue
-        plans = [p for (_, p), c in zip(choices, counts) for _ in range(c)]
+        idx = [j for j, c in enumerate(counts) for _ in range(c)]
+        plans = [choices[j] for j in idx]
         held = mix_memory(graph, plans)
         if any(m is not None and h > m for h, m in zip(held, costs.mem)):
             continue
-        rates, thr = predict_mix(plans, costs)
-        # prefer fewer slots on ties (less memory, lower latency)
-        if best is None or thr > best.throughput * (1 + 1e-9):
-            label = " + ".join(f"{c}x {name}" for (name, _), c in zip(choices, counts) if c)
-            best = Mix(plans, rates, thr, label, {"counts": list(counts), "held_bytes": held})
+        rates, thr = _rates([lat[j] for j in idx], [busy[j] for j in idx])
+        if best is None or thr > best.throughput * (1 + 1e-9):   # ties: fewer slots
+            label = " + ".join(f"{c}x {p.name}" for p, c in zip(choices, counts) if c)
+            best = Mix(plans, rates, thr, label, {"counts": list(counts), "held_bytes": held,
+                                                  "choices": [p.name for p in choices]})
     if best is None:
         raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
     return best
