@@ -99,6 +99,7 @@ def test_malformed_ptx_errors_carry_lines(body, line, words):
         parse(HEAD + body)
     assert words in str(err.value)
     assert err.value.line == line
+    assert err.value.line == line
 
 
 def test_declaration_without_body_and_module_variables():
