@@ -94,11 +94,11 @@ def capture_fns(args):
         return compile_model, capture_inductor
     from tessera_actors.capture.aten import capture_module
 
-    def capture(model, inputs, meta=None, progress=None, compiled=None):
+    def capture(model, inputs, meta=None, progress=None, compiled=None, regions=None):
         res = capture_module(model, inputs, meta=meta)
         res.graph.meta["capture_times"] = {"total_s": 0.0}
         return res
-    return (lambda m: m), capture
+    return (lambda m, regions=None: m), capture
 
 
 def graph_facts(graph, path: str | None = None) -> dict:
@@ -108,6 +108,8 @@ def graph_facts(graph, path: str | None = None) -> dict:
                                "indirect_kernels", "pinned", "disagreements", "bytes_by_role")}
     facts["distinct_triton_kernels"] = len(graph.meta.get("triton_kernels", {}))
     facts["capture_times"] = graph.meta.get("capture_times")
+    facts["regions"] = graph.meta.get("regions")
+    facts["compiled_graphs"] = graph.meta.get("compiled_graphs")
     if path:
         facts["file"], facts["file_mib"] = path, round(os.path.getsize(path) / 2**20, 2)
     return facts
@@ -120,7 +122,7 @@ def part_capture(args) -> dict:
     mem0 = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     res = capture_inductor(model, inputs, meta={"model": "llama-3.1-8b", "bucket": "decode-b64",
                                                 "layers": args.llama_layers, "max_seq": 2048},
-                           progress=lambda p: print(f"   [capture] {p} ({elapsed():.0f} s)", flush=True))
+                           regions=args.regions, progress=lambda p: print(f"   [capture] {p} ({elapsed():.0f} s)", flush=True))
     names = [k.name for k in res.graph.kernels]
     path = os.path.join(args.out, "llama-3.1-8b-decode-b64.tgraph")
     t = time.perf_counter()
@@ -137,7 +139,8 @@ def part_capture(args) -> dict:
     if args.warm_repeat and elapsed() + 1.5 * (out["capture_s"] or 0) < args.budget - args.min_part:
         # the same capture again: dynamo re-traces, inductor's on-disk caches (FX graph, Triton) hit
         print(f"   [capture] repeating with warm compile caches ({elapsed():.0f} s)", flush=True)
-        res = capture_inductor(model, inputs, meta={"model": "llama-3.1-8b", "bucket": "decode-b64"})
+        res = capture_inductor(model, inputs, meta={"model": "llama-3.1-8b", "bucket": "decode-b64"},
+                               regions=args.regions)
         out["capture_warm_times"] = res.graph.meta.get("capture_times")
         out["capture_warm_s"] = (out["capture_warm_times"] or {}).get("total_s")
         out["warm_graph_same_kernels"] = [k.name for k in res.graph.kernels] == names
@@ -152,7 +155,7 @@ def part_sound(args, name: str, layers: int) -> dict:
     from tessera_actors.capture.inductor_check import greedy_tokens, soundness
     compile_model, capture_inductor = capture_fns(args)
     model, inputs, build_s = build(name, layers, args.batch, args.max_seq, DTYPE(args), args)
-    compiled = compile_model(model)
+    compiled = compile_model(model, regions=args.regions)
     res = capture_inductor(model, inputs, meta={"model": name, "layers": layers}, compiled=compiled,
                            progress=lambda p: print(f"   [{name}] {p} ({elapsed():.0f} s)", flush=True))
     out = {"layers": layers, "batch": args.batch, "max_seq": args.max_seq, "build_s": build_s,
@@ -262,8 +265,10 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=400.0, help="global time budget in seconds")
     ap.add_argument("--parts", default="capture,llama,moe,xproc")
     ap.add_argument("--llama-layers", type=int, default=32)
-    ap.add_argument("--sound-layers", type=int, default=8, help="Llama layers for the soundness part")
-    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--sound-layers", type=int, default=32, help="Llama layers for the soundness part")
+    ap.add_argument("--moe-layers", type=int, default=24)
+    ap.add_argument("--regions", default="auto", choices=("auto", "whole", "blocks"),
+                    help="compile the repeated blocks once (auto/blocks) or the whole model as one graph")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--orders", type=int, default=20)

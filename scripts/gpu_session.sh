@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool), from the repo root. Usage:
-#   bash scripts/gpu_session.sh PART...   (parts: env tests arena arena-small triton ptx fixtures capture)
+#   bash scripts/gpu_session.sh PART...   (parts: env tests inductor-tests arena arena-ind arena-small arena-small-ind triton ptx fixtures capture capture-fast)
 # Writes logs and results under $OUT (or ./out). Never hangs: every part has a timeout.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,6 +16,10 @@ for p in "$@"; do case $p in
   env) part env 60 bash -c 'nvidia-smi; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.device_count())"' ;;
   tests) part tests 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
   arena-small) part arena_small 300 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --out "$OUT/arena_small" ;;
+  arena-small-ind) part arena_small_ind 190 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --capture inductor --compile-baseline --out "$OUT/arena_small_ind" ;;
+  arena-ind) part arena_ind 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --compile-baseline --out "$OUT/arena_ind" ;;
+  capture-fast) part capture_fast 250 python3 scripts/gpu_capture_check.py --out "$OUT/capture" --budget 235 --no-warm-repeat --parts capture,llama --orders 10 ;;
+  inductor-tests) part inductor_tests 140 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_inductor_capture.py ;;
   arena) part arena 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --out "$OUT/arena" ;;
   ptx) part ptx 300 python3 scripts/ptx_gpu_check.py --out "$OUT/gpu_check.json" ;;
   triton) part triton 300 python3 scripts/gen_triton_fixtures.py --out "$OUT" --jobs 14 ;;

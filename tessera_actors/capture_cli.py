@@ -149,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
                     "state_names": list(getattr(model, "state_names", list)())}
             if device.startswith("cuda"):
                 from .capture.inductor import capture_inductor
-                res = capture_inductor(model, inputs, meta=meta, progress=progress)
+                res = capture_inductor(model, inputs, meta=meta, progress=progress,
+                                       regions=getattr(args, "regions", "auto"))
             else:
                 progress("recording aten ops")
                 res = capture_module(model, inputs, meta=meta)

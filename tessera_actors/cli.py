@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu", help="cpu (aten capture) or cuda (inductor capture)")
     p.add_argument("--out", required=True, help="graph file to write (.tgraph)")
+    p.add_argument("--regions", default="auto", choices=["auto", "whole", "blocks"],
+                   help="inductor: compile repeated blocks once (auto, blocks) or the whole model as one graph")
     p.add_argument("--profile", default=None,
                    help="also time every kernel and link on these comma-separated devices and write the "
                         "cost table next to the graph (read by tessera plan)")

@@ -199,6 +199,31 @@ def test_capture_command_reports_bad_models_clearly(tmp_path, capsys):
     assert "unknown model" in capsys.readouterr().err
 
 
+# -- regions: repeated blocks compiled once ----------------------------------
+def test_repeated_blocks_are_the_outermost_module_lists_of_one_type():
+    from tessera_actors import models
+    from tessera_actors.capture.inductor import repeated_blocks
+    llama = models.get("llama", "tiny")
+    assert [n for n, _ in repeated_blocks(llama)] == [f"decoder.layers.{i}" for i in range(llama.cfg.n_layers)]
+    moe = models.get("moe", "tiny")
+    names = [n for n, _ in repeated_blocks(moe)]
+    assert names and all(n.count(".") == 1 for n in names)   # layers, not the experts inside them
+    vlm = models.get("vlm", "tiny")
+    assert {n.split(".")[0] for n, _ in repeated_blocks(vlm)} == {"vision", "decoder"}
+    assert repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
+
+
+def test_inductor_capture_refuses_cpu_inputs_instead_of_missing_cpp_kernels():
+    from tessera_actors import models
+    from tessera_actors.capture import CaptureError
+    from tessera_actors.capture.inductor import capture_inductor, compile_model
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
+    with pytest.raises(CaptureError, match="aten capture"):
+        capture_inductor(m, m.example_inputs("decode", batch=2, pos=3))
+    with pytest.raises(ValueError, match="regions"):
+        compile_model(m, regions="layers")
+
+
 # -- GPU: capture through inductor, replay with TritonProgram -----------------
 @pytest.fixture(scope="module")
 def cuda_llama():
@@ -227,6 +252,23 @@ def test_cuda_capture_records_triton_kernels_with_ptx(cuda_llama):
     kinds = {k.kind for k in res.graph.kernels}
     assert "ptx" in kinds
     assert not res.graph.meta["pinned"], res.graph.meta["pinned"]
+    assert res.graph.meta["regions"] == "blocks"
+
+
+@pytest.mark.gpu
+def test_whole_model_and_block_compilation_both_replay_to_the_model_output():
+    from tessera_actors import models
+    from tessera_actors.capture.inductor import capture_inductor
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0, device="cuda")
+    inp = m.example_inputs("decode", batch=2, pos=3)
+    with torch.no_grad():
+        want = m(**inp)
+    for regions in ("whole", "blocks"):
+        res = capture_inductor(m, inp, regions=regions)
+        assert res.graph.meta["regions"] == regions
+        got = _replay(res, inp, range(len(res.graph.kernels)))
+        assert torch.equal(got[0], res.outputs[0])
+        assert torch.allclose(got[0], want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
