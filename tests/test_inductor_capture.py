@@ -224,6 +224,19 @@ def test_inductor_capture_refuses_cpu_inputs_instead_of_missing_cpp_kernels():
         compile_model(m, regions="layers")
 
 
+def test_a_generated_kernel_module_is_retargeted_to_another_device():
+    from tessera_actors.capture.inductor_hooks import HookError, retarget_source
+    g = KernelGraph.load(sorted((Path(__file__).parent / "data" / "graphs").glob("*.tgraph"))[0])
+    k = next(k for k in g.kernels if k.kind == "ptx")
+    src = triton_source(g, k.payload.get("key", ""))
+    assert "DeviceProperties(type='cuda', index=0" in src
+    moved = retarget_source(src, 1)
+    assert "DeviceProperties(type='cuda', index=0" not in moved
+    assert moved.count("DeviceProperties(type='cuda', index=1") == src.count("DeviceProperties(type='cuda', index=0")
+    with pytest.raises(HookError):
+        retarget_source("def f(): pass", 1)
+
+
 # -- GPU: capture through inductor, replay with TritonProgram -----------------
 @pytest.fixture(scope="module")
 def cuda_llama():
@@ -234,14 +247,15 @@ def cuda_llama():
     return capture_inductor(m, inp), inp
 
 
-def _replay(res, inp, order):
+def _replay(res, inp, order, device="cuda"):
     from actors.backends.triton import TritonProgram
     from tessera_actors.runner import write_inputs
     g = res.graph
-    prog = TritonProgram(g, torch.device("cuda"), g.buffers)
+    prog = TritonProgram(g, torch.device(device), g.buffers)
     prog.load(res.values)
-    write_inputs(prog, g, inp)
-    prog.run(order)
+    write_inputs(prog, g, {k: v.to(device) for k, v in inp.items()})
+    with torch.cuda.device(torch.device(device)):
+        prog.run(order)
     torch.cuda.synchronize()
     return [prog.view(v).clone() for v in g.meta["output_views"]]
 
@@ -281,6 +295,14 @@ def test_cuda_program_order_and_random_orders_replay_bitwise(cuda_llama):
     for _ in range(5):
         got = _replay(res, inp, random_topological_order(res.graph, rng))
         assert all(torch.equal(a, b) for a, b in zip(got, res.outputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernels_captured_on_one_gpu_replay_bitwise_on_another(cuda_llama):
+    res, inp = cuda_llama
+    got = _replay(res, inp, range(len(res.graph.kernels)), device="cuda:1")
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, res.outputs))
 
 
 def test_gpu_check_helpers_run_on_cpu_with_an_aten_graph():

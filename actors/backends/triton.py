@@ -32,14 +32,14 @@ class TritonProgram(AtenProgram):
         p = k.payload
         if not isinstance(p, dict) or "triton" not in p:
             raise BackendError(f"kernel {kid} ({k.name}): payload is not a Triton launch record")
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         try:
             tuner = hooks.load_autotuner(p.get("file", ""), p["triton"], triton_source(self.graph, p.get("key", "")),
-                                         p.get("config") or {})
+                                         p.get("config") or {}, device=index)
         except Exception as e:
             raise BackendError(f"kernel {kid} ({k.name}): cannot load the Triton kernel: {e}") from e
         args = [self._arg(a) for a in p["args"]]
         kwargs = {n: self._arg(v) for n, v in (p.get("kwargs") or {}).items()}
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
 
         def launch() -> None:
             tuner.run(*args, stream=torch.cuda.current_stream(index).cuda_stream, **kwargs)

@@ -20,6 +20,7 @@ import glob
 import importlib.util
 import logging
 import os
+import re
 import sys
 from typing import Any, Callable, Iterator
 
@@ -213,23 +214,57 @@ def remember(tuner: Any) -> None:
     _LIVE[(info["file"], info["name"])] = tuner
 
 
-def load_autotuner(file: str, name: str, source: str | None, config: dict[str, Any]) -> Any:
-    """A tuner that launches kernel ``name`` with the captured ``config``:
-    the live one of this process if the capture ran here, else one re-created
-    from the generated source (``file``, or ``source`` when the file is gone)."""
+def tuner_device(tuner: Any) -> int | None:
+    """The CUDA device index a tuner's kernels are compiled and loaded for."""
+    dev = (getattr(tuner, "triton_meta", None) or {}).get("device")
+    return getattr(dev, "index", None)
+
+
+_DEVICE_PROPS = re.compile(r"(DeviceProperties\(type='cuda', index=)(\d+)")
+
+
+def retarget_source(source: str, index: int) -> str:
+    """The generated module's source with its kernels bound to CUDA device
+    ``index``: a Triton kernel module is loaded into one device's context, so
+    replaying a kernel captured on ``cuda:0`` on ``cuda:1`` needs its own
+    module (launching device 0's function handle there is an invalid handle)."""
+    new, n = _DEVICE_PROPS.subn(lambda m: f"{m.group(1)}{index}", source)
+    if not n:
+        raise HookError("the generated kernel module names no CUDA device (DeviceProperties) to retarget")
+    return new
+
+
+def load_autotuner(file: str, name: str, source: str | None, config: dict[str, Any],
+                   device: int | None = None) -> Any:
+    """A tuner that launches kernel ``name`` with the captured ``config`` on
+    CUDA device ``device`` (default: the capture's): the live one of this
+    process if the capture ran here on that device, else one re-created from
+    the generated source (``file``, or ``source`` when the file is gone)."""
     live = _LIVE.get((file, name))
-    if live is not None:
+    if live is not None and device in (None, tuner_device(live)):
         return live
-    key = (file, name, repr(sorted(config.get("kwargs", {}).items())) + str(config.get("num_warps")))
+    key = (file, name, repr(sorted(config.get("kwargs", {}).items())) + str(config.get("num_warps")), device)
     if key in _LOADED:
         return _LOADED[key]
     mod = _import_source(file, source)
     tuner = getattr(mod, name, None)
     if tuner is None or not callable(getattr(tuner, "run", None)):
         raise HookError(f"{file}: no Triton kernel {name!r} in the generated module")
+    if device is not None and tuner_device(tuner) not in (None, device):
+        text = _read_text(file) if file and os.path.exists(file) else source
+        if not text:
+            raise HookError(f"kernel {name!r} was captured on cuda:{tuner_device(tuner)}; no source to "
+                            f"rebuild it for cuda:{device}")
+        from torch._inductor.codecache import PyCodeCache
+        tuner = getattr(PyCodeCache.load(retarget_source(text, device)), name)
     _pin_config(tuner, config)
     _LOADED[key] = tuner
     return tuner
+
+
+def _read_text(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()
 
 
 def _import_source(file: str, source: str | None):
