@@ -237,6 +237,13 @@ def test_a_generated_kernel_module_is_retargeted_to_another_device():
         retarget_source("def f(): pass", 1)
 
 
+def test_the_device_of_a_tuner_is_read_from_inductors_metadata():
+    from tessera_actors.capture.inductor_hooks import tuner_device
+    assert tuner_device(SimpleNamespace(device_props=SimpleNamespace(index=1), triton_meta={"device": 1})) == 1
+    assert tuner_device(SimpleNamespace(triton_meta={"device": 0})) == 0   # inductor stores the bare index
+    assert tuner_device(SimpleNamespace()) is None
+
+
 # -- GPU: capture through inductor, replay with TritonProgram -----------------
 @pytest.fixture(scope="module")
 def cuda_llama():

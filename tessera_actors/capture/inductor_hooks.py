@@ -216,8 +216,12 @@ def remember(tuner: Any) -> None:
 
 def tuner_device(tuner: Any) -> int | None:
     """The CUDA device index a tuner's kernels are compiled and loaded for."""
-    dev = (getattr(tuner, "triton_meta", None) or {}).get("device")
-    return getattr(dev, "index", None)
+    props = getattr(tuner, "device_props", None)          # inductor's CachingAutotuner
+    if getattr(props, "index", None) is not None:
+        return int(props.index)
+    dev = (getattr(tuner, "triton_meta", None) or {}).get("device")   # an index, or DeviceProperties
+    dev = getattr(dev, "index", dev)
+    return int(dev) if isinstance(dev, int) else None
 
 
 _DEVICE_PROPS = re.compile(r"(DeviceProperties\(type='cuda', index=)(\d+)")
@@ -250,7 +254,7 @@ def load_autotuner(file: str, name: str, source: str | None, config: dict[str, A
     tuner = getattr(mod, name, None)
     if tuner is None or not callable(getattr(tuner, "run", None)):
         raise HookError(f"{file}: no Triton kernel {name!r} in the generated module")
-    if device is not None and tuner_device(tuner) not in (None, device):
+    if device is not None and tuner_device(tuner) != device:
         text = _read_text(file) if file and os.path.exists(file) else source
         if not text:
             raise HookError(f"kernel {name!r} was captured on cuda:{tuner_device(tuner)}; no source to "
