@@ -148,7 +148,8 @@ class PipelinedExecutor:
         for m, slot in enumerate(self.slots):
             for s in slot.plan.segments:
                 be = self.backends[s.device]
-                be.run_on(self.compute[s.device][m], self.runs[m][s.id])
+                with be.scope():   # a partition's lazily loaded kernels go into its own context
+                    be.run_on(self.compute[s.device][m], self.runs[m][s.id])
                 be.synchronize()
                 for t in slot.by_src[s.id]:
                     src, dst = self.progs[s.device][m].arena[t.buffer], self.progs[t.dst][m].arena[t.buffer]

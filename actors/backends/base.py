@@ -14,6 +14,8 @@ order streams; nothing blocks the host until ``synchronize``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Callable, Protocol
 
@@ -40,6 +42,7 @@ class DeviceBackend(Protocol):
     def replayable(self, fn: Callable[[], None], stream: Stream, pool=None,
                    warmup: bool = True) -> Callable[[], None]: ...
     def run_on(self, stream: Stream, fn: Callable[[], None]) -> None: ...
+    def scope(self) -> contextlib.AbstractContextManager: ...
     def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None: ...
     def synchronize(self) -> None: ...
     def time_kernel(self, fn: Callable[[], None], reps: int) -> float: ...
@@ -77,6 +80,9 @@ class CpuBackend:
 
     def run_on(self, stream: _CpuStream, fn: Callable[[], None]) -> None:
         fn()
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def copy(self, stream: _CpuStream, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)

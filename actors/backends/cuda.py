@@ -11,14 +11,25 @@ Nothing here blocks the host except ``synchronize`` and ``time_kernel``.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from tessera_actors.devices import DeviceSpec
 
 log = logging.getLogger("tessera_actors.cuda")
+
+_GREEN: contextvars.ContextVar = contextvars.ContextVar("tessera_green_context", default=None)
+
+
+def current_green():
+    """The green context whose scope the caller runs in (None: a primary
+    context). Kernel modules loaded by the driver API (Triton's) belong to
+    one context; a kernel first launched here is loaded into this one."""
+    return _GREEN.get()
 
 
 class CudaBackend:
@@ -45,6 +56,24 @@ class CudaBackend:
                 raise ValueError(f"{spec.name}: budget {spec.mem} bytes exceeds the GPU's {props.total_memory}")
             torch.cuda.set_per_process_memory_fraction(frac, self.device)
         self._streams: list[torch.cuda.Stream] = []
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Make this partition's green context current (no-op on a whole GPU).
+        Eager first runs go through it, so kernels loaded lazily by the driver
+        API (Triton modules) land in the context whose streams launch them;
+        captured graphs and replays need no scope."""
+        if self.green is None:
+            yield
+            return
+        with torch.cuda.device(self.device):
+            token = _GREEN.set(self.green)
+            self.green.set_context()
+            try:
+                yield
+            finally:
+                self.green.pop_context()
+                _GREEN.reset(token)
 
     # -- streams and events ---------------------------------------------
     def stream(self, priority: int = 0) -> torch.cuda.Stream:
@@ -75,7 +104,7 @@ class CudaBackend:
         initialisation); callers whose buffers do not hold valid inputs yet
         warm up themselves and pass False."""
         if warmup:
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            with torch.cuda.device(self.device), self.scope(), torch.cuda.stream(stream):
                 fn()
         stream.synchronize()
         g = torch.cuda.CUDAGraph()

@@ -33,14 +33,30 @@ class TritonProgram(AtenProgram):
         if not isinstance(p, dict) or "triton" not in p:
             raise BackendError(f"kernel {kid} ({k.name}): payload is not a Triton launch record")
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        try:
-            tuner = hooks.load_autotuner(p.get("file", ""), p["triton"], triton_source(self.graph, p.get("key", "")),
-                                         p.get("config") or {}, device=index)
-        except Exception as e:
-            raise BackendError(f"kernel {kid} ({k.name}): cannot load the Triton kernel: {e}") from e
+        source = triton_source(self.graph, p.get("key", ""))
         args = [self._arg(a) for a in p["args"]]
         kwargs = {n: self._arg(v) for n, v in (p.get("kwargs") or {}).items()}
+        loaded: list = []
+
+        def tuner():
+            # chosen at the first launch: a partition's kernels are loaded into its green context
+            from .cuda import current_green
+            green = current_green()
+            try:
+                loaded.append(hooks.load_autotuner(p.get("file", ""), p["triton"], source, p.get("config") or {},
+                                                   device=index, context=green))
+            except Exception as e:
+                raise BackendError(f"kernel {kid} ({k.name}): cannot load the Triton kernel: {e}") from e
+            return loaded[0]
 
         def launch() -> None:
-            tuner.run(*args, stream=torch.cuda.current_stream(index).cuda_stream, **kwargs)
+            t = loaded[0] if loaded else tuner()
+            try:
+                t.run(*args, stream=torch.cuda.current_stream(index).cuda_stream, **kwargs)
+            except RuntimeError as e:
+                if "invalid resource handle" in str(e):
+                    raise BackendError(f"kernel {kid} ({k.name}) was loaded for another CUDA context than the "
+                                       f"stream it is launched on (first run a partition's kernels inside its "
+                                       f"backend's scope()): {e}") from e
+                raise
         return launch

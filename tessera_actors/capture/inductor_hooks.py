@@ -239,31 +239,58 @@ def retarget_source(source: str, index: int) -> str:
 
 
 def load_autotuner(file: str, name: str, source: str | None, config: dict[str, Any],
-                   device: int | None = None) -> Any:
+                   device: int | None = None, context: Any = None) -> Any:
     """A tuner that launches kernel ``name`` with the captured ``config`` on
     CUDA device ``device`` (default: the capture's): the live one of this
     process if the capture ran here on that device, else one re-created from
-    the generated source (``file``, or ``source`` when the file is gone)."""
+    the generated source (``file``, or ``source`` when the file is gone).
+    ``context``: a green context current while this is called - the tuner
+    is then a private copy, compiled now with Triton's own launcher, which
+    loads the kernel into the current (green) context; inductor's static
+    launcher would load it into the device's primary context, whose kernels
+    a green context's streams cannot launch."""
     live = _LIVE.get((file, name))
-    if live is not None and device in (None, tuner_device(live)):
+    if live is not None and context is None and device in (None, tuner_device(live)):
         return live
-    key = (file, name, repr(sorted(config.get("kwargs", {}).items())) + str(config.get("num_warps")), device)
+    key = (file, name, repr(sorted(config.get("kwargs", {}).items())) + str(config.get("num_warps")), device,
+           None if context is None else id(context))
     if key in _LOADED:
-        return _LOADED[key]
+        return _LOADED[key][0]
     mod = _import_source(file, source)
     tuner = getattr(mod, name, None)
     if tuner is None or not callable(getattr(tuner, "run", None)):
         raise HookError(f"{file}: no Triton kernel {name!r} in the generated module")
-    if device is not None and tuner_device(tuner) != device:
+    if context is not None or (device is not None and tuner_device(tuner) != device):
         text = _read_text(file) if file and os.path.exists(file) else source
         if not text:
             raise HookError(f"kernel {name!r} was captured on cuda:{tuner_device(tuner)}; no source to "
                             f"rebuild it for cuda:{device}")
         from torch._inductor.codecache import PyCodeCache
-        tuner = getattr(PyCodeCache.load(retarget_source(text, device)), name)
+        if device is not None:
+            text = retarget_source(text, device)
+        if context is not None:   # a distinct module: PyCodeCache keeps one per source text
+            text += f"\n# tessera: private copy for context {id(context):#x}\n"
+        tuner = getattr(PyCodeCache.load(text), name)
     _pin_config(tuner, config)
-    _LOADED[key] = tuner
+    if context is not None:
+        with _no_static_launcher():
+            tuner.precompile()
+    _LOADED[key] = (tuner, context)   # the context is kept alive with its kernels
     return tuner
+
+
+@contextlib.contextmanager
+def _no_static_launcher() -> Iterator[None]:
+    import torch._inductor.config as icfg
+    names = [n for n in ("use_static_triton_launcher", "use_static_cuda_launcher") if hasattr(icfg, n)]
+    old = {n: getattr(icfg, n) for n in names}
+    try:
+        for n in names:
+            setattr(icfg, n, False)
+        yield
+    finally:
+        for n, v in old.items():
+            setattr(icfg, n, v)
 
 
 def _read_text(path: str) -> str:
