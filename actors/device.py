@@ -10,8 +10,17 @@ Contract:
   bytes of cross-device transfers, possibly ahead of their step) are taken
   while a step waits for them.
 * Torch work never runs on the event loop: it goes to the device's single
-  worker thread (its "stream"), so the actor keeps answering while a segment
-  runs, and a step costs O(segments) loop work.
+  worker thread, so the actor keeps answering while a segment runs, and a
+  step costs O(segments) loop work.
+* On the worker, a :class:`~actors.segments.SegmentRunner` owns the device
+  (``backend_for(spec)``: a green context for ``cuda:1?sms=32``, the
+  ``mem=`` cap) and its compute and communication streams.  Each run of
+  kernels between transfers runs eagerly on the first step and is captured
+  (a CUDA graph) on the second and replayed from then on; the host waits
+  for the device only before bytes leave it (sends, outputs).
+  ``graphs=False`` (or ``TESSERA_CUDA_GRAPHS=0``) keeps every run eager.
+  ``busy_s`` is therefore host time on the worker (queueing work, waiting
+  for bytes to send), not device time.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ import msgpack
 import torch
 
 from actors.backends.aten import AtenProgram, BackendError
+from actors.segments import SegmentRunner, graphs_from_env, program_class
 from tessera_actors.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
@@ -35,10 +45,6 @@ from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.runner import write_inputs
 
 log = logging.getLogger("tessera_actors.device")
-
-
-def torch_device(spec: DeviceSpec) -> torch.device:
-    return torch.device("cpu") if spec.kind == "cpu" else torch.device("cuda", spec.index)
 
 
 @dataclass
@@ -53,8 +59,12 @@ class _Installed:
 
 
 class DeviceActor(Actor):
-    def __init__(self, spec: DeviceSpec, transfer: str = "transfer", recv_timeout: float = 60.0) -> None:
+    def __init__(self, spec: DeviceSpec, transfer: str = "transfer", recv_timeout: float = 60.0,
+                 graphs: bool | None = None) -> None:
+        """``graphs``: capture and replay runs of kernels (None: from
+        ``TESSERA_CUDA_GRAPHS``, default on)."""
         self.spec = spec
+        self.graphs = graphs_from_env() if graphs is None else graphs
         self.recv_timeout = recv_timeout
         self.transfer_name = transfer
         self.plans: dict[str, _Installed] = {}
@@ -68,8 +78,15 @@ class DeviceActor(Actor):
             if threads:
                 torch.set_num_threads(threads)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"dev-{self.spec.name}", initializer=init)
-        self.device = torch_device(self.spec)
         self.transfer = self.system.ref(self.transfer_name)
+        # streams and green contexts belong to the thread that uses them: open the device there
+        self.runner: SegmentRunner | None = None
+        self.open_error = ""
+        try:
+            self.runner = await self._on_worker(SegmentRunner, self.spec, self.graphs)
+        except Exception as e:   # reported by every install, so the node itself keeps serving
+            self.open_error = f"{type(e).__name__}: {e}"
+            log.error("%s: cannot open the device: %s", self.spec.name, self.open_error)
 
     async def on_stop(self) -> None:
         for inst in self.plans.values():
@@ -90,9 +107,12 @@ class DeviceActor(Actor):
         if not 0 <= d < len(plan.devices):
             raise ValueError(f"device index {d} not in plan {msg.plan_id!r} ({len(plan.devices)} devices)")
         mine = [s for s in plan.segments if s.device == d]
+        if self.runner is None:
+            raise BackendError(f"{self.spec.name}: device could not be opened: {self.open_error}")
+        cls = program_class(graph)
 
         def build() -> AtenProgram:
-            prog = AtenProgram(graph, self.device, plan.resident[d], memory_limit=self.spec.mem)
+            prog = cls(graph, self.runner.device, plan.resident[d], memory_limit=self.spec.mem)
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)
@@ -114,11 +134,14 @@ class DeviceActor(Actor):
         inst = self.plans.pop(msg.plan_id, None)
         if inst is not None:
             self._fail_plan(inst, "plan uninstalled")
+            # after the work already queued for it; the program's arena stays alive until then
+            self.worker.submit(self.runner.forget, msg.plan_id, inst.prog)
         return Ok()
 
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:
-        return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans)})
+        graphs = self.runner.stats() if self.runner is not None else {"graphs": False}
+        return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs})
 
     def _plan(self, plan_id: str) -> _Installed:
         try:
@@ -181,6 +204,7 @@ class DeviceActor(Actor):
 
     async def _run_one(self, plan_id: str, inst: _Installed, msg: RunStep) -> StepDone:
         plan, d, prog, graph = inst.plan, inst.device, inst.prog, inst.graph
+        runner = self.runner
         transfers = {t.tag: t for t in plan.transfers}
         busy = wait = 0.0
         feed = plan.inputs[d]
@@ -219,10 +243,12 @@ class DeviceActor(Actor):
                     sends.append(program[j].ref)
                 j += 1
 
-            def work(kernels=kernels, sends=sends) -> tuple[list[Any], float]:
+            def work(chunk=i, kernels=kernels, sends=sends) -> tuple[list[Any], float]:
                 t0 = time.perf_counter()
-                prog.run(kernels)
-                out = [prog.read(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
+                if kernels:
+                    runner.run((plan_id, chunk), prog, kernels)
+                pieces = [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
+                out = runner.read(prog, pieces) if sends else []   # settled: the peer may read them at once
                 return out, time.perf_counter() - t0
             payloads, spent = await self._on_worker(work)
             busy += spent
@@ -232,7 +258,7 @@ class DeviceActor(Actor):
         mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
 
         def outputs() -> list[Any]:
-            return [prog.read(b, [(s, e)]) for b, s, e in mine]
+            return runner.read(prog, [(b, [(s, e)]) for b, s, e in mine], copy_stream=False)
         data = await self._on_worker(outputs) if mine else []
         self.steps_run += 1
         self.busy_s += busy

@@ -79,6 +79,10 @@ class AtenProgram:
     def write(self, buffer: int, ranges: Sequence[Sequence[int]], data: torch.Tensor) -> None:
         a = self.arena[buffer]
         data = data.reshape(-1).view(torch.uint8)
+        if data.is_cuda:
+            # the copy below is queued, not done: keep the sender's block from
+            # being reused until the stream that reads it got past the copy
+            data.record_stream(torch.cuda.current_stream(data.device))
         pos = 0
         for s, e in ranges:
             a[s:e].copy_(data[pos:pos + e - s], non_blocking=True)

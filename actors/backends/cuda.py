@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from tessera_actors.devices import DeviceSpec
 
 log = logging.getLogger("tessera_actors.cuda")
+_CAPTURE_LOCK = threading.Lock()
 
 _GREEN: contextvars.ContextVar = contextvars.ContextVar("tessera_green_context", default=None)
 
@@ -96,21 +98,32 @@ class CudaBackend:
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
+    def host_wait(self, event: torch.cuda.Event) -> None:
+        """Block the calling thread until ``event`` completed (and nothing else)."""
+        event.synchronize()
+
     # -- work -------------------------------------------------------------
     def replayable(self, fn: Callable[[], None], stream: torch.cuda.Stream, pool=None,
                    warmup: bool = True) -> Callable[[], None]:
         """Capture ``fn`` as a CUDA graph on ``stream`` and return a replay
         bound to that stream.  ``warmup`` runs ``fn`` once first (lazy library
         initialisation); callers whose buffers do not hold valid inputs yet
-        warm up themselves and pass False."""
+        warm up themselves and pass False.  Capture runs nothing: the caller
+        replays to execute.
+
+        Several device actors of one process may capture and launch from
+        their own threads: capture is ``thread_local`` (another thread's
+        allocations do not invalidate it) and one capture at a time per
+        process (``torch.cuda.graph`` synchronises the device on entry)."""
         if warmup:
             with torch.cuda.device(self.device), self.scope(), torch.cuda.stream(stream):
                 fn()
-        stream.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device):
-            with torch.cuda.graph(g, pool=pool, stream=stream):
-                fn()
+        with _CAPTURE_LOCK:
+            stream.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.device(self.device):
+                with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    fn()
 
         def replay() -> None:
             with torch.cuda.stream(stream):

@@ -1,0 +1,155 @@
+"""How a device actor's worker thread runs its share of a step: on the
+device seam (``actors/backends/base.py``), with one compute stream, one
+communication stream and, per chunk of kernels, a replayable unit.
+
+A *chunk* is a run of kernels the device actor executes without a transfer
+in between (``(plan_id, chunk)`` names it; the chunk is its first program
+step).  The first time a chunk runs it runs eagerly on the compute stream:
+the warm-up that lets libraries initialise and Triton compile, on a real
+step with valid inputs.  The second time it is captured once through
+``backend.replayable`` (a CUDA graph on the compute stream, which keeps a
+green context's SM limit) and replayed, and from then on only replayed.
+Capture records pointers: every kernel reads and writes the fixed arena of
+its :class:`~actors.backends.aten.AtenProgram`, which step inputs, received
+bytes and loaded values are copied into, so a replay sees them.
+
+Ordering: the worker thread's current stream *is* the compute stream, so
+everything the actor runs there (input writes, received bytes, loads,
+chunks) is stream-ordered without host waits.  The host waits only where
+bytes leave the device - before a send or the step's outputs - on an event,
+never per kernel.  On CPU the seam runs everything at once and
+``replayable`` returns the function itself, so CI runs this same logic.
+
+Blocking: every method runs on the calling thread (the actor's worker);
+nothing here is thread-safe, and nothing else may call it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+
+from actors.backends.aten import AtenProgram
+from actors.backends.base import backend_for
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.graph import KernelGraph
+
+log = logging.getLogger("tessera_actors.device")
+
+GRAPHS_ENV = "TESSERA_CUDA_GRAPHS"
+
+
+def graphs_from_env() -> bool:
+    """``TESSERA_CUDA_GRAPHS``: ``0``/``off``/``false``/``no`` run every chunk
+    eagerly (debugging); unset or ``1``/``on``/``true``/``yes`` capture."""
+    text = os.environ.get(GRAPHS_ENV, "1").strip().lower()
+    if text in ("1", "on", "true", "yes", ""):
+        return True
+    if text in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{GRAPHS_ENV}={text!r}: expected 1/on/true/yes or 0/off/false/no")
+
+
+def program_class(graph: KernelGraph) -> type[AtenProgram]:
+    """``TritonProgram`` for graphs captured by inductor (any ``ptx``
+    kernel), else ``AtenProgram``."""
+    if any(k.kind == "ptx" for k in graph.kernels):
+        from actors.backends.triton import TritonProgram
+        return TritonProgram
+    return AtenProgram
+
+
+class SegmentRunner:
+    def __init__(self, spec: DeviceSpec, graphs: bool = True) -> None:
+        """Open the device (``backend_for``: green context, ``mem=`` cap) and
+        its streams, and make the compute stream current on this thread."""
+        self.backend = be = backend_for(spec)
+        self.device = be.device
+        self.graphs = graphs
+        self.compute = be.stream(priority=0)
+        self.comm = be.stream(priority=-1)    # sends are waited on by peers: ahead of compute
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.compute)
+        self._units: dict[tuple[str, int], Callable[[], None] | None] = {}   # None: warmed up, eager
+        self._eager_only: set[tuple[str, int]] = set()                      # capture failed
+        # ints only: the actor copies them from the event loop while the worker counts
+        self.counts = {"captures": 0, "replays": 0, "eager_runs": 0, "capture_failures": 0, "units": 0}
+        self.last_capture_error = ""
+
+    def run(self, key: tuple[str, int], prog: AtenProgram, kernels: Sequence[int]) -> None:
+        """Queue chunk ``key`` (``kernels`` of ``prog``) on the compute stream:
+        eagerly the first time, captured and replayed from the second on."""
+        replay = self._units.get(key)
+        if replay is not None:
+            replay()
+            self.counts["replays"] += 1
+            return
+
+        def chunk() -> None:
+            prog.run(kernels)
+
+        def eager() -> None:
+            # a partition's Triton kernels load into its green context at their first launch
+            with self.backend.scope(), self._on(self.compute):
+                chunk()
+        if not self.graphs or key not in self._units or key in self._eager_only:
+            eager()
+            self._units.setdefault(key, None)
+            self.counts["eager_runs"] += 1
+            return
+        try:
+            replay = self.backend.replayable(chunk, self.compute, warmup=False)
+        except Exception as e:   # e.g. a kernel that syncs with the host: this chunk stays eager
+            self._eager_only.add(key)
+            self.counts["capture_failures"] += 1
+            self.last_capture_error = f"{key}: {type(e).__name__}: {e}"
+            log.warning("%s: chunk %s cannot be captured, it runs eagerly: %s", self.backend.spec.name, key, e)
+            eager()
+            self.counts["eager_runs"] += 1
+            return
+        self._units[key] = replay
+        self.counts["captures"] += 1
+        self.counts["units"] += 1
+        replay()
+        self.counts["replays"] += 1
+
+    def read(self, prog: AtenProgram, pieces: Sequence[tuple[int, Sequence[Sequence[int]]]],
+             copy_stream: bool = True) -> list[Any]:
+        """Snapshots of ``(buffer, ranges)`` of ``prog`` once everything queued
+        so far has produced them; returns after those bytes are settled (a
+        wait on one event, not on the device).  ``copy_stream`` takes the
+        snapshots on the communication stream (sends: the peer waits for
+        them), else on the compute stream (outputs)."""
+        be = self.backend
+        stream = self.comm if copy_stream else self.compute
+        if copy_stream:
+            be.wait(stream, be.record(self.compute))
+        with self._on(stream):
+            out = [prog.read(b, ranges) for b, ranges in pieces]
+        be.host_wait(be.record(stream))
+        return out
+
+    def _on(self, stream):
+        return torch.cuda.stream(stream) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    def forget(self, plan_id: str, *keep_alive: Any) -> None:
+        """Drop the replayable units of ``plan_id`` once the device finished
+        what is queued (``keep_alive``: e.g. the plan's program, so its
+        arena outlives the work that uses it)."""
+        self.synchronize()
+        for key in [k for k in self._units if k[0] == plan_id]:
+            self.counts["units"] -= self._units.pop(key) is not None
+        self._eager_only = {k for k in self._eager_only if k[0] != plan_id}
+
+    def synchronize(self) -> None:
+        be = self.backend
+        be.host_wait(be.record(self.compute))
+        be.host_wait(be.record(self.comm))
+
+    def stats(self) -> dict[str, Any]:
+        return {"graphs": self.graphs, **self.counts, "last_capture_error": self.last_capture_error}
+

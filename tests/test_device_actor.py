@@ -1,0 +1,210 @@
+"""Device actors run their chunks of kernels eagerly once, then captured and
+replayed (CUDA graphs on CUDA; the same logic, trivially, on CPU): greedy
+decoding through them equals a single device, step after step.
+
+CPU here; the ``gpu`` tests deploy the same way on ``cuda:0`` with an
+SM-limited partition (and on two GPUs when there are two), for graphs from
+the aten capture and from inductor (Triton kernels)."""
+import asyncio
+import random
+
+import msgpack
+import pytest
+import torch
+
+from actors.device import DeviceActor
+from actors.segments import GRAPHS_ENV, SegmentRunner, graphs_from_env, program_class
+from actors.transfer import TransferActor
+from tessera_actors import models
+from tessera_actors.capture import capture_module
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.engine import Engine, greedy_decode
+from tessera_actors.errors import RemoteError
+from tessera_actors.graph import KernelGraph
+from tessera_actors.messages import GetStats, InstallPlan, LoadValues, Routes, Uninstall
+from tessera_actors.plan import ContiguousPlanner, build_plan, plan_to_dict, single_device_plan
+from tessera_actors.runner import PlanRunner, write_inputs
+from tessera_actors.system import ActorSystem
+from tessera_actors.testing import random_assignment
+
+PROMPT = [1, 2, 3]
+
+
+async def deploy(system, graph, plan, values, graphs=None, plan_id="p", timeout=300.0):
+    """Spawn a transfer actor and one device actor per plan device in
+    ``system``, install ``plan`` and load ``values``; an engine over them."""
+    await system.spawn(TransferActor(), "transfer")
+    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), graphs=graphs), f"device{i}")
+            for i, d in enumerate(plan.devices)]
+    routes = [[i, "", f"device{i}"] for i in range(len(refs))]
+    g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)
+    p_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
+    for i, ref in enumerate(refs):
+        await ref.ask(InstallPlan(plan_id, i, g_bytes, p_bytes, routes), timeout=timeout)
+    await system.ref("transfer").ask(Routes(plan_id, routes))
+    for i, ref in enumerate(refs):
+        held = [b for b in plan.resident[i] if b in values]
+        await ref.ask(LoadValues(plan_id, held, [values[b] for b in held]), timeout=timeout)
+    return Engine(graph, plan, plan_id, refs, step_timeout=timeout)
+
+
+async def decode(graph, plan, values, new_tokens, graphs=None):
+    """Greedy tokens, logits of every generated position, and each device's stats."""
+    async with ActorSystem("t") as system:
+        engine = await deploy(system, graph, plan, values, graphs)
+        tokens, logits = await greedy_decode(engine.step, PROMPT, new_tokens)
+        stats = [(await ref.ask(GetStats())).values for ref in engine.devices]
+    return tokens, [x.cpu() for x in logits], stats, engine.steps
+
+
+def chunks(plan, d):
+    """Runs of kernels device ``d`` executes without a transfer in between."""
+    prog = plan.programs[d]
+    return sum(st.op == "run" and (i == 0 or prog[i - 1].op != "run") for i, st in enumerate(prog))
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0, max_seq=64)
+    return capture_module(m, m.example_inputs("decode", batch=1))
+
+
+# -- CPU ------------------------------------------------------------------------
+async def test_split_decoding_replays_each_chunk_and_equals_single_device(tiny):
+    g = tiny.graph
+    devices = ["cpu?threads=1", "cpu?threads=1"]
+    runner = PlanRunner(g, single_device_plan(g, "cpu"), tiny.values)
+
+    async def sync_step(inputs):
+        return runner.step(inputs)
+    want_tokens, _ = await greedy_decode(sync_step, PROMPT, 16)
+    ref_tokens, ref_logits, _, _ = await decode(g, single_device_plan(g, devices[0]), tiny.values, 16, graphs=False)
+    assert ref_tokens == want_tokens
+    plans = [ContiguousPlanner().plan(g, devices),
+             build_plan(g, devices, random_assignment(g, 2, random.Random(0), runs=8), name="scattered")]
+    assert max(chunks(plans[1], d) for d in range(2)) >= 4   # chunks between transfers, both ways
+    for plan in plans:
+        assert plan.transfers, plan.name
+        tokens, logits, stats, steps = await decode(g, plan, tiny.values, 16)
+        assert tokens == want_tokens, plan.name
+        assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), plan.name
+        assert steps == len(PROMPT) + 16
+        for d, st in enumerate(stats):
+            n = chunks(plan, d)   # each chunk: warmed up once, captured once, replayed every later step
+            assert st["graphs"] and st["steps"] == steps
+            assert (st["eager_runs"], st["captures"], st["units"]) == (n, n, n), (plan.name, d, st)
+            assert st["replays"] == n * (steps - 1) and st["capture_failures"] == 0
+
+
+async def test_graphs_off_runs_every_chunk_eagerly_with_the_same_tokens(tiny, monkeypatch):
+    g = tiny.graph
+    plan = ContiguousPlanner().plan(g, ["cpu", "cpu"])
+    on_tokens, on_logits, _, _ = await decode(g, plan, tiny.values, 6)
+    monkeypatch.setenv(GRAPHS_ENV, "0")
+    tokens, logits, stats, steps = await decode(g, plan, tiny.values, 6)
+    assert tokens == on_tokens and all(torch.equal(a, b) for a, b in zip(logits, on_logits))
+    for d, st in enumerate(stats):
+        assert not st["graphs"] and st["captures"] == st["replays"] == 0
+        assert st["eager_runs"] == chunks(plan, d) * steps
+    monkeypatch.setenv(GRAPHS_ENV, "maybe")
+    with pytest.raises(ValueError, match="TESSERA_CUDA_GRAPHS='maybe'"):
+        graphs_from_env()
+    monkeypatch.delenv(GRAPHS_ENV)
+    assert graphs_from_env()
+
+
+async def test_uninstall_drops_the_captured_chunks(tiny):
+    g = tiny.graph
+    plan = ContiguousPlanner().plan(g, ["cpu", "cpu"])
+    async with ActorSystem("t") as system:
+        engine = await deploy(system, g, plan, tiny.values)
+        await greedy_decode(engine.step, PROMPT, 2)
+        dev = engine.devices[0]
+        assert (await dev.ask(GetStats())).values["units"] == chunks(plan, 0)
+        await dev.ask(Uninstall("p"))
+        for _ in range(200):   # the worker lets go of the plan after the work queued before
+            st = (await dev.ask(GetStats())).values
+            if st["units"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert st["units"] == 0 and st["plans"] == []
+
+
+def test_a_chunk_that_cannot_be_captured_keeps_running_eagerly(tiny):
+    """A capture failure (e.g. a kernel that syncs with the host) costs speed,
+    never a result: the chunk stays eager and outputs stay exact."""
+    g = tiny.graph
+    inp = {"input_ids": torch.tensor([[5]]), "positions": torch.tensor([0])}
+    want = PlanRunner(g, single_device_plan(g, "cpu"), tiny.values).step(inp)
+    runner = SegmentRunner(DeviceSpec.parse("cpu"))
+
+    def refuse(fn, stream, pool=None, warmup=True):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    runner.backend.replayable = refuse
+    kernels = list(range(len(g.kernels)))
+    views = g.meta["output_views"]
+    for _ in range(3):   # warm-up, failed capture, eager again
+        prog = program_class(g)(g, runner.device, g.buffers)
+        prog.load(tiny.values)
+        write_inputs(prog, g, inp)
+        runner.run(("p", 0), prog, kernels)
+        assert all(torch.equal(prog.view(v), w) for v, w in zip(views, want))
+    st = runner.stats()
+    assert (st["captures"], st["capture_failures"], st["eager_runs"]) == (0, 1, 3)
+    assert "stream is capturing" in st["last_capture_error"]
+
+
+async def test_an_inductor_graph_needs_a_cuda_device():
+    from pathlib import Path
+    path = Path(__file__).parent / "data" / "graphs" / "llama-decode-b8.tgraph"
+    g = KernelGraph.load(path)
+    assert program_class(g).__name__ == "TritonProgram"
+    plan = single_device_plan(g, "cpu")
+    async with ActorSystem("t") as system:
+        with pytest.raises(RemoteError, match="needs a CUDA device"):
+            await deploy(system, g, plan, {})
+
+
+# -- GPU: the same deployment on CUDA devices and green-context partitions ------
+PAIRS = [
+    pytest.param(("cuda:0", "cuda:0?sms=16"), id="cuda0+partition"),
+    pytest.param(("cuda:0", "cuda:1"), id="cuda0+cuda1"),
+]
+
+
+@pytest.fixture(scope="module", params=["aten", "inductor"])
+def cuda_capture(request):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0, device="cuda", max_seq=64)
+    inp = m.example_inputs("decode", batch=1)
+    if request.param == "aten":
+        return capture_module(m, inp)
+    from tessera_actors.capture.inductor import capture_inductor
+    res = capture_inductor(m, inp)
+    assert any(k.kind == "ptx" for k in res.graph.kernels)
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("devices", PAIRS)
+async def test_cuda_split_decoding_with_captured_chunks_matches_single_device(devices, cuda_capture):
+    if torch.cuda.device_count() < 1 + max(DeviceSpec.parse(d).index for d in devices):
+        pytest.skip(f"needs {1 + max(DeviceSpec.parse(d).index for d in devices)} GPUs")
+    g, values = cuda_capture.graph, cuda_capture.values
+    new = 16
+    ref_tokens, ref_logits, _, _ = await decode(g, single_device_plan(g, "cuda:0"), values, new, graphs=False)
+    plan = ContiguousPlanner().plan(g, list(devices))
+    assert plan.transfers
+    tokens, logits, stats, steps = await decode(g, plan, values, new, graphs=True)
+    assert tokens == ref_tokens
+    assert min(cosine(a, b) for a, b in zip(logits, ref_logits)) >= 0.999
+    for d, st in enumerate(stats):
+        n = chunks(plan, d)
+        assert st["capture_failures"] == 0, st["last_capture_error"]
+        assert (st["eager_runs"], st["captures"]) == (n, n), st
+        assert st["replays"] == n * (steps - 1), st
