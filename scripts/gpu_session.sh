@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool), from the repo root. Usage:
-#   bash scripts/gpu_session.sh PART...   (parts: env tests inductor-tests arena arena-ind arena-small arena-small-ind triton ptx fixtures capture capture-fast capture-moe arena-ind-llama arena-ind-moe)
+#   bash scripts/gpu_session.sh PART...   (parts: env tests inductor-tests actor-tests arena arena-ind arena-small arena-small-ind triton ptx fixtures capture capture-fast capture-moe arena-ind-llama arena-ind-moe)
 # Writes logs and results under $OUT (or ./out). Never hangs: every part has a timeout.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -23,6 +23,7 @@ for p in "$@"; do case $p in
   capture-moe) part capture_moe 150 python3 scripts/gpu_capture_check.py --out "$OUT/capture_moe" --budget 140 --min-part 20 --parts moe --orders 10 ;;
   capture-fast) part capture_fast 250 python3 scripts/gpu_capture_check.py --out "$OUT/capture" --budget 235 --no-warm-repeat --parts capture,llama --orders 10 ;;
   inductor-tests) part inductor_tests 140 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_inductor_capture.py ;;
+  actor-tests) part actor_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device_actor.py tests/test_inductor_capture.py ;;
   arena) part arena 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --out "$OUT/arena" ;;
   ptx) part ptx 300 python3 scripts/ptx_gpu_check.py --out "$OUT/gpu_check.json" ;;
   triton) part triton 300 python3 scripts/gen_triton_fixtures.py --out "$OUT" --jobs 14 ;;
