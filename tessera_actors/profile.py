@@ -34,6 +34,7 @@ def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs:
         from tqdm import tqdm
         bar = tqdm(total=len(graph.kernels), desc=f"profile {backend.spec.name}", unit="kernel", leave=False)
     times: list[float] = []
+    stream = backend.stream()   # the device's own context (a partition's green context)
     for k in graph.kernels:
         fn = prog.bind(k.id)
         # timing runs the kernel many times; an in-place kernel (a cache
@@ -45,7 +46,8 @@ def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs:
         times.append(backend.time_kernel(fn, reps))
         for b, s, e, v in saved:
             prog.arena[b][s:e].copy_(v)
-        fn()
+        with backend.scope():
+            backend.run_on(stream, fn)
         if bar is not None:
             bar.update(1)
     if bar is not None:
