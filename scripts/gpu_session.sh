@@ -21,6 +21,8 @@ for p in "$@"; do case $p in
   arena-ind-llama) part arena_ind_llama 400 python3 -m tessera_actors.cli bench arena --models llama --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --compile-baseline --out "$OUT/arena_ind_llama" ;;
   arena-ind-moe) part arena_ind_moe 400 python3 -m tessera_actors.cli bench arena --models moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --compile-baseline --out "$OUT/arena_ind_moe" ;;
   capture-moe) part capture_moe 150 python3 scripts/gpu_capture_check.py --out "$OUT/capture_moe" --budget 140 --min-part 20 --parts moe --orders 10 ;;
+  arena-ind-llama-slot) part arena_ind_llama_slot 300 python3 -m tessera_actors.cli bench arena --models llama --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --streams slot --out "$OUT/arena_ind_llama_slot" ;;
+  pipeline-tests) part pipeline_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pipeline.py ;;
   capture-fast) part capture_fast 250 python3 scripts/gpu_capture_check.py --out "$OUT/capture" --budget 235 --no-warm-repeat --parts capture,llama --orders 10 ;;
   inductor-tests) part inductor_tests 140 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_inductor_capture.py ;;
   actor-tests) part actor_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device_actor.py tests/test_inductor_capture.py ;;

@@ -61,6 +61,7 @@ class ArenaConfig:
     capture: str = "aten"           # aten | inductor
     r_mem: float | None = 0.6       # memory variant: R's budget (<1: fraction of the whole model+cache; else bytes)
     compile_baseline: bool = False  # also time torch.compile(mode="reduce-overhead") on L
+    streams: str = "device"         # pipelined executor: one stream pair per device, or per slot
     log: Any = print
     extra: dict = field(default_factory=dict)
 
@@ -120,6 +121,7 @@ class Phase:
                                                                      pos=cfg.cache - seq - 1).items()}
         meta = {"model": name, "bucket": f"{kind}:{batch}:{seq}"}
         self.program_cls = None
+        self.streams = cfg.streams
         if cfg.capture == "inductor":
             from actors.backends.triton import TritonProgram
             from .capture.inductor import capture_inductor
@@ -170,7 +172,7 @@ def measure(phase: Phase, plan: Plan | list[Plan], backends, microbatches: int, 
     each device holds are appended to ``held`` when given."""
     bes = list(backends)
     ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches,
-                           program_cls=phase.program_cls)   # a list of plans: one per slot
+                           program_cls=phase.program_cls, streams=phase.streams)   # a list of plans: one per slot
     ex.enqueue([phase.inputs] * microbatches)
     t = ex.time_steps(steps)
     if held is not None:
@@ -260,7 +262,8 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     mix = best_mix(full.graph, devs, full.costs, thr, max_slots=cfg.max_slots)
     top = max(mix.rates)
     slot_steps = [max(1, round(cfg.steps * r / top)) for r in mix.rates]   # each slot at its own pace
-    ex = PipelinedExecutor(full.graph, mix.plans, full.values, backends, program_cls=full.program_cls)
+    ex = PipelinedExecutor(full.graph, mix.plans, full.values, backends, program_cls=full.program_cls,
+                           streams=cfg.streams)
     ex.enqueue([full.inputs] * ex.mb)
     wall = ex.time_slots(slot_steps)
     del ex

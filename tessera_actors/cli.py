@@ -37,7 +37,7 @@ def _arena(args: argparse.Namespace) -> int:
         raise ValueError("--devices takes two devices: L,R")
     cfg = ArenaConfig(tuple(args.models.split(",")), devices, args.layers, args.batch, args.cache, args.prompt,
                       args.out_tokens, args.steps, args.dtype, args.size, args.out,
-                      capture=args.capture, compile_baseline=args.compile_baseline, r_mem=_budget(args.r_mem),
+                      capture=args.capture, compile_baseline=args.compile_baseline, streams=args.streams, r_mem=_budget(args.r_mem),
                       measure_links=args.measure_links)
     run_arena(cfg)
     return 0
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default="benchmarks/results")
     b.add_argument("--capture", default="aten", choices=["aten", "inductor"],
                    help="kernel program: aten ops (default) or inductor's generated kernels")
+    b.add_argument("--streams", default="device", choices=["device", "slot"],
+                   help="pipelined runs: one stream pair per device shared by all micro-batches (default), "
+                        "or one per micro-batch slot")
     b.add_argument("--compile-baseline", action="store_true",
                    help="also time plain torch.compile(mode='reduce-overhead') on L (overhead check)")
     b.add_argument("--r-mem", default="0.6",

@@ -84,11 +84,19 @@ class _Slot:
 class PipelinedExecutor:
     def __init__(self, graph: KernelGraph, plan: Plan | Sequence[Plan], values: dict[int, torch.Tensor],
                  backends: Sequence[DeviceBackend], microbatches: int = 1, capture: bool = True,
-                 program_cls: type = AtenProgram) -> None:
+                 program_cls: type = AtenProgram, streams: str = "device") -> None:
         """``plan`` is one plan for every micro-batch, or a list with one
         plan per micro-batch slot (``microbatches`` is then its length); all
         over the same devices.  ``program_cls`` runs the graph's kernels
-        (``AtenProgram`` for aten captures; a subclass for generated kernels)."""
+        (``AtenProgram`` for aten captures; a subclass for generated kernels).
+        ``streams``: ``"device"`` - one compute and one communication stream
+        per device, shared by every slot, so a device runs its segments one
+        at a time in the order they were queued (concurrent segments of
+        different slots on one GPU share its SMs, finish together and stall
+        the pipeline); ``"slot"`` - a stream pair per slot and device, earlier
+        slots at higher priority (segments of different slots may overlap)."""
+        if streams not in ("device", "slot"):
+            raise ValueError(f"streams must be 'device' or 'slot', not {streams!r}")
         plans = list(plan) if isinstance(plan, (list, tuple)) else [plan] * microbatches
         if not plans or microbatches < 1:
             raise ValueError("microbatches must be >= 1")
@@ -119,8 +127,13 @@ class PipelinedExecutor:
                 p.load(state)
                 row.append(p)
             self.progs.append(row)
-        self.compute = [[be.stream(priority=-(mb - 1 - m)) for m in range(mb)] for be in backends]
-        self.comm = [[be.stream(priority=-(mb - 1 - m)) for m in range(mb)] for be in backends]
+        if streams == "slot":
+            self.compute = [[be.stream(priority=-(mb - 1 - m)) for m in range(mb)] for be in backends]
+            self.comm = [[be.stream(priority=-(mb - 1 - m)) for m in range(mb)] for be in backends]
+        else:
+            self.compute = [[be.stream()] * mb for be in backends]
+            self.comm = [[be.stream()] * mb for be in backends]
+        self.streams = streams
         self.runs: list[dict[int, object]] = [{} for _ in range(mb)]   # per slot: segment -> callable
         for m, p in enumerate(plans):
             for s in p.segments:

@@ -36,8 +36,9 @@ def captured(device, dtype, batch=1, name="llama"):
     return capture_module(m, inp), inp
 
 
+@pytest.mark.parametrize("streams", ["device", "slot"])
 @pytest.mark.parametrize("devices", PAIRS)
-def test_random_splits_with_two_microbatches_equal_single_device(devices):
+def test_random_splits_with_two_microbatches_equal_single_device(devices, streams):
     need(devices)
     backends = [backend_for(d) for d in devices]
     dev = backends[0].device
@@ -48,7 +49,8 @@ def test_random_splits_with_two_microbatches_equal_single_device(devices):
     rng = random.Random(0)
     for _ in range(4):
         plan = build_plan(res.graph, list(devices), random_assignment(res.graph, 2, rng))
-        ex = PipelinedExecutor(res.graph, plan, res.values, backends, microbatches=2)
+        ex = PipelinedExecutor(res.graph, plan, res.values, backends, microbatches=2, streams=streams)
+        assert (ex.compute[0][0] is ex.compute[0][1]) == (streams == "device")
         got = ex.step([inp, other])
         for w, g in zip(want, got):
             if dev.type == "cpu":
@@ -80,6 +82,13 @@ def test_split_greedy_decoding_matches_single_device(devices):
         assert all(torch.equal(a, b) for a, b in zip(l1, l2))
     else:
         assert min(cosine(a, b) for a, b in zip(l1, l2)) >= 0.999
+
+
+def test_executor_rejects_an_unknown_stream_layout():
+    res, _ = captured(torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="streams"):
+        PipelinedExecutor(res.graph, single_device_plan(res.graph, "cpu"), res.values,
+                          [backend_for("cpu")], streams="many")
 
 
 def test_executor_rejects_mismatched_backends():
