@@ -172,7 +172,7 @@ def measure(phase: Phase, plan: Plan | list[Plan], backends, microbatches: int, 
     each device holds are appended to ``held`` when given."""
     bes = list(backends)
     ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches,
-                           program_cls=phase.program_cls, streams=phase.streams)   # a list of plans: one per slot
+                           program_cls=phase.program_cls, streams=phase.streams, costs=phase.costs)   # a list of plans: one per slot
     ex.enqueue([phase.inputs] * microbatches)
     t = ex.time_steps(steps)
     if held is not None:
@@ -263,7 +263,7 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     top = max(mix.rates)
     slot_steps = [max(1, round(cfg.steps * r / top)) for r in mix.rates]   # each slot at its own pace
     ex = PipelinedExecutor(full.graph, mix.plans, full.values, backends, program_cls=full.program_cls,
-                           streams=cfg.streams)
+                           streams=cfg.streams, costs=full.costs)
     ex.enqueue([full.inputs] * ex.mb)
     wall = ex.time_slots(slot_steps)
     del ex

@@ -84,7 +84,7 @@ class _Slot:
 class PipelinedExecutor:
     def __init__(self, graph: KernelGraph, plan: Plan | Sequence[Plan], values: dict[int, torch.Tensor],
                  backends: Sequence[DeviceBackend], microbatches: int = 1, capture: bool = True,
-                 program_cls: type = AtenProgram, streams: str = "device") -> None:
+                 program_cls: type = AtenProgram, streams: str = "device", costs=None) -> None:
         """``plan`` is one plan for every micro-batch, or a list with one
         plan per micro-batch slot (``microbatches`` is then its length); all
         over the same devices.  ``program_cls`` runs the graph's kernels
@@ -95,6 +95,7 @@ class PipelinedExecutor:
         different slots on one GPU share its SMs, finish together and stall
         the pipeline); ``"slot"`` - a stream pair per slot and device, earlier
         slots at higher priority (segments of different slots may overlap)."""
+        self.costs = costs   # a CostTable over these devices: orders the segments of several slots
         if streams not in ("device", "slot"):
             raise ValueError(f"streams must be 'device' or 'slot', not {streams!r}")
         plans = list(plan) if isinstance(plan, (list, tuple)) else [plan] * microbatches
@@ -190,36 +191,91 @@ class PipelinedExecutor:
                     if feed:
                         be.run_on(self.compute[d][m],
                                   lambda p=self.progs[d][m], i=inp, f=feed: write_inputs(p, self.graph, i, f))
-        for m in chosen:
-            slot = self.slots[m]
-            waits_before, slot.carry = slot.carry, defaultdict(list)   # segment -> events
-            for s in slot.plan.segments:
-                d, be = s.device, self.backends[s.device]
-                cs = self.compute[d][m]
-                for ev in waits_before.pop(s.id, []):
-                    be.wait(cs, ev)
-                self.runs[m][s.id]()
-                if s.id in slot.guard_segments:
-                    slot.seg_done[s.id] = be.record(cs)
-                sends = slot.by_src[s.id]
-                if not sends:
-                    continue
-                comm = self.comm[d][m]
-                be.wait(comm, be.record(cs))
-                for t in sends:
-                    guard = slot.seg_done.get(slot.dst_guard.get(t.tag, -1))
-                    if guard is not None:
-                        be.wait(comm, guard)
-                    src, dst = self.progs[d][m].arena[t.buffer], self.progs[t.dst][m].arena[t.buffer]
-                    for a, b in t.ranges:
-                        be.copy(comm, dst[a:b], src[a:b])
-                done = be.record(comm)
-                for t in sends:
-                    waits_before[t.dst_segment].append(done)
-                    if t.tag in slot.src_guard:
-                        g_id = slot.src_guard[t.tag]
-                        (waits_before if g_id > s.id else slot.carry)[g_id].append(done)
+        self._interleave({m: self._slot_step(m) for m in chosen})
         self.step_count += 1
+
+    def _slot_step(self, m: int):
+        """Queue one step of slot ``m``, a segment (with its sends) at a
+        time: yields each segment before queueing it, so the caller decides
+        how the segments of different slots interleave on shared streams."""
+        slot = self.slots[m]
+        waits_before, slot.carry = slot.carry, defaultdict(list)   # segment -> events
+        for s in slot.plan.segments:
+            yield s
+            d, be = s.device, self.backends[s.device]
+            cs = self.compute[d][m]
+            for ev in waits_before.pop(s.id, []):
+                be.wait(cs, ev)
+            self.runs[m][s.id]()
+            if s.id in slot.guard_segments:
+                slot.seg_done[s.id] = be.record(cs)
+            sends = slot.by_src[s.id]
+            if not sends:
+                continue
+            comm = self.comm[d][m]
+            be.wait(comm, be.record(cs))
+            for t in sends:
+                guard = slot.seg_done.get(slot.dst_guard.get(t.tag, -1))
+                if guard is not None:
+                    be.wait(comm, guard)
+                src, dst = self.progs[d][m].arena[t.buffer], self.progs[t.dst][m].arena[t.buffer]
+                for a, b in t.ranges:
+                    be.copy(comm, dst[a:b], src[a:b])
+            done = be.record(comm)
+            for t in sends:
+                waits_before[t.dst_segment].append(done)
+                if t.tag in slot.src_guard:
+                    g_id = slot.src_guard[t.tag]
+                    (waits_before if g_id > s.id else slot.carry)[g_id].append(done)
+
+    def _interleave(self, steps: dict) -> None:
+        """Queue the slots' steps, segment by segment, in the order of a list
+        schedule: next comes the segment that could start earliest, given
+        when its device frees up and when its inputs arrive (estimated from
+        ``segment_time``).  On streams shared by a device this decides the
+        device's execution order: queueing one slot's whole step first would
+        let a segment that waits for another device block everything queued
+        behind it.  Each slot keeps its own order, so every event is recorded
+        before it is waited for."""
+        if len(steps) == 1:
+            for _ in next(iter(steps.values())):
+                pass
+            return
+        nxt = {}
+        for m, g in steps.items():
+            s = next(g, None)
+            if s is not None:
+                nxt[m] = s
+        free = [0.0] * len(self.backends)
+        ready: dict[tuple[int, int], float] = {}
+        while nxt:
+            def start(m):
+                s = nxt[m]
+                return max(free[s.device], ready.get((m, s.id), 0.0))
+            m = min(nxt, key=lambda m: (start(m), m))
+            s = nxt[m]
+            t0 = start(m)
+            end = free[s.device] = t0 + self.segment_time(m, s)
+            for t in self.slots[m].by_src[s.id]:
+                key = (m, t.dst_segment)
+                ready[key] = max(ready.get(key, 0.0), end + self.transfer_time(t))
+            s2 = next(steps[m], None)
+            if s2 is None:
+                del nxt[m]
+            else:
+                nxt[m] = s2
+
+    def segment_time(self, m: int, s) -> float:
+        """Estimated seconds of segment ``s`` of slot ``m`` (the cost table's
+        kernel times when the executor has one, else its kernel count)."""
+        if self.costs is None:
+            return float(len(s.kernels))
+        return sum(self.costs.times[k][s.device] for k in s.kernels)
+
+    def transfer_time(self, t) -> float:
+        if self.costs is None:
+            return 0.0
+        return self.costs.comm_s(t.src, t.dst, sum(b - a for a, b in t.ranges))
 
     def allocated_bytes(self) -> list[int]:
         """Bytes of plan buffers held on each device: shared weights once,

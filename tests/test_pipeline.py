@@ -84,6 +84,29 @@ def test_split_greedy_decoding_matches_single_device(devices):
         assert min(cosine(a, b) for a, b in zip(l1, l2)) >= 0.999
 
 
+def test_segments_of_several_slots_are_queued_interleaved():
+    """On streams a device shares, queue order is execution order: slot 1's
+    first segment must not wait behind slot 0's whole step."""
+    res, inp = captured(torch.device("cpu"), torch.float32)
+    g = res.graph
+    plan = next(p for p in (build_plan(g, ["cpu", "cpu"], random_assignment(g, 2, random.Random(i)))
+                            for i in range(50)) if len(p.segments) >= 4)
+    bes = [backend_for("cpu"), backend_for("cpu")]
+    ex = PipelinedExecutor(g, plan, res.values, bes, microbatches=2)
+    order = []
+    for m in range(2):
+        for sid, fn in list(ex.runs[m].items()):
+            ex.runs[m][sid] = (lambda fn=fn, m=m, sid=sid: (order.append((m, sid)), fn()))
+    got = ex.step([inp, inp])
+    segs = [s.id for s in plan.segments]
+    first_dev = plan.segments[0].device
+    on_first = [(m, sid) for m, sid in order if plan.segments[sid].device == first_dev]
+    assert on_first[:2] == [(0, segs[0]), (1, segs[0])]   # slot 1 starts before slot 0 goes on there
+    assert sorted(order) == sorted((m, s) for m in range(2) for s in segs)
+    want = PipelinedExecutor(g, single_device_plan(g, "cpu"), res.values, bes[:1]).step([inp])[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want)) and all(torch.equal(a, b) for a, b in zip(got[1], want))
+
+
 def test_executor_rejects_an_unknown_stream_layout():
     res, _ = captured(torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="streams"):
