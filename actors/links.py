@@ -276,9 +276,10 @@ class LinkHub:
             link = self._recv[link_id] = Link(link_id, 1, client, backend, self.host, self.timeout_s)
         link.submit(Job(seq, nbytes, done, device=device if backend == "nccl" else torch.device("cpu")))
 
-    def links(self) -> dict[str, int]:
-        return {"send": sum(not link.broken for link in self._send.values()),
-                "recv": sum(not link.broken for link in self._recv.values())}
+    def links(self) -> list[str]:
+        """``backend:send`` / ``backend:recv`` for every live link."""
+        return sorted([f"{link.backend}:send" for link in self._send.values() if not link.broken] +
+                      [f"{link.backend}:recv" for link in self._recv.values() if not link.broken])
 
     def close(self) -> None:
         for link in [*self._send.values(), *self._recv.values()]:

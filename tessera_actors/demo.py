@@ -15,7 +15,9 @@ import argparse
 import asyncio
 import sys
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Sequence
 
 import msgpack
 import torch
@@ -97,32 +99,17 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
     ref_tokens, ref_logits = await greedy_decode(_sync_step(ref_runner), prompt, cfg.new_tokens)
     out(f"single device : {ref_tokens}  ({ref_dev})")
 
-    async with ActorSystem("demo") as system:
-        address = await system.listen("tcp://127.0.0.1:0")
-        await system.spawn(GraphActor(g), "graph")
-        sched = await system.spawn(SchedulerActor(get_planner(cfg.planner), cap.values), "scheduler")
-        cluster = LocalCluster(cfg.nodes, scheduler=address, node_args=node_args(cfg))
-        async with cluster:
-            out("nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in cluster.nodes))
-            deadline = time.monotonic() + 30
-            while len((await sched.ask(GetStats())).values["nodes"]) < len(cfg.nodes):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("nodes did not register with the scheduler within 30 s")
-                await asyncio.sleep(0.05)
-            dep = await sched.ask(Place("demo", cfg.mode), timeout=120)
-            plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
-            out(describe_placement(g, plan, dep.routes))
-            refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]
-            engine = Engine(g, plan, "demo", refs)
-            t0 = time.perf_counter()
-            tokens, logits = await greedy_decode(engine.step, prompt, cfg.new_tokens)
-            dt = time.perf_counter() - t0
-            moved = chunks = 0
-            for n in {ep for _, ep, _ in dep.routes}:
-                st = await (await system.remote_ref(n, "transfer")).ask(GetStats())
-                moved += st.values["remote_bytes"] + st.values["local_bytes"]
-                chunks += st.values.get("remote_chunks", 0)
-        codes = [n.exit_code for n in cluster.nodes]
+    async with split_on_nodes(g, cap.values, cfg.nodes, cfg.planner, cfg.mode, node_args(cfg)) as run:
+        cluster, plan, engine = run.cluster, run.plan, run.engine
+        out("nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in cluster.nodes))
+        out(describe_placement(g, plan, run.routes))
+        t0 = time.perf_counter()
+        tokens, logits = await greedy_decode(engine.step, prompt, cfg.new_tokens)
+        dt = time.perf_counter() - t0
+        stats = await run.transfer_stats()
+        moved = sum(st["remote_bytes"] + st["local_bytes"] for st in stats.values())
+        chunks = sum(st.get("remote_chunks", 0) for st in stats.values())
+    codes = [n.exit_code for n in cluster.nodes]
     steps = engine.steps
     out(f"split         : {tokens}")
     out(f"{steps} steps in {dt:.3f} s ({steps / dt:.1f} steps/s); bytes moved between devices: {moved} "
@@ -140,6 +127,48 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
         out(f"check         : tokens {'IDENTICAL' if same_tokens else 'DIFFER'}, logits "
             f"{'bitwise equal' if same_logits else 'differ'} (fp32, CPU)")
     return 0 if same_tokens and same_logits and all(c == 0 for c in codes) else 1
+
+
+@dataclass
+class SplitRun:
+    """A plan deployed over node processes; ``engine`` steps it."""
+    system: ActorSystem
+    cluster: LocalCluster
+    routes: list          # [plan device, endpoint, actor]
+    plan: Plan
+    engine: Engine
+
+    async def transfer_stats(self) -> dict[str, dict]:
+        """``GetStats`` of the transfer actor of every node the plan uses, by endpoint."""
+        out = {}
+        for ep in sorted({ep for _, ep, _ in self.routes}):
+            out[ep] = (await (await self.system.remote_ref(ep, "transfer")).ask(GetStats())).values
+        return out
+
+
+@asynccontextmanager
+async def split_on_nodes(graph: KernelGraph, values: dict, nodes: Sequence[str], planner: str = "contiguous",
+                         mode: str = "latency", node_args: Sequence[str] = (), plan_id: str = "demo",
+                         step_timeout: float = 60.0, register_timeout: float = 30.0):
+    """Start one node process per entry of ``nodes`` (its device specs), let
+    them register with a scheduler in this process, place ``graph`` (initial
+    bytes ``values``) over all their devices and deploy it; yields a
+    ``SplitRun``.  On exit the nodes are stopped (exit codes in
+    ``cluster.nodes``) and the actor system shut down."""
+    async with ActorSystem("demo") as system:
+        address = await system.listen("tcp://127.0.0.1:0")
+        await system.spawn(GraphActor(graph), "graph")
+        sched = await system.spawn(SchedulerActor(get_planner(planner), values), "scheduler")
+        async with LocalCluster(nodes, scheduler=address, node_args=node_args) as cluster:
+            deadline = time.monotonic() + register_timeout
+            while len((await sched.ask(GetStats())).values["nodes"]) < len(nodes):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nodes did not register with the scheduler within {register_timeout:g} s")
+                await asyncio.sleep(0.05)
+            dep = await sched.ask(Place(plan_id, mode), timeout=120)
+            plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
+            refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]
+            yield SplitRun(system, cluster, dep.routes, plan, Engine(graph, plan, plan_id, refs, step_timeout))
 
 
 def node_args(cfg: DemoConfig) -> list[str]:
