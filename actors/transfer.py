@@ -229,6 +229,5 @@ class TransferActor(Actor):
         values = dict(self.counts)
         values["data_plane"] = self.cfg.data_plane
         values["chunk_bytes"] = self.cfg.chunk_bytes
-        if self.hub is not None:
-            values["links"] = self.hub.links()
+        values["links"] = self.hub.links() if self.hub is not None else []
         return Stats(values)
