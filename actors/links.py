@@ -98,8 +98,15 @@ class Link:
         _call(job.done, None, why)
 
     def close(self) -> None:
+        """Stop taking jobs; the thread ends after its current operation (see ``join``)."""
         self._break("link closed")
         self._jobs.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the thread to end (it must not outlive the
+        interpreter while it tears down its process group); True if it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- the link's thread ------------------------------------------------
     def _main(self) -> None:
@@ -281,9 +288,16 @@ class LinkHub:
         return sorted([f"{link.backend}:send" for link in self._send.values() if not link.broken] +
                       [f"{link.backend}:recv" for link in self._recv.values() if not link.broken])
 
-    def close(self) -> None:
-        for link in [*self._send.values(), *self._recv.values()]:
-            link.close()
+    def close(self, timeout: float = 5.0) -> None:
+        """Close every link and wait (up to ``timeout`` s in all) for their
+        threads; blocking, so an event loop calls it in a thread."""
+        links = [*self._send.values(), *self._recv.values()]
         self._send.clear()
         self._recv.clear()
+        for link in links:
+            link.close()
+        deadline = time.monotonic() + timeout
+        stuck = [link.id for link in links if not link.join(max(0.0, deadline - time.monotonic()))]
+        if stuck:
+            log.warning("links still busy at close: %s", stuck)
         self._store = None

@@ -90,7 +90,7 @@ class TransferActor(Actor):
 
     async def on_stop(self) -> None:
         if self.hub is not None:
-            self.hub.close()
+            await asyncio.to_thread(self.hub.close)
         for t in self.tasks:
             t.cancel()
 

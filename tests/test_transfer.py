@@ -49,12 +49,15 @@ async def test_inbox_writes_chunks_in_any_order_and_reports_waiting():
     inbox = Inbox()
     stream = torch.arange(10, dtype=torch.uint8)
     out = torch.zeros(10, dtype=torch.uint8)
+    writes = []
 
     async def write(offset, data):
+        writes.append(offset)
         out[offset:offset + data.numel()] = data
     inbox.put(3, 7, 8, stream[8:])        # a chunk ahead of its step, out of order
     task = asyncio.ensure_future(inbox.receive(3, 7, 10, write, timeout=5, what="t7"))
     await asyncio.sleep(0.05)
+    assert writes == [8]                  # written while the rest is still on its way
     inbox.put(3, 7, 0, stream[:4])
     inbox.put(3, 7, 4, stream[4:8])
     waited = await task
