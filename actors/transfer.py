@@ -22,7 +22,9 @@ receiver's write of chunk i-1 overlap.
 ``Ship`` is fire-and-forget for the sending device, so its next segment can
 start while the bytes travel; order between ships to one destination is kept.
 Counters answer ``GetStats``: bytes and transfers (local, remote), remote
-messages (``remote_chunks``), bytes sent and received over links.
+messages (``remote_chunks``), bytes sent and received over links.  Link
+completions come back from link threads as callbacks on the actor's event
+loop (``_from_thread``); they only count and forward, never block.
 """
 from __future__ import annotations
 
