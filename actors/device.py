@@ -7,8 +7,9 @@ Contract:
 * ``RunStep`` is answered with ``StepDone`` when this device has finished its
   program for that step.  Steps of one plan run in the order they arrive, one
   at a time; the mailbox stays open meanwhile, so ``Deliver`` messages (the
-  bytes of cross-device transfers, possibly ahead of their step) are taken
-  while a step waits for them.
+  bytes of cross-device transfers, whole or in chunks, possibly ahead of
+  their step) are taken while a step waits for them; each chunk is written
+  as soon as it arrives, and a ``Deliver`` carrying an error fails the step.
 * Torch work never runs on the event loop: it goes to the device's single
   worker thread, so the actor keeps answering while a segment runs, and a
   step costs O(segments) loop work.
@@ -35,6 +36,8 @@ import msgpack
 import torch
 
 from actors.backends.aten import AtenProgram, BackendError
+from actors.chunks import sub_ranges
+from actors.inbox import Inbox
 from actors.segments import SegmentRunner, graphs_from_env, program_class
 from tessera_actors.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
@@ -54,7 +57,7 @@ class _Installed:
     device: int
     prog: AtenProgram
     steps: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrived: dict = field(default_factory=dict)   # (step, tag) -> future of bytes
+    inbox: Inbox = field(default_factory=Inbox)   # transfer bytes, possibly ahead of their step
     runner: asyncio.Task | None = None
 
 
@@ -173,16 +176,7 @@ class DeviceActor(Actor):
             log.warning("%s: dropped transfer %d of step %d for unknown plan %r",
                         self.spec.name, msg.tag, msg.step, msg.plan_id)
             return
-        fut = self._arrival(inst, msg.step, msg.tag)
-        if not fut.done():
-            fut.set_result(msg.data)
-
-    def _arrival(self, inst: _Installed, step: int, tag: int) -> asyncio.Future:
-        key = (step, tag)
-        fut = inst.arrived.get(key)
-        if fut is None:
-            fut = inst.arrived[key] = asyncio.get_running_loop().create_future()
-        return fut
+        inst.inbox.put(msg.step, msg.tag, msg.offset, msg.data, msg.error)
 
     async def _run_steps(self, plan_id: str, inst: _Installed) -> None:
         while True:
@@ -215,19 +209,13 @@ class DeviceActor(Actor):
         while i < len(program):
             st = program[i]
             if st.op == "recv":
-                t0 = time.perf_counter()
-                fut = self._arrival(inst, msg.step, st.ref)
-                try:
-                    data = await asyncio.wait_for(asyncio.shield(fut), self.recv_timeout)
-                except asyncio.TimeoutError:
-                    src = plan.devices[transfers[st.ref].src]
-                    raise BackendError(f"{self.spec.name}: transfer {st.ref} of step {msg.step} from device "
-                                       f"{transfers[st.ref].src} ({src}) did not arrive within "
-                                       f"{self.recv_timeout} s") from None
-                del inst.arrived[(msg.step, st.ref)]
-                wait += time.perf_counter() - t0
                 t = transfers[st.ref]
-                await self._on_worker(prog.write, t.buffer, t.ranges, data)
+
+                async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
+                    ranges = sub_ranges(t.ranges, offset, data.numel() * data.element_size())
+                    await self._on_worker(prog.write, t.buffer, ranges, data)
+                what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
+                wait += await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
                 i += 1
                 continue
             # a run step and the sends that follow it go to the worker together

@@ -139,7 +139,7 @@ class SchedulerActor(Actor):
                                        timeout=self.install_timeout) for i, ref in enumerate(refs)))
         for node in {self.inventory[d][0] for d in devs}:
             ref = await self._ref(self.nodes[node].endpoint, "transfer")
-            await ref.ask(Routes(plan_id, routes))
+            await ref.ask(Routes(plan_id, routes, list(plan.devices)))
         for i, ref in enumerate(refs):
             held = [b for b in plan.resident[i] if b in self.values]
             await ref.ask(LoadValues(plan_id, held, [self.values[b] for b in held]), timeout=self.install_timeout)

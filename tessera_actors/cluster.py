@@ -32,11 +32,13 @@ class NodeProcess:
 
 class LocalCluster:
     def __init__(self, devices_per_node: Sequence[str], scheduler: str = "", start_timeout: float = 60.0,
-                 stop_timeout: float = 5.0, log_level: str = "WARNING") -> None:
+                 stop_timeout: float = 5.0, log_level: str = "WARNING", node_args: Sequence[str] = ()) -> None:
+        """``node_args`` are passed to every node (e.g. ``["--data-plane", "dist"]``)."""
         self.specs = list(devices_per_node)
         self.scheduler = scheduler
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
         self.log_level = log_level
+        self.node_args = list(node_args)
         self.nodes: list[NodeProcess] = []
 
     async def start(self) -> list[NodeProcess]:
@@ -48,6 +50,7 @@ class LocalCluster:
                     "--log-level", self.log_level]
             if self.scheduler:
                 args += ["--scheduler", self.scheduler]
+            args += self.node_args
             proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.PIPE, env=env)
             self.nodes.append(NodeProcess(f"node{i}", proc))

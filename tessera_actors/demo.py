@@ -15,15 +15,19 @@ import argparse
 import asyncio
 import sys
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Sequence
 
 import msgpack
 import torch
 
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
+from actors.transfer import DATA_PLANES
 from .capture import capture_module
 from .cluster import LocalCluster
+from .devices import parse_bytes, parse_devices
 from .engine import Engine, greedy_decode
 from .graph import KernelGraph
 from .messages import GetStats, Place
@@ -43,13 +47,18 @@ class DemoConfig:
     prompt_len: int = 8
     new_tokens: int = 16
     seed: int = 0
+    data_plane: str = "zmq"        # how the nodes move bytes between them: zmq | dist
+    chunk_bytes: str = ""          # the nodes' --chunk-bytes ("" = their default)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.new_tokens < 1:
             raise ValueError("--prompt-len and --new-tokens must be at least 1")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"--data-plane {self.data_plane!r}: expected one of {', '.join(DATA_PLANES)}")
+        if self.chunk_bytes:
+            parse_bytes(self.chunk_bytes)
         if not self.nodes:
             raise ValueError("at least one node is needed")
-        from .devices import parse_devices
         for node in self.nodes:   # fail here, with the reason, rather than in a child process
             parse_devices(node)
 
@@ -90,35 +99,22 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
     ref_tokens, ref_logits = await greedy_decode(_sync_step(ref_runner), prompt, cfg.new_tokens)
     out(f"single device : {ref_tokens}  ({ref_dev})")
 
-    async with ActorSystem("demo") as system:
-        address = await system.listen("tcp://127.0.0.1:0")
-        await system.spawn(GraphActor(g), "graph")
-        sched = await system.spawn(SchedulerActor(get_planner(cfg.planner), cap.values), "scheduler")
-        cluster = LocalCluster(cfg.nodes, scheduler=address)
-        async with cluster:
-            out("nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in cluster.nodes))
-            deadline = time.monotonic() + 30
-            while len((await sched.ask(GetStats())).values["nodes"]) < len(cfg.nodes):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("nodes did not register with the scheduler within 30 s")
-                await asyncio.sleep(0.05)
-            dep = await sched.ask(Place("demo", cfg.mode), timeout=120)
-            plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
-            out(describe_placement(g, plan, dep.routes))
-            refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]
-            engine = Engine(g, plan, "demo", refs)
-            t0 = time.perf_counter()
-            tokens, logits = await greedy_decode(engine.step, prompt, cfg.new_tokens)
-            dt = time.perf_counter() - t0
-            moved = 0
-            for n in {ep for _, ep, _ in dep.routes}:
-                st = await (await system.remote_ref(n, "transfer")).ask(GetStats())
-                moved += st.values["remote_bytes"] + st.values["local_bytes"]
-        codes = [n.exit_code for n in cluster.nodes]
+    async with split_on_nodes(g, cap.values, cfg.nodes, cfg.planner, cfg.mode, node_args(cfg)) as run:
+        cluster, plan, engine = run.cluster, run.plan, run.engine
+        out("nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in cluster.nodes))
+        out(describe_placement(g, plan, run.routes))
+        t0 = time.perf_counter()
+        tokens, logits = await greedy_decode(engine.step, prompt, cfg.new_tokens)
+        dt = time.perf_counter() - t0
+        stats = await run.transfer_stats()
+        moved = sum(st["remote_bytes"] + st["local_bytes"] for st in stats.values())
+        chunks = sum(st.get("remote_chunks", 0) for st in stats.values())
+    codes = [n.exit_code for n in cluster.nodes]
     steps = engine.steps
     out(f"split         : {tokens}")
     out(f"{steps} steps in {dt:.3f} s ({steps / dt:.1f} steps/s); bytes moved between devices: {moved} "
         f"({moved / max(steps, 1):.0f} per step, plan predicts {plan.bytes_per_step()})")
+    out(f"data plane    : {cfg.data_plane}, {chunks} messages between processes")
     out(f"nodes exited with {codes}")
     same_tokens = tokens == ref_tokens
     if cuda:  # GPU gate: greedy tokens identical and logits cosine >= 0.999
@@ -131,6 +127,54 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
         out(f"check         : tokens {'IDENTICAL' if same_tokens else 'DIFFER'}, logits "
             f"{'bitwise equal' if same_logits else 'differ'} (fp32, CPU)")
     return 0 if same_tokens and same_logits and all(c == 0 for c in codes) else 1
+
+
+@dataclass
+class SplitRun:
+    """A plan deployed over node processes; ``engine`` steps it."""
+    system: ActorSystem
+    cluster: LocalCluster
+    routes: list          # [plan device, endpoint, actor]
+    plan: Plan
+    engine: Engine
+
+    async def transfer_stats(self) -> dict[str, dict]:
+        """``GetStats`` of the transfer actor of every node the plan uses, by endpoint."""
+        out = {}
+        for ep in sorted({ep for _, ep, _ in self.routes}):
+            out[ep] = (await (await self.system.remote_ref(ep, "transfer")).ask(GetStats())).values
+        return out
+
+
+@asynccontextmanager
+async def split_on_nodes(graph: KernelGraph, values: dict, nodes: Sequence[str], planner: str = "contiguous",
+                         mode: str = "latency", node_args: Sequence[str] = (), plan_id: str = "demo",
+                         step_timeout: float = 60.0, register_timeout: float = 30.0):
+    """Start one node process per entry of ``nodes`` (its device specs), let
+    them register with a scheduler in this process, place ``graph`` (initial
+    bytes ``values``) over all their devices and deploy it; yields a
+    ``SplitRun``.  On exit the nodes are stopped (exit codes in
+    ``cluster.nodes``) and the actor system shut down."""
+    async with ActorSystem("demo") as system:
+        address = await system.listen("tcp://127.0.0.1:0")
+        await system.spawn(GraphActor(graph), "graph")
+        sched = await system.spawn(SchedulerActor(get_planner(planner), values), "scheduler")
+        async with LocalCluster(nodes, scheduler=address, node_args=node_args) as cluster:
+            deadline = time.monotonic() + register_timeout
+            while len((await sched.ask(GetStats())).values["nodes"]) < len(nodes):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nodes did not register with the scheduler within {register_timeout:g} s")
+                await asyncio.sleep(0.05)
+            dep = await sched.ask(Place(plan_id, mode), timeout=120)
+            plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
+            refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]
+            yield SplitRun(system, cluster, dep.routes, plan, Engine(graph, plan, plan_id, refs, step_timeout))
+
+
+def node_args(cfg: DemoConfig) -> list[str]:
+    """The node daemon flags that carry the demo's data-plane choice."""
+    args = ["--data-plane", cfg.data_plane]
+    return args + (["--chunk-bytes", cfg.chunk_bytes] if cfg.chunk_bytes else [])
 
 
 def _sync_step(runner: PlanRunner):
@@ -149,11 +193,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-plane", default="zmq", choices=DATA_PLANES,
+                    help="how node processes move transfer bytes: zmq, or dist (torch.distributed: NCCL between "
+                         "GPUs, gloo otherwise)")
+    ap.add_argument("--chunk-bytes", default="", help="nodes send transfers above this size in pipelined chunks "
+                                                      "(e.g. 64KiB; default: the node default, 4MiB)")
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = DemoConfig(args.model, args.size, tuple(n for n in args.nodes.split(";") if n.strip()), args.planner,
-                     args.mode, args.prompt_len, args.new_tokens, args.seed)
+                     args.mode, args.prompt_len, args.new_tokens, args.seed, args.data_plane, args.chunk_bytes)
     try:
         import uvloop
         return uvloop.run(run_demo(cfg))

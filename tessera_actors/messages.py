@@ -197,18 +197,47 @@ class Ship:
 
 @message
 class Deliver:
-    """To a device actor: the bytes of transfer ``tag`` for step ``step``."""
+    """To a device actor: the bytes of transfer ``tag`` for step ``step``,
+    or one chunk of them starting at byte ``offset`` of the transfer's byte
+    stream.  A non-empty ``error`` (``data`` None) says the bytes will not
+    come: the sender or its data-plane link failed."""
     plan_id: str
     step: int
     tag: int
     data: object = None
+    offset: int = 0
+    error: str = ""
+
+
+@message
+class Incoming:
+    """To a node's transfer actor, over ZeroMQ: the header of bytes that
+    travel on torch.distributed link ``link`` (its ``seq``-th message, seq
+    counting from 0): ``nbytes`` bytes of transfer ``tag`` of step ``step``
+    starting at byte ``offset``, for local actor ``actor``.  ``store`` is the
+    link's rendezvous (``host:port`` of a TCPStore held by the sender),
+    ``backend`` gloo | nccl, ``device`` the receiving device spec.  Never
+    answered; a failed receive reaches ``actor`` as ``Deliver`` with an error."""
+    link: str
+    seq: int
+    plan_id: str
+    step: int
+    tag: int
+    actor: str
+    offset: int = 0
+    nbytes: int = 0
+    store: str = ""
+    backend: str = "gloo"
+    device: str = "cpu"
 
 
 @message
 class Routes:
-    """To a transfer actor: where each plan device lives."""
+    """To a transfer actor: where each plan device lives, and its device spec
+    (``devices[i]`` of plan device ``i``; empty from older schedulers)."""
     plan_id: str
     routes: list = dataclasses.field(default_factory=list)
+    devices: list = dataclasses.field(default_factory=list)
 
 
 @message

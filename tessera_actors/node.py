@@ -2,7 +2,9 @@
 
 Hosts the device actors (``device0``, ``device1``, ...) and the transfer
 actor (``transfer``) of one machine, serves them on ``--listen``, registers
-with the scheduler (``--scheduler``) and heartbeats.  Prints one line
+with the scheduler (``--scheduler``) and heartbeats.  ``--data-plane dist``
+sends transfer bytes to other nodes over torch.distributed links (NCCL
+between GPUs, gloo otherwise) instead of ZeroMQ; see ``actors/transfer.py``.  Prints one line
 ``tessera-node NAME ready ENDPOINT`` on stdout once it serves, so a parent
 process can wait for it.  SIGTERM or SIGINT (or a ``Shutdown`` message to
 the ``node`` actor) means orderly shutdown: actors stopped, sockets closed,
@@ -20,9 +22,9 @@ import sys
 from dataclasses import dataclass, field
 
 from actors.device import DeviceActor
-from actors.transfer import TransferActor
+from actors.transfer import DATA_PLANES, TransferActor, TransferConfig
 from tessera_actors.actor import Actor, handler
-from tessera_actors.devices import DeviceSpec, parse_devices
+from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
 from tessera_actors.errors import ActorError
 from tessera_actors.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
 from tessera_actors.system import ActorSystem
@@ -38,12 +40,16 @@ class NodeConfig:
     name: str = ""
     heartbeat_s: float = 1.0
     register_timeout_s: float = 30.0
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    recv_timeout_s: float = 60.0   # a device fails its step when a transfer's bytes stop coming this long
 
     def __post_init__(self) -> None:
         if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"--listen {self.listen!r}: expected a ZeroMQ endpoint such as tcp://127.0.0.1:5555")
         if self.heartbeat_s <= 0:
             raise ValueError("--heartbeat must be positive")
+        if self.recv_timeout_s <= 0:
+            raise ValueError("--recv-timeout must be positive")
         if not self.devices:
             raise ValueError("a node needs at least one device")
         if not self.name:
@@ -92,9 +98,9 @@ async def serve(cfg: NodeConfig, ready=None) -> int:
             pass
     status = 0
     async with ActorSystem(cfg.name) as system:
-        await system.spawn(TransferActor(), "transfer")
+        await system.spawn(TransferActor(cfg.transfer), TransferActor.NAME)
         for i, spec in enumerate(cfg.devices):
-            await system.spawn(DeviceActor(spec), f"device{i}")
+            await system.spawn(DeviceActor(spec, TransferActor.NAME, cfg.recv_timeout_s), f"device{i}")
         endpoint = await system.listen(cfg.listen)
         await system.spawn(NodeActor(cfg, stop), "node")
         beat = None
@@ -115,6 +121,15 @@ async def serve(cfg: NodeConfig, ready=None) -> int:
     return status
 
 
+def listen_host(listen: str) -> str:
+    """The host of a tcp ``--listen`` endpoint when it names one, else this machine's name."""
+    if listen.startswith("tcp://"):
+        host = listen[len("tcp://"):].rpartition(":")[0].strip("[]")
+        if host and host not in ("*", "0.0.0.0", "::"):
+            return host
+    return socket.gethostname()
+
+
 def parse_args(argv: list[str] | None = None) -> NodeConfig:
     ap = argparse.ArgumentParser(prog="python -m tessera_actors.node", description=__doc__.split("\n\n")[0])
     ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint to serve on (port 0: any)")
@@ -124,11 +139,25 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     ap.add_argument("--register-timeout", type=float, default=30.0,
                     help="seconds to wait for the scheduler to answer the registration (then exit 1)")
+    ap.add_argument("--data-plane", default="zmq", choices=DATA_PLANES,
+                    help="how transfer bytes reach other nodes: zmq (ZeroMQ frames) or dist (torch.distributed "
+                         "point-to-point: NCCL between GPUs, gloo otherwise; headers still go over ZeroMQ)")
+    ap.add_argument("--chunk-bytes", default="4MiB",
+                    help="transfers above this size go in chunks of it, pipelined (0: never chunk)")
+    ap.add_argument("--dist-host", default="",
+                    help="address other nodes reach this node's data-plane links at (default: the --listen host)")
+    ap.add_argument("--link-timeout", type=float, default=60.0,
+                    help="seconds to connect a data-plane link and for each operation on it")
+    ap.add_argument("--recv-timeout", type=float, default=60.0,
+                    help="seconds a device waits for the next bytes of a transfer before failing its step")
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.register_timeout)
+        transfer = TransferConfig(a.data_plane, parse_bytes(a.chunk_bytes), a.dist_host or listen_host(a.listen),
+                                  a.link_timeout)
+        return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.register_timeout,
+                          transfer, a.recv_timeout)
     except ValueError as e:
         ap.error(str(e))
         raise

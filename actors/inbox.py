@@ -1,0 +1,64 @@
+"""The arrivals of one installed plan on a device: transfer bytes that came
+in as ``Deliver`` messages, possibly ahead of their step, possibly in chunks.
+
+Owned by the device actor and touched only from its event loop.  ``put``
+never waits; ``receive`` waits for the chunks of one transfer and hands each
+to ``write`` as it arrives, so chunk i is written while chunk i+1 is still
+on the wire.  A chunk carrying an error (the data plane lost its peer) fails
+the receive at once; silence for ``timeout`` seconds fails it too.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Awaitable, Callable
+
+
+class TransferFailed(RuntimeError):
+    """A transfer's bytes did not arrive (timeout) or its sender reported a failure."""
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, int], asyncio.Queue] = {}
+
+    def _queue(self, step: int, tag: int) -> asyncio.Queue:
+        q = self._queues.get((step, tag))
+        if q is None:
+            q = self._queues[(step, tag)] = asyncio.Queue()
+        return q
+
+    def put(self, step: int, tag: int, offset: int, data: Any, error: str = "") -> None:
+        """One chunk (``offset`` into the transfer's byte stream) or an error."""
+        self._queue(step, tag).put_nowait((offset, data, error))
+
+    def pending(self) -> int:
+        """Transfers with chunks waiting for their step."""
+        return len(self._queues)
+
+    async def receive(self, step: int, tag: int, nbytes: int,
+                      write: Callable[[int, Any], Awaitable[None]], timeout: float,
+                      what: str) -> float:
+        """Write the ``nbytes`` of transfer ``tag`` of ``step`` chunk by chunk
+        through ``write(offset, data)``; returns the seconds spent waiting for
+        bytes (not writing).  ``what`` names the transfer in errors."""
+        q = self._queue(step, tag)
+        got, waited = 0, 0.0
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    offset, data, error = await asyncio.wait_for(q.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise TransferFailed(f"{what} of step {step}: {got} of {nbytes} bytes arrived, then nothing "
+                                         f"within {timeout:g} s") from None
+                waited += time.perf_counter() - t0
+                if error:
+                    raise TransferFailed(f"{what} of step {step} failed: {error}")
+                await write(offset, data)
+                got += data.numel() * data.element_size()
+                if got >= nbytes:
+                    return waited
+        finally:
+            if self._queues.get((step, tag)) is q:
+                del self._queues[(step, tag)]
