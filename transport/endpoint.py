@@ -198,6 +198,7 @@ class Peer:
         self._limits = dict(max_frame=max_frame, max_body=max_body)
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        self._loop = asyncio.get_running_loop()
         self._chan = Channel(sock, self._on_answer)
 
     @property
@@ -213,16 +214,18 @@ class Peer:
         """Send a request and wait for its answer.  ``timeout`` seconds bound
         the whole round trip, including waiting for ZeroMQ send space; the
         pending entry is removed however the request ends."""
-        if self._chan.closed:
+        chan = self._chan
+        if chan.closed:
             raise ActorDead(f"connection to {self.endpoint} is closed")
-        loop = asyncio.get_running_loop()
         rid = next(self._ids)
         frames = codec.encode(msg, Envelope(op, rid, target))
+        loop = self._loop
         fut = loop.create_future()
-        self._pending[rid] = fut
+        pending = self._pending
+        pending[rid] = fut
         timer = loop.call_later(timeout, _expire, fut, target, self.endpoint, timeout)
         try:
-            queued = self._chan.send(frames)
+            queued = chan.send(frames)
             if queued is not None:   # high-water mark reached: wait for space or the timeout
                 await asyncio.wait((queued, fut), return_when=asyncio.FIRST_COMPLETED)
                 if not queued.done():
@@ -230,7 +233,7 @@ class Peer:
             return await fut
         finally:
             timer.cancel()
-            self._pending.pop(rid, None)
+            pending.pop(rid, None)
 
     async def send(self, target: str, msg: Any) -> None:
         """Send a tell; waits only while ZeroMQ's send queue is full."""
@@ -323,7 +326,8 @@ class RemoteRef(ActorRef):
         self._peer.send_nowait(self.name, msg)
 
     async def ask(self, msg: Any, timeout: float = 10.0) -> Any:
-        self._check()
+        if self._dead:
+            self._check()
         try:
             return await self._peer.request(OP_ASK, self.name, msg, timeout)
         except ActorDead:
