@@ -42,8 +42,8 @@ FLAG_TENSORS = 1
 DEFAULT_MAX_FRAME = 4 << 30   # bytes per tensor frame
 DEFAULT_MAX_BODY = 64 << 20   # bytes of msgpack body
 
-# envelope ops
-OP_TELL, OP_ASK, OP_REPLY, OP_RAISED, OP_FAILED, OP_STOP = range(6)
+# envelope ops; OP_RELEASE and OP_SHM_HELLO belong to the shared-memory path (transport.shm)
+OP_TELL, OP_ASK, OP_REPLY, OP_RAISED, OP_FAILED, OP_STOP, OP_RELEASE, OP_SHM_HELLO = range(8)
 
 _EXT_MESSAGE, _EXT_TENSOR, _EXT_TUPLE = 1, 2, 3
 _LIB_TORCH, _LIB_NUMPY = 0, 1
