@@ -2,7 +2,8 @@
 
 Frames of one encoded message::
 
-    0: header  b"TSRA" + protocol version (u8) + flags (u8)
+    0: header  b"TSRA" + protocol version (u8) + flags (u8: 1 = tensor frames,
+               2 = shared-memory table last, resolved by ``transport.shm``)
     1: body    msgpack [op, request_id, target, kind, fields]
     2..: raw tensor bytes, one frame per tensor, referenced from the body
 
