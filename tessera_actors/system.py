@@ -20,8 +20,12 @@ _ANSWER_FLUSH_SECONDS = 0.02
 
 
 class ActorSystem:
-    def __init__(self, name: str = "local"):
+    """``shm`` configures the shared-memory path for large tensors to peers on
+    this host (``transport.shm.ShmConfig``; default on, 1 MiB threshold)."""
+
+    def __init__(self, name: str = "local", shm=None):
         self.name = name
+        self._shm = shm
         self._actors: dict[str, LocalRef] = {}
         self._ctx = None
         self._server = None
@@ -82,7 +86,7 @@ class ActorSystem:
         from transport.endpoint import Server
         if self._server is not None:
             raise ActorError(f"system {self.name!r} already listens on {self._server.address}")
-        self._server = Server(self._context(), self._actors.get)
+        self._server = Server(self._context(), self._actors.get, shm_config=self._shm)
         return self._server.bind(endpoint)
 
     @property
@@ -97,7 +101,7 @@ class ActorSystem:
         from transport.endpoint import Peer, RemoteRef
         peer = self._peers.get(endpoint)
         if peer is None or peer.closed:
-            peer = self._peers[endpoint] = Peer(self._context(), endpoint)
+            peer = self._peers[endpoint] = Peer(self._context(), endpoint, shm_config=self._shm)
         return RemoteRef(peer, name)
 
     # --- lifecycle -----------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Frames of one encoded message::
 
-    0: header  b"TSRA" + protocol version (u8) + flags (u8)
+    0: header  b"TSRA" + protocol version (u8) + flags (u8: 1 = tensor frames,
+               2 = shared-memory table last, resolved by ``transport.shm``)
     1: body    msgpack [op, request_id, target, kind, fields]
     2..: raw tensor bytes, one frame per tensor, referenced from the body
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 import struct
 import sys
+import threading
 from typing import Any, NamedTuple, Sequence
 
 import msgpack
@@ -41,8 +43,8 @@ FLAG_TENSORS = 1
 DEFAULT_MAX_FRAME = 4 << 30   # bytes per tensor frame
 DEFAULT_MAX_BODY = 64 << 20   # bytes of msgpack body
 
-# envelope ops
-OP_TELL, OP_ASK, OP_REPLY, OP_RAISED, OP_FAILED, OP_STOP = range(6)
+# envelope ops; OP_RELEASE and OP_SHM_HELLO belong to the shared-memory path (transport.shm)
+OP_TELL, OP_ASK, OP_REPLY, OP_RAISED, OP_FAILED, OP_STOP, OP_RELEASE, OP_SHM_HELLO = range(8)
 
 _EXT_MESSAGE, _EXT_TENSOR, _EXT_TUPLE = 1, 2, 3
 _LIB_TORCH, _LIB_NUMPY = 0, 1
@@ -70,30 +72,8 @@ def encode(msg: Any, envelope: Envelope = _TELL) -> list:
     ``[op, request_id, target, None, value]`` for any other value.
     Raises ``CodecError`` for values the wire cannot carry.
     """
-    tensors: list = []
-
-    def default(obj):
-        fields = _messages._FIELD_NAMES.get(type(obj))
-        if fields is not None:
-            return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb(
-                [obj.__wire_kind__, {f: getattr(obj, f) for f in fields}],
-                default=default, use_bin_type=True, strict_types=True))
-        if isinstance(obj, tuple):
-            return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(
-                list(obj), default=default, use_bin_type=True, strict_types=True))
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor):
-            return _tensor_ext(_torch_frame(torch, obj), tensors)
-        np = sys.modules.get("numpy")
-        if np is not None and isinstance(obj, np.ndarray):
-            return _tensor_ext(_numpy_frame(np, obj), tensors)
-        if np is not None and isinstance(obj, np.generic):
-            return obj.item()
-        for plain in (bool, int, float, str, bytes, list, dict):  # subclasses, e.g. IntEnum
-            if isinstance(obj, plain):
-                return plain(obj)
-        raise CodecError(f"cannot encode value of type {type(obj).__qualname__}")
-
+    state = _state()
+    tensors = state.tensors = []
     op, request_id, target = envelope
     names = _messages._FIELD_NAMES.get(type(msg))
     if names is not None:
@@ -101,14 +81,62 @@ def encode(msg: Any, envelope: Envelope = _TELL) -> list:
     else:
         body = [op, request_id, target, None, msg]
     try:
-        packed = msgpack.packb(body, default=default, use_bin_type=True, strict_types=True)
-    except CodecError:
+        packed = state.packer.pack(body)
+    except BaseException as exc:
+        state.packer.reset()   # a failed pack may leave partial output behind
+        if isinstance(exc, (TypeError, ValueError, OverflowError)) and not isinstance(exc, CodecError):
+            raise CodecError(f"cannot encode {type(msg).__qualname__}: {exc}") from exc
         raise
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise CodecError(f"cannot encode {type(msg).__qualname__}: {exc}") from exc
+    finally:
+        state.tensors = None
     if not tensors:
         return [HEADER_BYTES, packed]
     return [_HEADER_WITH_TENSORS, packed, *tensors]
+
+
+# One msgpack Packer per thread (encode may run in worker threads): building a
+# Packer per message costs more than packing a small message.  ``tensors`` is
+# the frame list of the encode in progress on that thread.
+_local = threading.local()
+
+
+def _state():
+    state = getattr(_local, "state", None)
+    if state is None:
+        state = _local.state = _EncodeState()
+    return state
+
+
+class _EncodeState:
+    __slots__ = ("packer", "tensors")
+
+    def __init__(self):
+        self.packer = msgpack.Packer(default=_default, use_bin_type=True, strict_types=True)
+        self.tensors: list | None = None
+
+
+def _default(obj):
+    """msgpack ``default`` of ``encode``: messages, tuples and tensors as ext types."""
+    fields = _messages._FIELD_NAMES.get(type(obj))
+    if fields is not None:
+        return msgpack.ExtType(_EXT_MESSAGE, msgpack.packb(
+            [obj.__wire_kind__, {f: getattr(obj, f) for f in fields}],
+            default=_default, use_bin_type=True, strict_types=True))
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(_EXT_TUPLE, msgpack.packb(
+            list(obj), default=_default, use_bin_type=True, strict_types=True))
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _tensor_ext(_torch_frame(torch, obj), _local.state.tensors)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
+        return _tensor_ext(_numpy_frame(np, obj), _local.state.tensors)
+    if np is not None and isinstance(obj, np.generic):
+        return obj.item()
+    for plain in (bool, int, float, str, bytes, list, dict):  # subclasses, e.g. IntEnum
+        if isinstance(obj, plain):
+            return plain(obj)
+    raise CodecError(f"cannot encode value of type {type(obj).__qualname__}")
 
 
 def _tensor_ext(frame_info, tensors: list):
@@ -145,38 +173,57 @@ def decode(frames: Sequence, *, max_frame: int = DEFAULT_MAX_FRAME,
     """
     bufs = [_buffer(f) for f in frames]
     body = _check_framing(bufs, max_frame, max_body)
-    tensor_bufs = bufs[2:]
-    used: set[int] = set()
-
-    def ext_hook(code, data):
-        if code == _EXT_MESSAGE:
-            kind, fields = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
-            return _build_message(kind, fields)
-        if code == _EXT_TUPLE:
-            return tuple(msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False))
-        if code == _EXT_TENSOR:
-            index, lib, dtype, shape = msgpack.unpackb(data, raw=False)
-            if not (isinstance(index, int) and 0 <= index < len(tensor_bufs)):
-                raise CodecError(f"tensor refers to missing frame {index}")
-            used.add(index)
-            return _build_tensor(tensor_bufs[index], lib, dtype, shape)
-        raise CodecError(f"unknown ext type {code}")
-
+    tensors = _TensorFrames(bufs[2:]) if len(bufs) > 2 else None
     try:
         op, request_id, target, kind, value = msgpack.unpackb(
-            body, ext_hook=ext_hook, raw=False, strict_map_key=False)
+            body, ext_hook=tensors.ext_hook if tensors else _ext_hook, raw=False, strict_map_key=False)
         if type(op) is not int or type(request_id) is not int or type(target) is not str:
             raise CodecError(f"malformed envelope {op!r}, {request_id!r}, {target!r}")
         if kind is not None:
             value = _build_message(kind, value)
-        env = Envelope(op, request_id, target)
     except CodecError:
         raise
     except Exception as exc:  # msgpack raises many types on garbage
         raise CodecError(f"malformed body: {type(exc).__name__}: {exc}") from exc
-    if len(used) != len(tensor_bufs):
-        raise CodecError(f"{len(tensor_bufs) - len(used)} tensor frame(s) not referenced by the body")
-    return env, value
+    if tensors is not None and len(tensors.used) != len(tensors.bufs):
+        raise CodecError(f"{len(tensors.bufs) - len(tensors.used)} tensor frame(s) not referenced by the body")
+    return Envelope(op, request_id, target), value
+
+
+def _ext_hook(code, data):
+    """msgpack ext hook of a message without tensor frames."""
+    if code == _EXT_MESSAGE:
+        kind, fields = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        return _build_message(kind, fields)
+    if code == _EXT_TUPLE:
+        return tuple(msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False))
+    if code == _EXT_TENSOR:
+        raise CodecError("tensor refers to a missing frame")
+    raise CodecError(f"unknown ext type {code}")
+
+
+class _TensorFrames:
+    """Ext hook of a message with tensor frames; records which frames were used."""
+
+    __slots__ = ("bufs", "used")
+
+    def __init__(self, bufs: list):
+        self.bufs = bufs
+        self.used: set[int] = set()
+
+    def ext_hook(self, code, data):
+        if code == _EXT_MESSAGE:
+            kind, fields = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False)
+            return _build_message(kind, fields)
+        if code == _EXT_TUPLE:
+            return tuple(msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False))
+        if code == _EXT_TENSOR:
+            index, lib, dtype, shape = msgpack.unpackb(data, raw=False)
+            if not (isinstance(index, int) and 0 <= index < len(self.bufs)):
+                raise CodecError(f"tensor refers to missing frame {index}")
+            self.used.add(index)
+            return _build_tensor(self.bufs[index], lib, dtype, shape)
+        raise CodecError(f"unknown ext type {code}")
 
 
 def decode_envelope(frames: Sequence) -> Envelope | None:
@@ -204,6 +251,8 @@ def _buffer(frame):
 
 
 def _check_framing(bufs, max_frame: int, max_body: int):
+    if len(bufs) == 2 and bufs[0] == HEADER_BYTES and len(bufs[1]) <= max_body:
+        return bufs[1]   # the common case: a small message without tensors
     if len(bufs) < 2:
         raise CodecError(f"expected at least 2 frames, got {len(bufs)}")
     header = bufs[0]
@@ -224,14 +273,19 @@ def _check_framing(bufs, max_frame: int, max_body: int):
     return bufs[1]
 
 
+_FIELD_SETS: dict[type, frozenset] = {}   # per class: its field names, for a one-step check
+
+
 def _build_message(kind, fields):
     cls = _messages.lookup(kind) if isinstance(kind, str) else None
     if cls is None:
         raise CodecError(f"unknown message kind {kind!r}")
     if not isinstance(fields, dict):
         raise CodecError(f"fields of {kind} are not a map")
-    names = _messages._FIELD_NAMES[cls]
-    if len(fields) != len(names) or not all(k in fields for k in names):
+    names = _FIELD_SETS.get(cls)
+    if names is None:
+        names = _FIELD_SETS[cls] = frozenset(_messages._FIELD_NAMES[cls])
+    if fields.keys() != names:
         fields = {k: v for k, v in fields.items() if k in names}   # newer or older peer
     try:
         return cls(**fields)

@@ -30,9 +30,11 @@ from tessera_actors.actor import ActorRef, LocalRef
 from tessera_actors.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
 from tessera_actors.messages import ErrorReply, Ok
-from transport import codec
+from transport import codec, shm
 from transport.channel import Channel
-from transport.codec import OP_ASK, OP_FAILED, OP_RAISED, OP_REPLY, OP_STOP, OP_TELL, Envelope
+from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,
+                             Envelope)
+from transport.shm import ShmConfig
 
 log = logging.getLogger("tessera_actors.transport")
 
@@ -48,13 +50,18 @@ class Server:
     """ROUTER endpoint serving the local actors that ``resolve(name)`` finds."""
 
     def __init__(self, ctx: zmq.Context, resolve: Callable[[str], LocalRef | None], *,
-                 max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY):
+                 max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
+                 shm_config: ShmConfig | None = None):
         self._sock = _socket(ctx, zmq.ROUTER)
         self._resolve = resolve
         self._limits = dict(max_frame=max_frame, max_body=max_body)
         self._chan: Channel | None = None
         self._tasks: set[asyncio.Task] = set()
         self.address = ""
+        shm_config = shm_config or ShmConfig()
+        # tensors that local peers put in shared memory; answers use ZeroMQ frames
+        self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
+                     if shm_config.enabled and shm.shm_available() else None)
 
     def bind(self, endpoint: str) -> str:
         """Bind (non-blocking) and start serving; returns the resolved address."""
@@ -68,8 +75,11 @@ class Server:
     def _on_request(self, frames: list) -> None:
         identity, payload = frames[0], frames[1:]
         try:
+            if shm.has_shm(payload):
+                payload = shm.from_shm(payload, self._shm, identity.bytes)
             env, msg = codec.decode(payload, **self._limits)
         except CodecError as exc:
+            payload = frames[1:]
             env = codec.decode_envelope(payload)
             log.warning("undecodable request on %s (%s): %s", self.address, env, exc)
             if env is not None and env.op in (OP_ASK, OP_STOP) and env.request_id:
@@ -90,11 +100,30 @@ class Server:
             self._deliver(ref, msg, None)
         elif op == OP_STOP:
             self._spawn(self._stop(identity, env.request_id, ref))
+        elif op == OP_SHM_HELLO:
+            self._shm_hello(identity, env.request_id, msg)
         else:
             log.warning("unknown op %d on %s", op, self.address)
             if env.request_id:
                 self._send_answer(identity, env.request_id, OP_FAILED,
                                   ErrorReply("CodecError", f"unknown op {op}"))
+
+    def _shm_hello(self, identity, request_id: int, probe: Any) -> None:
+        """Handshake: answer with the nonce read from the peer's probe segment."""
+        try:
+            if self._shm is None:
+                raise CodecError("shared memory is off on this side")
+            if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
+                raise CodecError(f"malformed shared-memory hello {probe!r}")
+            nonce = self._shm.read_probe(probe[0])
+        except (CodecError, OSError, ValueError) as exc:
+            self._send_answer(identity, request_id, OP_FAILED, ErrorReply("ShmUnavailable", str(exc)))
+            return
+        self._send_answer(identity, request_id, OP_REPLY, nonce)
+
+    def _send_releases(self, identity: bytes, tokens: list) -> None:
+        if self._chan is not None and not self._chan.closed:
+            self._chan.send([identity, *codec.encode([list(t) for t in tokens], Envelope(OP_RELEASE))])
 
     def _deliver(self, ref: LocalRef, msg: Any, fut: asyncio.Future | None) -> None:
         try:
@@ -148,6 +177,8 @@ class Server:
         """Stop serving and close the socket (linger 0); idempotent."""
         for task in self._tasks:
             task.cancel()
+        if self._shm is not None:
+            self._shm.close()
         if self._chan is not None:
             self._chan.close()
         else:
@@ -191,14 +222,67 @@ class Peer:
     """DEALER connection to one remote system; shared by all refs to it."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, *,
-                 max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY):
+                 max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
+                 shm_config: ShmConfig | None = None):
         self.endpoint = endpoint
         sock = _socket(ctx, zmq.DEALER)
         sock.connect(endpoint)
         self._limits = dict(max_frame=max_frame, max_body=max_body)
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        self._loop = asyncio.get_running_loop()
         self._chan = Channel(sock, self._on_answer)
+        self._shm_config = shm_config = shm_config or ShmConfig()
+        self._shm_pool: shm.SegmentPool | None = None   # set once the handshake proved a shared host
+        self._shm_handshake: asyncio.Task | None = None
+        self._hello_rid = 0
+        if shm_config.enabled and shm.is_local_endpoint(endpoint) and shm.shm_available():
+            self._shm_handshake = self._loop.create_task(self._handshake())
+
+    async def _handshake(self, timeout: float = 10.0) -> None:
+        """Prove the server sees our segments: it must read back a nonce we
+        wrote into a probe segment.  Until then (or if not) frames go over ZeroMQ."""
+        pool = shm.SegmentPool(self._shm_config.max_bytes)
+        try:
+            name, nonce = pool.probe()
+            try:
+                self._hello_rid = next(self._ids)
+                seen = await self.request(OP_SHM_HELLO, "", [name], timeout, self._hello_rid)
+            finally:
+                pool.discard(name)
+        except (ActorError, OSError) as exc:
+            log.info("shared memory to %s not used: %s", self.endpoint, exc)
+            pool.close()
+            return
+        except BaseException:
+            pool.close()
+            raise
+        if seen != nonce or self.closed:
+            if not self.closed:
+                log.warning("shared memory to %s not used: the peer read another nonce", self.endpoint)
+            pool.close()
+            return
+        self._shm_pool = pool
+
+    async def shm_ready(self) -> bool:
+        """Wait for the shared-memory handshake; True when large tensor frames
+        to this peer now travel through shared memory."""
+        if self._shm_handshake is not None:
+            await asyncio.wait([self._shm_handshake])
+        return self._shm_pool is not None
+
+    def _frames(self, msg: Any, envelope: Envelope) -> tuple[list, list]:
+        frames = codec.encode(msg, envelope)
+        pool = self._shm_pool
+        if pool is None or len(frames) < 3:
+            return frames, ()
+        return shm.to_shm(frames, pool, self._shm_config.threshold)
+
+    def _unsent(self, tokens) -> None:
+        """A message was dropped before ZeroMQ took it: free its segments."""
+        if self._shm_pool is not None:
+            for name, generation in tokens:
+                self._shm_pool.release(name, generation)
 
     @property
     def closed(self) -> bool:
@@ -206,47 +290,60 @@ class Peer:
 
     @property
     def pending(self) -> int:
-        """Number of asks awaiting an answer (for leak checks)."""
-        return len(self._pending)
+        """Number of asks awaiting an answer (for leak checks; the
+        shared-memory handshake does not count)."""
+        return len(self._pending) - (self._hello_rid in self._pending)
 
-    async def request(self, op: int, target: str, msg: Any, timeout: float) -> Any:
+    async def request(self, op: int, target: str, msg: Any, timeout: float, rid: int = 0) -> Any:
         """Send a request and wait for its answer.  ``timeout`` seconds bound
         the whole round trip, including waiting for ZeroMQ send space; the
         pending entry is removed however the request ends."""
-        if self._chan.closed:
+        chan = self._chan
+        if chan.closed:
             raise ActorDead(f"connection to {self.endpoint} is closed")
-        loop = asyncio.get_running_loop()
-        rid = next(self._ids)
-        frames = codec.encode(msg, Envelope(op, rid, target))
+        rid = rid or next(self._ids)
+        frames, tokens = self._frames(msg, Envelope(op, rid, target))
+        loop = self._loop
         fut = loop.create_future()
-        self._pending[rid] = fut
+        pending = self._pending
+        pending[rid] = fut
         timer = loop.call_later(timeout, _expire, fut, target, self.endpoint, timeout)
         try:
-            queued = self._chan.send(frames)
+            queued = chan.send(frames)
             if queued is not None:   # high-water mark reached: wait for space or the timeout
-                await asyncio.wait((queued, fut), return_when=asyncio.FIRST_COMPLETED)
-                if not queued.done():
-                    queued.cancel()
+                try:
+                    await asyncio.wait((queued, fut), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not queued.done():
+                        queued.cancel()
+                        self._unsent(tokens)
             return await fut
         finally:
             timer.cancel()
-            self._pending.pop(rid, None)
+            pending.pop(rid, None)
 
     async def send(self, target: str, msg: Any) -> None:
         """Send a tell; waits only while ZeroMQ's send queue is full."""
         if self._chan.closed:
             raise ActorDead(f"connection to {self.endpoint} is closed")
-        queued = self._chan.send(codec.encode(msg, Envelope(OP_TELL, 0, target)))
+        frames, tokens = self._frames(msg, Envelope(OP_TELL, 0, target))
+        queued = self._chan.send(frames)
         if queued is not None:
-            await queued
+            try:
+                await queued
+            except asyncio.CancelledError:
+                self._unsent(tokens)
+                raise
 
     def send_nowait(self, target: str, msg: Any) -> None:
         """Send a tell or raise ``MailboxFull`` when ZeroMQ's send queue is full."""
         if self._chan.closed:
             raise ActorDead(f"connection to {self.endpoint} is closed")
-        queued = self._chan.send(codec.encode(msg, Envelope(OP_TELL, 0, target)))
+        frames, tokens = self._frames(msg, Envelope(OP_TELL, 0, target))
+        queued = self._chan.send(frames)
         if queued is not None:
             queued.cancel()
+            self._unsent(tokens)
             raise MailboxFull(f"send queue to {self.endpoint} is full")
 
     def _on_answer(self, frames: list) -> None:
@@ -261,6 +358,9 @@ class Peer:
             else:
                 log.warning("undecodable answer from %s: %s", self.endpoint, exc)
             return
+        if env.op == OP_RELEASE:
+            self._released(value)
+            return
         fut = pending.get(env.request_id)
         if fut is None or fut.done():
             return   # answer after a timeout: drop
@@ -273,11 +373,24 @@ class Peer:
         else:
             fut.set_exception(RUNTIME_ERRORS.get(value.kind, ActorError)(value.message))
 
+    def _released(self, tokens: Any) -> None:
+        pool = self._shm_pool
+        if pool is None or not isinstance(tokens, list):
+            return
+        for token in tokens:
+            if isinstance(token, list) and len(token) == 2 and type(token[0]) is str and type(token[1]) is int:
+                pool.release(token[0], token[1])
+
     def close(self) -> None:
-        """Fail pending asks with ``ActorDead`` and close the socket; idempotent."""
+        """Fail pending asks with ``ActorDead``, close the socket and unlink
+        the shared-memory segments; idempotent."""
         if self._chan.closed:
             return
         self._chan.close()
+        if self._shm_handshake is not None:
+            self._shm_handshake.cancel()
+        if self._shm_pool is not None:
+            self._shm_pool.close()
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ActorDead(f"connection to {self.endpoint} closed"))
@@ -323,7 +436,8 @@ class RemoteRef(ActorRef):
         self._peer.send_nowait(self.name, msg)
 
     async def ask(self, msg: Any, timeout: float = 10.0) -> Any:
-        self._check()
+        if self._dead:
+            self._check()
         try:
             return await self._peer.request(OP_ASK, self.name, msg, timeout)
         except ActorDead:
