@@ -14,7 +14,7 @@ fi
 part() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "=== $name exit $? ($(date +%T))"; tail -n 40 "$OUT/$name.log"; }
 for p in "$@"; do case $p in
   env) part env 60 bash -c 'nvidia-smi; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.device_count())"' ;;
-  tests) part tests 400 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests ;;
+  tests) part tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
   arena-small) part arena_small 300 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --out "$OUT/arena_small" ;;
   arena-small-ind) part arena_small_ind 190 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --capture inductor --compile-baseline --out "$OUT/arena_small_ind" ;;
   arena-ind) part arena_ind 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --compile-baseline --out "$OUT/arena_ind" ;;

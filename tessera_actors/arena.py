@@ -260,14 +260,23 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     memory = memory_variant(cfg, full, backends, add) if cfg.r_mem else None
     from .planning.mix import best_mix
     mix = best_mix(full.graph, devs, full.costs, thr, max_slots=cfg.max_slots)
-    top = max(mix.rates)
-    slot_steps = [max(1, round(cfg.steps * r / top)) for r in mix.rates]   # each slot at its own pace
+    sched = mix.meta.get("schedule")
+    if sched is None:   # an LP-scored mix: slots at the LP's rates
+        from .planning.schedule import list_schedule
+        top = max(mix.rates)
+        sched = list_schedule(mix.plans, full.costs, steps=[max(1, round(cfg.steps * r / top)) for r in mix.rates])
     ex = PipelinedExecutor(full.graph, mix.plans, full.values, backends, program_cls=full.program_cls,
                            streams=cfg.streams, costs=full.costs)
     ex.enqueue([full.inputs] * ex.mb)
-    wall = ex.time_slots(slot_steps)
+    wall = ex.time_slots(sched)   # the very queue order the planner scored
     del ex
-    add("Tessera mix", mix.plans, sum(slot_steps), step_s=wall, note=f"{mix.label}; slot steps {slot_steps}")
+    row = add("Tessera mix", None, sum(sched.steps), step_s=wall,
+              note=f"{mix.label}; slot steps {sched.steps}")
+    row["predicted_us"] = sched.makespan_s * 1e6
+    row["segments"] = sum(len(p.segments) for p in mix.plans)
+    row["bytes_per_step"] = sum(p.bytes_per_step() for p in mix.plans)
+    log(f"    mix: predicted {row['predicted_us']:.0f} us for its {sum(sched.steps)} slot-steps "
+        f"(the list schedule's makespan), measured {wall * 1e6:.0f} us")
     ideal_s = ideal_split(full.profiles)
     best_ideal = cfg.batch / ideal_s
     for r in rows:

@@ -34,6 +34,7 @@ from actors.backends.aten import AtenProgram
 from actors.backends.base import DeviceBackend
 from .graph import KernelGraph
 from .plan import Plan
+from .planning.schedule import Schedule, list_schedule
 from .runner import assemble_outputs, write_inputs
 
 
@@ -191,7 +192,8 @@ class PipelinedExecutor:
                     if feed:
                         be.run_on(self.compute[d][m],
                                   lambda p=self.progs[d][m], i=inp, f=feed: write_inputs(p, self.graph, i, f))
-        self._interleave({m: self._slot_step(m) for m in chosen})
+        sched = list_schedule([self.slots[m].plan for m in chosen], self.costs, steps=[1] * len(chosen))
+        self.run_order([chosen[i] for i in sched.order])
         self.step_count += 1
 
     def _slot_step(self, m: int):
@@ -199,9 +201,11 @@ class PipelinedExecutor:
         time: yields each segment before queueing it, so the caller decides
         how the segments of different slots interleave on shared streams."""
         slot = self.slots[m]
-        waits_before, slot.carry = slot.carry, defaultdict(list)   # segment -> events
+        waits_before = None
         for s in slot.plan.segments:
             yield s
+            if waits_before is None:   # taken when the step's first segment is queued, not before
+                waits_before, slot.carry = slot.carry, defaultdict(list)   # segment -> events
             d, be = s.device, self.backends[s.device]
             cs = self.compute[d][m]
             for ev in waits_before.pop(s.id, []):
@@ -228,54 +232,25 @@ class PipelinedExecutor:
                     g_id = slot.src_guard[t.tag]
                     (waits_before if g_id > s.id else slot.carry)[g_id].append(done)
 
-    def _interleave(self, steps: dict) -> None:
-        """Queue the slots' steps, segment by segment, in the order of a list
-        schedule: next comes the segment that could start earliest, given
-        when its device frees up and when its inputs arrive (estimated from
-        ``segment_time``).  On streams shared by a device this decides the
-        device's execution order: queueing one slot's whole step first would
-        let a segment that waits for another device block everything queued
-        behind it.  Each slot keeps its own order, so every event is recorded
-        before it is waited for."""
-        if len(steps) == 1:
-            for _ in next(iter(steps.values())):
-                pass
-            return
-        nxt = {}
-        for m, g in steps.items():
-            s = next(g, None)
-            if s is not None:
-                nxt[m] = s
-        free = [0.0] * len(self.backends)
-        ready: dict[tuple[int, int], float] = {}
-        while nxt:
-            def start(m):
-                s = nxt[m]
-                return max(free[s.device], ready.get((m, s.id), 0.0))
-            m = min(nxt, key=lambda m: (start(m), m))
-            s = nxt[m]
-            t0 = start(m)
-            end = free[s.device] = t0 + self.segment_time(m, s)
-            for t in self.slots[m].by_src[s.id]:
-                key = (m, t.dst_segment)
-                ready[key] = max(ready.get(key, 0.0), end + self.transfer_time(t))
-            s2 = next(steps[m], None)
-            if s2 is None:
-                del nxt[m]
-            else:
-                nxt[m] = s2
+    def _slot_steps(self, m: int):
+        while True:
+            yield from self._slot_step(m)
 
-    def segment_time(self, m: int, s) -> float:
-        """Estimated seconds of segment ``s`` of slot ``m`` (the cost table's
-        kernel times when the executor has one, else its kernel count)."""
-        if self.costs is None:
-            return float(len(s.kernels))
-        return sum(self.costs.times[k][s.device] for k in s.kernels)
-
-    def transfer_time(self, t) -> float:
-        if self.costs is None:
-            return 0.0
-        return self.costs.comm_s(t.src, t.dst, sum(b - a for a, b in t.ranges))
+    def run_order(self, order: Sequence[int]) -> None:
+        """Queue segments slot by slot in ``order`` (a slot id per segment,
+        e.g. ``list_schedule(...).order``): each entry queues the next
+        segment of that slot, its steps following each other.  On streams a
+        device shares, this order is the device's execution order.  Does not
+        wait."""
+        gens = {}
+        for m in order:
+            g = gens.get(m)
+            if g is None:
+                g = gens[m] = self._slot_steps(m)
+                next(g)
+            next(g)
+        for g in gens.values():   # each stops before a segment, before any side effect
+            g.close()
 
     def allocated_bytes(self) -> list[int]:
         """Bytes of plan buffers held on each device: shared weights once,
@@ -311,21 +286,23 @@ class PipelinedExecutor:
         self.synchronize()
         return (time.perf_counter() - t0) / n
 
-    def time_slots(self, steps: Sequence[int], warmup: int = 2) -> float:
+    def time_slots(self, steps: Sequence[int] | Schedule, warmup: int = 2) -> float:
         """Seconds to run ``steps[m]`` steps of every slot ``m``, each slot
-        at its own pace (enqueued round-robin, one wait at the end): how a
-        mix serves independent request streams."""
-        if len(steps) != self.mb:
-            raise ValueError(f"{len(steps)} step counts for {self.mb} slots")
+        at its own pace, queued in the order of :func:`list_schedule` (or
+        of the given schedule), one wait at the end: how a mix serves
+        independent request streams."""
+        if isinstance(steps, Schedule):
+            sched = steps
+            if len(sched.steps) != self.mb:
+                raise ValueError(f"a schedule of {len(sched.steps)} slots for {self.mb} slots")
+        else:
+            if len(steps) != self.mb:
+                raise ValueError(f"{len(steps)} step counts for {self.mb} slots")
+            sched = list_schedule(self.plans, self.costs, steps=list(steps))
         for _ in range(warmup):
             self.enqueue()
         self.synchronize()
-        left = list(steps)
         t0 = time.perf_counter()
-        while any(left):
-            ready = [m for m, n in enumerate(left) if n]
-            self.enqueue(slots=ready)
-            for m in ready:
-                left[m] -= 1
+        self.run_order(sched.order)
         self.synchronize()
         return time.perf_counter() - t0

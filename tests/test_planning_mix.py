@@ -34,6 +34,15 @@ def test_equal_devices_mix_is_request_distribution():
     assert mix.throughput == pytest.approx(0.5)    # = Request Distribution's 1/4 + 1/4
 
 
+def test_the_schedule_score_and_the_rate_lp_agree_on_request_distribution():
+    g, costs = chain([(1.0, 2.0)] * 4)
+    lp = best_mix(g, DEVS, costs, family=False, score="lp")
+    sched = best_mix(g, DEVS, costs, family=False)
+    assert sched.throughput == pytest.approx(lp.throughput) == pytest.approx(3 / 8)
+    with pytest.raises(ValueError, match="score"):
+        best_mix(g, DEVS, costs, score="guess")
+
+
 def test_one_replica_per_device_is_request_distribution_exactly():
     g, costs = chain([(1.0, 2.0)] * 4)         # R takes twice as long on everything
     assert best_mix(g, DEVS, costs).throughput >= 3 / 8 * (1 - 1e-9)
@@ -63,7 +72,7 @@ def test_memory_budget_excludes_replicas_that_do_not_fit():
     tight = costs.with_mem([None, weights // 2])    # R cannot hold the whole model
     mix = best_mix(g, DEVS, tight, MilpPlanner(tight).plan(g, DEVS, "throughput"))
     assert all(h <= m for h, m in zip(mix.meta["held_bytes"], tight.mem) if m is not None)
-    assert mix.meta["counts"][1] == 0               # no replica on R
+    assert f"homo[{DEVS[1]}]" not in [p.name for p in mix.plans]   # no replica on R
     with pytest.raises(PlanError, match="no mix"):
         best_mix(g, DEVS, costs.with_mem([weights // 2, weights // 2]))
 
@@ -78,6 +87,8 @@ def test_fixture_tessera_never_below_a_baseline(path):
     for b in single_graph_baselines(g, DEVS, costs):
         if b.throughput is None:
             continue
-        assert tessera >= b.throughput * (1 - 1e-6), b.name
+        # a mix is scored on a finite schedule, whose tail costs it a little
+        assert tessera >= b.throughput * (1 - 5e-3), b.name
     held = mix_memory(g, mix.plans)
-    assert len(held) == 2 and predict_mix(mix.plans, costs)[1] == pytest.approx(mix.throughput)
+    assert len(held) == 2
+    assert predict_mix(mix.plans, costs)[1] >= mix.throughput * (1 - 1e-6)   # the LP bounds the schedule

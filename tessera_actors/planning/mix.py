@@ -103,12 +103,21 @@ def offload_family(graph: KernelGraph, devices: Sequence[str], costs: CostTable,
 
 
 def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kernel_plan: Plan | None = None,
-             max_slots: int = 8, family: bool | None = None) -> Mix:
+             max_slots: int = 8, family: bool | None = None, score: str = "schedule",
+             horizon: int = 12) -> Mix:
     """The best mix of up to ``max_slots`` slots drawn from one-device plans
     (replicas), ``kernel_plan`` (e.g. the MILP throughput plan) and, on up to
-    four devices (``family``), the offload family.  An LP over all
-    candidates (rates, slot budget, device capacity) picks the two most
-    useful kernel-level plans; slot counts are then searched exactly."""
+    four devices (``family``), the offload family.
+
+    ``score="schedule"`` (default) rates a mix by the list schedule its
+    slots would be queued in on shared device streams (``horizon`` steps per
+    slot; see :mod:`.schedule`): a kernel-level plan's many hops wait in the
+    device queues there, which the rate LP ignores.  A local search (add,
+    drop or swap one slot) starts from Request Distribution.  ``"lp"``: an
+    LP over all candidates picks the two most useful kernel-level plans and
+    slot counts are searched exactly under the rate LP (an upper bound)."""
+    if score not in ("schedule", "lp"):
+        raise ValueError(f"score must be 'schedule' or 'lp', not {score!r}")
     ndev = len(devices)
     replicas = [build_plan(graph, devices, [d] * len(graph.kernels), name=f"homo[{devices[d]}]")
                 for d in range(ndev)]
@@ -129,7 +138,9 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
         res = linprog(-np.ones(len(lat)), A_ub=a, b_ub=b, bounds=[(0, None)] * len(lat), method="highs")
         weight = res.x[: len(kernel_level)] if res.status == 0 else np.zeros(len(kernel_level))
         order = sorted(range(len(kernel_level)), key=lambda j: -weight[j])
-        kernel_level = [kernel_level[j] for j in order[:2]]
+        kernel_level = [kernel_level[j] for j in order[: (4 if score == "schedule" else 2)]]
+    if score == "schedule":
+        return _search_schedule(graph, costs, replicas, kernel_level, max_slots, horizon)
     choices = replicas + kernel_level
     if not choices:
         raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
@@ -151,3 +162,47 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
     if best is None:
         raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
     return best
+
+
+def _search_schedule(graph: KernelGraph, costs: CostTable, replicas: list[Plan], kernel_level: list[Plan],
+                     max_slots: int, horizon: int) -> Mix:
+    from .schedule import list_schedule
+    choices = replicas + kernel_level
+    if not choices:
+        raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
+    seen: dict[tuple[int, ...], float] = {}
+
+    def value(counts: tuple[int, ...]) -> float:
+        if counts in seen:
+            return seen[counts]
+        plans = [choices[j] for j, c in enumerate(counts) for _ in range(c)]
+        ok = plans and all(m is None or h <= m for h, m in zip(mix_memory(graph, plans), costs.mem))
+        seen[counts] = list_schedule(plans, costs, total_steps=horizon * len(plans)).throughput if ok else -1.0
+        return seen[counts]
+    n = len(choices)
+    # every count vector of up to max_slots slots, then add/drop/swap moves from the best
+    for counts in itertools.product(range(max_slots + 1), repeat=n):
+        if 1 <= sum(counts) <= max_slots:
+            value(counts)
+    best = max(seen, key=seen.get)
+    while True:
+        moves = []
+        for j in range(n):
+            if sum(best) < max_slots:
+                moves.append(tuple(c + (i == j) for i, c in enumerate(best)))
+            if best[j] and sum(best) > 1:
+                moves.append(tuple(c - (i == j) for i, c in enumerate(best)))
+                moves += [tuple(c - (i == j) + (i == k) for i, c in enumerate(best)) for k in range(n) if k != j]
+        top = max(moves, key=value, default=best)
+        if value(top) <= value(best) * (1 + 1e-6):
+            break
+        best = top
+    if value(best) < 0:
+        raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
+    plans = [choices[j] for j, c in enumerate(best) for _ in range(c)]
+    sched = list_schedule(plans, costs, total_steps=horizon * len(plans))
+    rates = [k / sched.makespan_s for k in sched.steps]
+    label = " + ".join(f"{c}x {p.name}" for p, c in zip(choices, best) if c)
+    return Mix(plans, rates, sched.throughput, label,
+               {"counts": list(best), "held_bytes": mix_memory(graph, plans), "choices": [p.name for p in choices],
+                "score": "schedule", "schedule": sched, "mixes_scored": len(seen)})
