@@ -242,9 +242,13 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     homo_r = add("Homo-R", single_device_plan(full.graph, R), 1, devices_used=(R,))
     rd_step = 1 / (1 / (homo_l["step_us"] * 1e-6) + 1 / (homo_r["step_us"] * 1e-6))
     add("Request Distribution", None, 1, step_s=rd_step, note="a replica per device; from the Homo runs")
+    baseline_plans = []
     for policy, make in (("AF", af_plan), ("layer split", layer_split_plan)):
         try:
-            add(policy, make(full.graph, devs, full.costs), 2)
+            bp = make(full.graph, devs, full.costs)
+            bp.name = policy
+            baseline_plans.append(bp)
+            add(policy, bp, 2)
         except Exception as e:  # e.g. no attention scopes
             log(f"  {policy} not applicable: {type(e).__name__}: {e}")
     t0 = time.perf_counter()
@@ -259,7 +263,7 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
         f"gap {thr.meta.get('solver', {}).get('mip_gap')}")
     memory = memory_variant(cfg, full, backends, add) if cfg.r_mem else None
     from .planning.mix import best_mix
-    mix = best_mix(full.graph, devs, full.costs, thr, max_slots=cfg.max_slots)
+    mix = best_mix(full.graph, devs, full.costs, thr, max_slots=cfg.max_slots, extra=baseline_plans)
     sched = mix.meta.get("schedule")
     if sched is None:   # an LP-scored mix: slots at the LP's rates
         from .planning.schedule import list_schedule

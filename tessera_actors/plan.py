@@ -143,14 +143,18 @@ def final_writes(graph: KernelGraph, buffer_ids: Sequence[int]) -> list[tuple[in
 
 
 def build_plan(graph: KernelGraph, devices: Sequence[str], assignment: Sequence[int],
-               name: str = "plan", mode: str = "latency", microbatches: int = 1) -> Plan:
-    """Segments, transfers and per-device programs for an assignment."""
+               name: str = "plan", mode: str = "latency", microbatches: int = 1,
+               breaks: Sequence[int] = ()) -> Plan:
+    """Segments, transfers and per-device programs for an assignment.
+    ``breaks``: kernels that start a new segment even on the same device
+    (finer units for interleaving several slots on one device's stream)."""
     ndev = len(devices)
     validate_assignment(graph, assignment, ndev)
     segments: list[Segment] = []
     seg_of = [0] * len(graph.kernels)
+    cut = set(breaks)
     for k, d in enumerate(assignment):
-        if not segments or segments[-1].device != d:
+        if not segments or segments[-1].device != d or k in cut:
             segments.append(Segment(len(segments), d, ()))
         s = segments[-1]
         segments[-1] = Segment(s.id, d, s.kernels + (k,))
@@ -193,6 +197,29 @@ def build_plan(graph: KernelGraph, devices: Sequence[str], assignment: Sequence[
     return Plan(name, list(devices), list(assignment), segments, transfers, programs,
                 [sorted(r) for r in resident], [sorted(f) for f in feed], outputs,
                 mode=mode, microbatches=microbatches)
+
+
+def split_long_segments(graph: KernelGraph, plan: Plan, times: Sequence[Sequence[float]], quantum: float) -> Plan:
+    """``plan`` rebuilt with every segment longer than ``quantum`` seconds
+    (``times[k][d]``: kernel ``k`` on device ``d``) cut into pieces of about
+    ``quantum``, at kernel boundaries; the assignment is unchanged.  A long
+    segment on a device's shared stream holds up every other slot's work
+    queued behind it."""
+    breaks = []
+    for s in plan.segments:
+        run = 0.0
+        for i, k in enumerate(s.kernels):
+            t = times[k][s.device]
+            if i and run + t > quantum:
+                breaks.append(k)
+                run = 0.0
+            run += t
+    if not breaks:
+        return plan
+    new = build_plan(graph, plan.devices, plan.assignment, name=plan.name, mode=plan.mode,
+                     microbatches=plan.microbatches, breaks=breaks)
+    new.meta = dict(plan.meta)
+    return new
 
 
 def legal_cuts(graph: KernelGraph) -> list[bool]:

@@ -107,6 +107,21 @@ def test_segments_of_several_slots_are_queued_interleaved():
     assert all(torch.equal(a, b) for a, b in zip(got[0], want)) and all(torch.equal(a, b) for a, b in zip(got[1], want))
 
 
+def test_a_replica_cut_into_pieces_computes_the_same():
+    from tessera_actors.plan import split_long_segments
+    res, inp = captured(torch.device("cpu"), torch.float32)
+    g = res.graph
+    whole = single_device_plan(g, "cpu")
+    times = [[1.0] for _ in g.kernels]
+    pieces = split_long_segments(g, whole, times, quantum=10.0)
+    assert len(pieces.segments) == -(-len(g.kernels) // 10) and pieces.assignment == whole.assignment
+    assert all(len(s.kernels) <= 10 for s in pieces.segments)
+    be = [backend_for("cpu")]
+    want = PipelinedExecutor(g, whole, res.values, be).step([inp])[0]
+    got = PipelinedExecutor(g, pieces, res.values, be).step([inp])[0]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
 def test_executor_rejects_an_unknown_stream_layout():
     res, _ = captured(torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="streams"):

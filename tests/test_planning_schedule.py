@@ -41,3 +41,11 @@ def test_bad_arguments_are_refused():
         list_schedule([plan], costs)
     with pytest.raises(ValueError, match="step counts"):
         list_schedule([plan], costs, steps=[1, 2])
+
+
+def test_an_always_ready_replica_does_not_starve_a_slot_that_hops():
+    g, costs = chain([(1.0, 1.0)] * 4)
+    replica = build_plan(g, DEVS, [0] * 4, breaks=[1, 2, 3])     # four short pieces on L
+    hop = build_plan(g, DEVS, [0, 1, 1, 0])                      # L, R, L
+    s = list_schedule([replica, hop], costs, total_steps=12)
+    assert s.steps[1] >= 3                                       # the hopping slot keeps going

@@ -104,7 +104,7 @@ def offload_family(graph: KernelGraph, devices: Sequence[str], costs: CostTable,
 
 def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kernel_plan: Plan | None = None,
              max_slots: int = 8, family: bool | None = None, score: str = "schedule",
-             horizon: int = 12) -> Mix:
+             horizon: int = 12, extra: Sequence[Plan] = ()) -> Mix:
     """The best mix of up to ``max_slots`` slots drawn from one-device plans
     (replicas), ``kernel_plan`` (e.g. the MILP throughput plan) and, on up to
     four devices (``family``), the offload family.
@@ -115,13 +115,16 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
     device queues there, which the rate LP ignores.  A local search (add,
     drop or swap one slot) starts from Request Distribution.  ``"lp"``: an
     LP over all candidates picks the two most useful kernel-level plans and
-    slot counts are searched exactly under the rate LP (an upper bound)."""
+    slot counts are searched exactly under the rate LP (an upper bound).
+    ``extra``: more kernel-level candidates (e.g. the AF and layer-split
+    plans)."""
     if score not in ("schedule", "lp"):
         raise ValueError(f"score must be 'schedule' or 'lp', not {score!r}")
     ndev = len(devices)
     replicas = [build_plan(graph, devices, [d] * len(graph.kernels), name=f"homo[{devices[d]}]")
                 for d in range(ndev)]
     kernel_level = [kernel_plan] if kernel_plan is not None else []
+    kernel_level += [p for p in extra if len(set(p.assignment)) > 1]
     if family if family is not None else ndev <= 4:
         kernel_level += offload_family(graph, devices, costs)
 
@@ -129,6 +132,8 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
         return all(m is None or h <= m for h, m in zip(mix_memory(graph, plans), costs.mem))
     replicas = [p for p in replicas if fits([p])]
     kernel_level = [p for p in kernel_level if fits([p])]
+    if score == "schedule":
+        return _search_schedule(graph, costs, replicas, kernel_level, max_slots, horizon)
     if len(kernel_level) > 2:
         import numpy as np
         from scipy.optimize import linprog
@@ -138,9 +143,7 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
         res = linprog(-np.ones(len(lat)), A_ub=a, b_ub=b, bounds=[(0, None)] * len(lat), method="highs")
         weight = res.x[: len(kernel_level)] if res.status == 0 else np.zeros(len(kernel_level))
         order = sorted(range(len(kernel_level)), key=lambda j: -weight[j])
-        kernel_level = [kernel_level[j] for j in order[: (4 if score == "schedule" else 2)]]
-    if score == "schedule":
-        return _search_schedule(graph, costs, replicas, kernel_level, max_slots, horizon)
+        kernel_level = [kernel_level[j] for j in order[:2]]
     choices = replicas + kernel_level
     if not choices:
         raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
@@ -165,8 +168,25 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
 
 
 def _search_schedule(graph: KernelGraph, costs: CostTable, replicas: list[Plan], kernel_level: list[Plan],
-                     max_slots: int, horizon: int) -> Mix:
+                     max_slots: int, horizon: int, keep: int = 4) -> Mix:
+    from ..plan import split_long_segments
     from .schedule import list_schedule
+    # A replica is one long segment: on a stream its device shares, it would
+    # hold up every kernel-level slot's short hop queued behind it; cut it
+    # into pieces of a tenth of the fastest replica's step.
+    if replicas:
+        quantum = min(sum(costs.times[k][p.segments[0].device] for k in range(len(graph.kernels)))
+                      for p in replicas) / 10
+        replicas = [split_long_segments(graph, p, costs.times, quantum) for p in replicas]
+
+    def mix_value(plans: list[Plan]) -> float:
+        if not plans or any(m is not None and h > m for h, m in zip(mix_memory(graph, plans), costs.mem)):
+            return -1.0
+        return list_schedule(plans, costs, total_steps=horizon * len(plans)).throughput
+    if len(kernel_level) > keep:   # keep the plans that do most for the replicas, k slots of each
+        score_of = {id(p): max(mix_value(replicas + [p] * k) for k in range(1, min(4, max_slots) + 1))
+                    for p in kernel_level}
+        kernel_level = sorted(kernel_level, key=lambda p: -score_of[id(p)])[:keep]
     choices = replicas + kernel_level
     if not choices:
         raise PlanError("no mix of up to %d slots fits the memory budgets" % max_slots)
@@ -175,9 +195,7 @@ def _search_schedule(graph: KernelGraph, costs: CostTable, replicas: list[Plan],
     def value(counts: tuple[int, ...]) -> float:
         if counts in seen:
             return seen[counts]
-        plans = [choices[j] for j, c in enumerate(counts) for _ in range(c)]
-        ok = plans and all(m is None or h <= m for h, m in zip(mix_memory(graph, plans), costs.mem))
-        seen[counts] = list_schedule(plans, costs, total_steps=horizon * len(plans)).throughput if ok else -1.0
+        seen[counts] = mix_value([choices[j] for j, c in enumerate(counts) for _ in range(c)])
         return seen[counts]
     n = len(choices)
     # every count vector of up to max_slots slots, then add/drop/swap moves from the best

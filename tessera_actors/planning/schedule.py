@@ -6,7 +6,8 @@ schedule.  :func:`list_schedule` builds it greedily: each slot is an endless
 chain of steps (a decode step needs the previous one's token), each step its
 plan's segments in order; next in the queue comes the pending segment that
 could start earliest - when its device frees up, its step may begin and its
-inputs from other devices have arrived - ties to the lower slot.  The
+inputs from other devices have arrived - ties to the slot with the fewest
+steps done, then the lower slot.  The
 executor queues exactly this order (``PipelinedExecutor.run_order``), and
 the mix planner scores mixes by its makespan, so the prediction and the run
 share one schedule and differ only by the cost model's error.
@@ -81,7 +82,10 @@ def list_schedule(plans: Sequence[Plan], costs: CostTable | None, total_steps: i
         for m in live:
             s = plans[m].segments[pos[m]]
             t0 = max(free[s.device], begin[m], ready[m].get(s.id, 0.0))
-            if best < 0 or t0 < best_t:
+            # ties (both wait for the device to free up) go to the slot with
+            # the fewest steps done: a slot that is always ready (a replica)
+            # must not starve one whose work hops between devices
+            if best < 0 or t0 < best_t - 1e-12 or (t0 <= best_t + 1e-12 and done[m] < done[best]):
                 best, best_t = m, t0
         m = best
         s = plans[m].segments[pos[m]]
