@@ -183,6 +183,19 @@ def measure(phase: Phase, plan: Plan | list[Plan], backends, microbatches: int, 
     return t
 
 
+def busy_fractions(runs, costs, seconds: float, devices) -> list[float]:
+    """Per arena device: the profiled kernel time of ``runs`` ((plan,
+    executions) pairs) over the measured ``seconds`` - how busy each GPU was."""
+    from .planning.mix import device_busy
+    busy = [0.0] * len(devices)
+    for plan, n in runs:
+        per = device_busy(plan, costs) if len(plan.devices) > 1 else \
+            [sum(costs.times[k][list(devices).index(plan.devices[0])] for k in range(len(costs.times)))]
+        for d, t in zip([list(devices).index(x) for x in plan.devices], per):
+            busy[d] += n * t
+    return [b / seconds for b in busy]
+
+
 def predicted_step(plan: Plan, costs, microbatches: int) -> float:
     from .planning.simulate import simulate
     pred = simulate(plan, costs, inflight=microbatches)
@@ -217,6 +230,8 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
         tokens = mb * cfg.batch / step_s
         row = {"policy": policy, "step_us": step_s * 1e6, "tokens_per_s": tokens,
                "microbatches": mb, "devices": list(devices_used), "note": note}
+        if isinstance(plan, Plan):
+            row["busy"] = busy_fractions([(plan, mb)], full.costs, step_s, cfg.devices)
         if isinstance(plan, list):   # a mix: a plan per slot; "step" = the whole run of mb slot-steps
             from .planning.mix import predict_mix
             row["predicted_us"] = mb / predict_mix(plan, full.costs)[1] * 1e6
@@ -277,6 +292,7 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     row = add("Tessera mix", None, sum(sched.steps), step_s=wall,
               note=f"{mix.label}; slot steps {sched.steps}")
     row["predicted_us"] = sched.makespan_s * 1e6
+    row["busy"] = busy_fractions(list(zip(mix.plans, sched.steps)), full.costs, wall, cfg.devices)
     row["segments"] = sum(len(p.segments) for p in mix.plans)
     row["bytes_per_step"] = sum(p.bytes_per_step() for p in mix.plans)
     log(f"    mix: predicted {row['predicted_us']:.0f} us for its {sum(sched.steps)} slot-steps "
@@ -380,19 +396,21 @@ def print_table(results: list[dict[str, Any]], cfg: ArenaConfig) -> str:
     lines = [f"arena: L={cfg.devices[0]} R={cfg.devices[1]}, decode batch {cfg.batch}, cache {cfg.cache}, "
              f"{cfg.layers} layers, {cfg.dtype}; prices $/h L={price_of(cfg.devices[0]):.2f} "
              f"R={price_of(cfg.devices[1]):.2f}",
-             "| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs best single-plan baseline |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs best single-plan baseline | busy L/R |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         best_other = max(r["tokens_per_s"] for r in res["decode"] if not r["policy"].startswith("Tessera")
                          and r["policy"] != "Request Distribution")
         for r in res["decode"]:
             pred = f"{r['predicted_us']:.0f}" if "predicted_us" in r else "-"
+            busy = "/".join(f"{b * 100:.0f}%" for b in r["busy"]) if r.get("busy") else "-"
             lines.append(f"| {res['model']} | {r['policy']} | {r['step_us']:.0f} | {pred} | {r['tokens_per_s']:.0f} | "
-                         f"{r['of_ideal'] * 100:.1f}% | {r['tokens_per_dollar']:.3g} | {r['tokens_per_s'] / best_other:.2f} |")
+                         f"{r['of_ideal'] * 100:.1f}% | {r['tokens_per_dollar']:.3g} | {r['tokens_per_s'] / best_other:.2f} "
+                         f"| {busy} |")
         if "workload_tokens_per_s" in res:
             wl = res["workload_tokens_per_s"]
             lines.append(f"| {res['model']} | workload tok/s | " + ", ".join(f"{k}: {v:.0f}" for k, v in wl.items())
-                         + " | | | | | |")
+                         + " | | | | | | |")
     return "\n".join(lines)
 
 
