@@ -17,6 +17,7 @@ A mix of one replica per device is then exactly Request Distribution.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -198,10 +199,18 @@ def _search_schedule(graph: KernelGraph, costs: CostTable, replicas: list[Plan],
         seen[counts] = mix_value([choices[j] for j, c in enumerate(counts) for _ in range(c)])
         return seen[counts]
     n = len(choices)
-    # every count vector of up to max_slots slots, then add/drop/swap moves from the best
-    for counts in itertools.product(range(max_slots + 1), repeat=n):
-        if 1 <= sum(counts) <= max_slots:
+    # every count vector of up to max_slots slots when there are few enough
+    # (else Request Distribution and k slots of one plan), then add / drop /
+    # swap moves from the best
+    if math.comb(max_slots + n, n) <= 5000:
+        for counts in _count_vectors(n, max_slots):
             value(counts)
+    else:
+        if replicas:
+            value(tuple(1 if j < len(replicas) else 0 for j in range(n)))
+        for j in range(n):
+            for k in range(1, max_slots + 1):
+                value(tuple(k if i == j else 0 for i in range(n)))
     best = max(seen, key=seen.get)
     while True:
         moves = []
@@ -224,3 +233,15 @@ def _search_schedule(graph: KernelGraph, costs: CostTable, replicas: list[Plan],
     return Mix(plans, rates, sched.throughput, label,
                {"counts": list(best), "held_bytes": mix_memory(graph, plans), "choices": [p.name for p in choices],
                 "score": "schedule", "schedule": sched, "mixes_scored": len(seen)})
+
+
+def _count_vectors(n: int, most: int):
+    """Every tuple of ``n`` counts >= 0 with a sum from 1 to ``most``."""
+    def rec(i: int, left: int):
+        if i == n:
+            yield ()
+            return
+        for c in range(left + 1):
+            for rest in rec(i + 1, left - c):
+                yield (c,) + rest
+    return (v for v in rec(0, most) if sum(v))
