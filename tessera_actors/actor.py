@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections import deque
 from typing import Any, Callable
 
 from tessera_actors.errors import ActorDead, ActorError, AskTimeout, MailboxFull, RemoteError, UnknownMessage
@@ -151,12 +152,18 @@ class LocalRef(ActorRef):
     """Ref to an actor in this process; owns its mailbox and task.
 
     Messages are passed as objects: nothing is encoded, tensors are not copied.
+    The mailbox is a bounded deque of ``(msg, answer)``; the actor's task waits
+    on a future only while the deque is empty, and senders blocked on a full
+    mailbox wait in ``_putters`` (first come, first served).
     """
 
     def __init__(self, actor: Actor, name: str, on_exit: Callable[["LocalRef"], None] | None = None):
         self.name = name
         self._actor = actor
-        self._queue: asyncio.Queue = asyncio.Queue(maxsize=actor.mailbox_size)
+        self._mailbox: deque = deque()
+        self._capacity = actor.mailbox_size
+        self._waiter: asyncio.Future | None = None   # the actor's task, waiting for a message
+        self._putters: deque = deque()   # futures of senders waiting for space
         self._task: asyncio.Task | None = None
         self._dead = False
         self._cleaning = False
@@ -167,33 +174,68 @@ class LocalRef(ActorRef):
     def alive(self) -> bool:
         return not self._dead
 
+    # --- mailbox -------------------------------------------------------------
+    def _offer(self, item: tuple) -> bool:
+        """Enqueue ``item`` unless the mailbox is full; wakes the idle actor."""
+        mailbox = self._mailbox
+        if len(mailbox) >= self._capacity:
+            return False
+        mailbox.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        return True
+
+    async def _put(self, item: tuple) -> None:
+        """Enqueue ``item``, waiting while the mailbox is full; ``ActorDead``
+        if the actor stops meanwhile (the item is then not enqueued)."""
+        while len(self._mailbox) >= self._capacity:
+            putter = asyncio.get_running_loop().create_future()
+            self._putters.append(putter)
+            try:
+                await putter
+            except BaseException:
+                putter.cancel()
+                try:
+                    self._putters.remove(putter)
+                except ValueError:
+                    pass
+                if not putter.cancelled():
+                    self._wake_putter()   # woken, but leaves the free slot to the next sender
+                raise
+            if self._dead:
+                raise ActorDead(f"actor {self.name!r} stopped before taking the message")
+        self._offer(item)
+
+    def _wake_putter(self) -> None:
+        putters = self._putters
+        while putters:
+            putter = putters.popleft()
+            if not putter.done():
+                putter.set_result(None)
+                return
+
     # --- sending -------------------------------------------------------------
     async def tell(self, msg: Any) -> None:
         if self._dead:
             raise ActorDead(f"actor {self.name!r} is stopped")
-        try:
-            self._queue.put_nowait((msg, None))
-        except asyncio.QueueFull:
-            await self._queue.put((msg, None))
-            if self._dead:
-                raise ActorDead(f"actor {self.name!r} stopped before taking the message") from None
+        if not self._offer((msg, None)):
+            await self._put((msg, None))
 
     def tell_nowait(self, msg: Any) -> None:
         if self._dead:
             raise ActorDead(f"actor {self.name!r} is stopped")
-        try:
-            self._queue.put_nowait((msg, None))
-        except asyncio.QueueFull:
-            raise MailboxFull(f"mailbox of {self.name!r} is full ({self._queue.maxsize})") from None
+        if not self._offer((msg, None)):
+            raise MailboxFull(f"mailbox of {self.name!r} is full ({self._capacity})")
 
     async def ask(self, msg: Any, timeout: float = 10.0) -> Any:
         if self._dead:
             raise ActorDead(f"actor {self.name!r} is stopped")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        try:
-            self._queue.put_nowait((msg, fut))
-        except asyncio.QueueFull:
+        if not self._offer((msg, fut)):
             return await self._ask_when_full(msg, fut, timeout)
         timer = loop.call_later(timeout, _expire, fut, self.name, timeout)
         try:
@@ -204,9 +246,7 @@ class LocalRef(ActorRef):
     async def _ask_when_full(self, msg, fut, timeout):
         try:
             async with asyncio.timeout(timeout):
-                await self._queue.put((msg, fut))
-                if self._dead:
-                    raise ActorDead(f"actor {self.name!r} stopped before taking the message")
+                await self._put((msg, fut))
                 return await fut
         except TimeoutError as exc:
             if isinstance(exc, AskTimeout):
@@ -221,22 +261,14 @@ class LocalRef(ActorRef):
         answer slot); None for a tell.  Used by the transport."""
         if self._dead:
             raise ActorDead(f"actor {self.name!r} is stopped")
-        try:
-            self._queue.put_nowait((msg, fut))
-        except asyncio.QueueFull:
-            return False
-        return True
+        return self._offer((msg, fut))
 
     async def deliver(self, msg: Any, fut: asyncio.Future | None) -> None:
         """Like ``try_deliver`` but waits while the mailbox is full."""
         if self._dead:
             raise ActorDead(f"actor {self.name!r} is stopped")
-        try:
-            self._queue.put_nowait((msg, fut))
-        except asyncio.QueueFull:
-            await self._queue.put((msg, fut))
-            if self._dead:
-                raise ActorDead(f"actor {self.name!r} stopped before taking the message") from None
+        if not self._offer((msg, fut)):
+            await self._put((msg, fut))
 
     # --- lifecycle -----------------------------------------------------------
     async def start(self) -> None:
@@ -288,10 +320,17 @@ class LocalRef(ActorRef):
 
     async def _loop(self, actor: Actor) -> None:
         handlers = type(actor)._handlers
-        queue = self._queue
+        mailbox = self._mailbox
+        take = mailbox.popleft
+        loop = asyncio.get_running_loop()
         handled = 0
         while not self._dead:
-            msg, fut = await queue.get()
+            while not mailbox:
+                self._waiter = waiter = loop.create_future()
+                await waiter
+            msg, fut = take()
+            if self._putters:
+                self._wake_putter()
             if fut is not None and fut.done():
                 continue   # the asker gave up (timeout or cancel)
             entry = handlers.get(type(msg))
@@ -352,11 +391,17 @@ class LocalRef(ActorRef):
         if self._current is not None and not self._current.done():
             self._current.set_exception(ActorDead(dead))
         self._current = None
-        queue = self._queue
-        while not queue.empty():
-            _, fut = queue.get_nowait()
+        self._waiter = None
+        mailbox = self._mailbox
+        while mailbox:
+            _, fut = mailbox.popleft()
             if fut is not None and not fut.done():
                 fut.set_exception(ActorDead(dead))
+        putters = self._putters
+        while putters:   # blocked senders: they raise ActorDead
+            putter = putters.popleft()
+            if not putter.done():
+                putter.set_result(None)
 
     def _exit(self) -> None:
         if self._on_exit is not None:

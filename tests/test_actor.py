@@ -261,6 +261,42 @@ async def test_ask_timeout_while_mailbox_full(system):
     assert await ref.ask(ActGet()) == 2
 
 
+async def test_blocked_senders_fail_when_the_actor_stops(system):
+    actor = TinyMailbox()
+    ref = await system.spawn(actor, "c")
+    blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
+    await actor.waiting.wait()
+    await ref.tell(ActAdd())
+    await ref.tell(ActAdd())
+    blocked_tell = asyncio.ensure_future(ref.tell(ActAdd()))
+    blocked_ask = asyncio.ensure_future(ref.ask(ActGet()))
+    await asyncio.sleep(0.02)
+    assert not blocked_tell.done() and not blocked_ask.done()
+    await ref.stop()
+    for fut in (blocker, blocked_tell, blocked_ask):
+        with pytest.raises(ActorDead):
+            await asyncio.wait_for(fut, 1)
+
+
+async def test_blocked_senders_keep_order_and_a_cancelled_one_gives_way(system):
+    actor = TinyMailbox()
+    ref = await system.spawn(actor, "c")
+    blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
+    await actor.waiting.wait()
+    await ref.tell(ActAdd(1))
+    await ref.tell(ActAdd(1))
+    first = asyncio.ensure_future(ref.tell(ActAdd(100)))
+    second = asyncio.ensure_future(ref.tell(ActAdd(10)))
+    await asyncio.sleep(0.02)
+    first.cancel()
+    await asyncio.sleep(0)
+    actor.gate.set()
+    await blocker
+    await asyncio.wait_for(second, 1)
+    assert first.cancelled()
+    assert await ref.ask(ActGet()) == 12
+
+
 async def test_local_ask_passes_objects_without_copy(system):
     torch = pytest.importorskip("torch")
 

@@ -35,17 +35,19 @@ _BATCH = 64   # messages delivered per wake-up before yielding to other callback
 ZERO_COPY_MIN = 64 * 1024
 
 
-# the Cython send, without pyzmq's Python wrapper (which only adds DRAFT
-# routing_id/group arguments): a few microseconds per message on the hot path
+# the Cython send and get, without pyzmq's Python wrappers (which only add DRAFT
+# routing_id/group arguments, option spelling): microseconds per message on the hot path
 _send = zmq.backend.Socket.send
+_get = zmq.backend.Socket.get
 
 
 def _send_multipart(sock: zmq.Socket, frames: list) -> None:
     """Send one multipart message without blocking; zmq.Again only before
     the first part (ZeroMQ queues multipart messages atomically)."""
     last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        flags = _NOBLOCK if i == last else _NOBLOCK_MORE
+    for i in range(last + 1):
+        frame = frames[i]
+        flags = _NOBLOCK_MORE if i < last else _NOBLOCK
         if type(frame) is memoryview and frame.nbytes >= ZERO_COPY_MIN:
             _send(sock, frame, flags, False)
         else:
@@ -77,7 +79,7 @@ class Channel:
         except zmq.Again:
             return self._enqueue(frames)
         # sending may consume the FD's edge for messages that arrived meanwhile
-        if sock.getsockopt(_EVENTS) & _POLLIN:
+        if _get(sock, _EVENTS) & _POLLIN:
             self._schedule_check()
         return None
 
@@ -105,20 +107,22 @@ class Channel:
         if self.closed:
             return
         sock = self._sock
+        recv = sock.recv
+        on_message = self._on_message
         try:
             for _ in range(_BATCH):
-                events = sock.getsockopt(_EVENTS)
+                events = _get(sock, _EVENTS)
                 if events & _POLLOUT and self._outbox:
                     self._flush()
                 if not events & _POLLIN or self._paused:
                     return
-                frame = sock.recv(_NOBLOCK, copy=False)
+                frame = recv(_NOBLOCK, copy=False)
                 frames = [frame]
                 while frame.more:   # (Frame.more: no getsockopt per part)
-                    frame = sock.recv(_NOBLOCK, copy=False)
+                    frame = recv(_NOBLOCK, copy=False)
                     frames.append(frame)
                 try:
-                    self._on_message(frames)
+                    on_message(frames)
                 except Exception:
                     log.exception("message handler failed")
                 if self.closed:

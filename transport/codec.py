@@ -72,7 +72,10 @@ def encode(msg: Any, envelope: Envelope = _TELL) -> list:
     ``[op, request_id, target, None, value]`` for any other value.
     Raises ``CodecError`` for values the wire cannot carry.
     """
-    state = _state()
+    try:
+        state = _local.state
+    except AttributeError:
+        state = _state()
     tensors = state.tensors = []
     op, request_id, target = envelope
     names = _messages._FIELD_NAMES.get(type(msg))
@@ -187,7 +190,10 @@ def decode(frames: Sequence, *, max_frame: int = DEFAULT_MAX_FRAME,
         raise CodecError(f"malformed body: {type(exc).__name__}: {exc}") from exc
     if tensors is not None and len(tensors.used) != len(tensors.bufs):
         raise CodecError(f"{len(tensors.bufs) - len(tensors.used)} tensor frame(s) not referenced by the body")
-    return Envelope(op, request_id, target), value
+    return _new_tuple(Envelope, (op, request_id, target)), value   # (= Envelope(...), faster)
+
+
+_new_tuple = tuple.__new__
 
 
 def _ext_hook(code, data):
@@ -277,7 +283,7 @@ _FIELD_SETS: dict[type, frozenset] = {}   # per class: its field names, for a on
 
 
 def _build_message(kind, fields):
-    cls = _messages.lookup(kind) if isinstance(kind, str) else None
+    cls = _messages._REGISTRY.get(kind) if type(kind) is str else None
     if cls is None:
         raise CodecError(f"unknown message kind {kind!r}")
     if not isinstance(fields, dict):

@@ -20,6 +20,7 @@ mark then makes remote senders wait.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from typing import Any, Callable
@@ -38,6 +39,9 @@ from transport.shm import ShmConfig
 
 log = logging.getLogger("tessera_actors.transport")
 
+# Envelope((op, request_id, target)) without NamedTuple's Python-level __new__ (hot path)
+_envelope = functools.partial(tuple.__new__, Envelope)
+
 
 def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock = ctx.socket(kind)
@@ -54,7 +58,7 @@ class Server:
                  shm_config: ShmConfig | None = None):
         self._sock = _socket(ctx, zmq.ROUTER)
         self._resolve = resolve
-        self._limits = dict(max_frame=max_frame, max_body=max_body)
+        self._max_frame, self._max_body = max_frame, max_body
         self._chan: Channel | None = None
         self._tasks: set[asyncio.Task] = set()
         self.address = ""
@@ -75,9 +79,9 @@ class Server:
     def _on_request(self, frames: list) -> None:
         identity, payload = frames[0], frames[1:]
         try:
-            if shm.has_shm(payload):
+            if len(payload) > 3 and shm.has_shm(payload):
                 payload = shm.from_shm(payload, self._shm, identity.bytes)
-            env, msg = codec.decode(payload, **self._limits)
+            env, msg = codec.decode(payload, max_frame=self._max_frame, max_body=self._max_body)
         except CodecError as exc:
             payload = frames[1:]
             env = codec.decode_envelope(payload)
@@ -85,14 +89,16 @@ class Server:
             if env is not None and env.op in (OP_ASK, OP_STOP) and env.request_id:
                 self._send_answer(identity, env.request_id, OP_FAILED, ErrorReply("CodecError", str(exc)))
             return
-        op = env.op
-        ref = self._resolve(env.target)
+        op, request_id, target = env
+        ref = self._resolve(target)
         if op == OP_ASK:
             if ref is None:
-                self._send_answer(identity, env.request_id, OP_FAILED,
-                                  ErrorReply("NoSuchActor", f"no actor named {env.target!r}"))
+                self._send_answer(identity, request_id, OP_FAILED,
+                                  ErrorReply("NoSuchActor", f"no actor named {target!r}"))
                 return
-            self._deliver(ref, msg, _Answer(self, identity, env.request_id))
+            answer = _Answer(self, identity, request_id)
+            if ref._dead or not ref._offer((msg, answer)):   # (the common case inlined)
+                self._deliver(ref, msg, answer)
         elif op == OP_TELL:
             if ref is None:
                 log.warning("tell to unknown actor %r dropped", env.target)
@@ -164,7 +170,7 @@ class Server:
         if self._chan is None or self._chan.closed:
             return
         try:
-            frames = codec.encode(value, Envelope(op, request_id))
+            frames = codec.encode(value, _envelope((op, request_id, "")))
         except CodecError as exc:
             frames = codec.encode(ErrorReply("CodecError", f"reply not encodable: {exc}"),
                                   Envelope(OP_FAILED, request_id))
@@ -201,7 +207,10 @@ class _Answer:
         return self._done
 
     def set_result(self, value: Any) -> None:
-        self._finish(OP_REPLY, value)
+        if self._done:
+            raise asyncio.InvalidStateError("answer already sent")
+        self._done = True
+        self._server._send_answer(self._identity, self._request_id, OP_REPLY, value)
 
     def set_exception(self, exc: BaseException) -> None:
         if isinstance(exc, RemoteError):
@@ -227,7 +236,7 @@ class Peer:
         self.endpoint = endpoint
         sock = _socket(ctx, zmq.DEALER)
         sock.connect(endpoint)
-        self._limits = dict(max_frame=max_frame, max_body=max_body)
+        self._max_frame, self._max_body = max_frame, max_body
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._loop = asyncio.get_running_loop()
@@ -302,7 +311,10 @@ class Peer:
         if chan.closed:
             raise ActorDead(f"connection to {self.endpoint} is closed")
         rid = rid or next(self._ids)
-        frames, tokens = self._frames(msg, Envelope(op, rid, target))
+        frames = codec.encode(msg, _envelope((op, rid, target)))
+        tokens = ()
+        if self._shm_pool is not None and len(frames) > 2:
+            frames, tokens = shm.to_shm(frames, self._shm_pool, self._shm_config.threshold)
         loop = self._loop
         fut = loop.create_future()
         pending = self._pending
@@ -349,7 +361,7 @@ class Peer:
     def _on_answer(self, frames: list) -> None:
         pending = self._pending
         try:
-            env, value = codec.decode(frames, **self._limits)
+            env, value = codec.decode(frames, max_frame=self._max_frame, max_body=self._max_body)
         except CodecError as exc:
             env = codec.decode_envelope(frames)
             fut = pending.get(env.request_id) if env else None
@@ -358,17 +370,18 @@ class Peer:
             else:
                 log.warning("undecodable answer from %s: %s", self.endpoint, exc)
             return
-        if env.op == OP_RELEASE:
+        op = env[0]
+        if op == OP_RELEASE:
             self._released(value)
             return
-        fut = pending.get(env.request_id)
+        fut = pending.get(env[1])
         if fut is None or fut.done():
             return   # answer after a timeout: drop
-        if env.op == OP_REPLY:
+        if op == OP_REPLY:
             fut.set_result(value)
         elif not isinstance(value, ErrorReply):
             fut.set_exception(CodecError(f"error answer without ErrorReply: {type(value).__name__}"))
-        elif env.op == OP_RAISED:
+        elif op == OP_RAISED:
             fut.set_exception(RemoteError(value.kind, value.message))
         else:
             fut.set_exception(RUNTIME_ERRORS.get(value.kind, ActorError)(value.message))
