@@ -7,10 +7,14 @@ events, and the host never waits until the step's end; on CPU the same
 calls execute immediately, in the same order.
 
 Per micro-batch ``m`` every device has its own activations, inputs, outputs
-and state (a separate request stream); weights are shared.  Earlier
-micro-batches get higher stream priority.  Each micro-batch slot may have a
-plan of its own (``plans`` given as a list): Request Distribution is the
-mix of one-device plans, and kernel-level plans mix with them.
+and state (a separate request stream); weights are shared.  By default the
+slots share one compute and one communication stream per device, and their
+segments are queued in the order of a list schedule
+(:mod:`tessera_actors.planning.schedule`), which is then each device's
+execution order; ``streams="slot"`` gives every slot its own streams,
+earlier slots at higher priority.  Each micro-batch slot may have a plan of
+its own (``plans`` given as a list): Request Distribution is the mix of
+one-device plans, and kernel-level plans mix with them.
 
 Ordering rules for a transfer ``t`` (src segment -> first consumer segment):
 1. the copy waits for the producer segment (event on the src compute stream);
@@ -19,8 +23,9 @@ Ordering rules for a transfer ``t`` (src segment -> first consumer segment):
 3. the consumer waits for the copy;
 4. the next segment on the *source* that overwrites those bytes waits for
    the copy (it would change what is being sent).
-Work is enqueued micro-batch by micro-batch, each in its plan's segment
-order, which satisfies every rule on an immediate (CPU) backend too.
+Every slot's segments are queued in its plan's order (slots interleave),
+so each event is recorded before it is waited for, and every rule holds on
+an immediate (CPU) backend too.
 """
 from __future__ import annotations
 
