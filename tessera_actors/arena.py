@@ -167,12 +167,12 @@ def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
     return (time.perf_counter() - t0) / steps
 
 
-def measure(phase: Phase, plan: Plan | list[Plan], backends, microbatches: int, steps: int, held: list | None = None) -> float:
+def measure(phase: Phase, plan: Plan, backends, microbatches: int, steps: int, held: list | None = None) -> float:
     """Measured seconds per step (all micro-batches) of ``plan``; the bytes
     each device holds are appended to ``held`` when given."""
     bes = list(backends)
     ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches,
-                           program_cls=phase.program_cls, streams=phase.streams, costs=phase.costs)   # a list of plans: one per slot
+                           program_cls=phase.program_cls, streams=phase.streams, costs=phase.costs)
     ex.enqueue([phase.inputs] * microbatches)
     t = ex.time_steps(steps)
     if held is not None:
@@ -224,20 +224,14 @@ def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
     def add(policy: str, plan: Plan | None, mb: int, step_s: float | None = None,
             devices_used: tuple[str, ...] = (L, R), note: str = "") -> dict[str, Any]:
         if step_s is None:
-            devices_of = plan[0].devices if isinstance(plan, list) else plan.devices
+            devices_of = plan.devices
             bes = backends if len(devices_of) > 1 else [backends[cfg.devices.index(devices_of[0])]]
             step_s = measure(full, plan, bes, mb, cfg.steps)
         tokens = mb * cfg.batch / step_s
         row = {"policy": policy, "step_us": step_s * 1e6, "tokens_per_s": tokens,
                "microbatches": mb, "devices": list(devices_used), "note": note}
-        if isinstance(plan, Plan):
+        if plan is not None:
             row["busy"] = busy_fractions([(plan, mb)], full.costs, step_s, cfg.devices)
-        if isinstance(plan, list):   # a mix: a plan per slot; "step" = the whole run of mb slot-steps
-            from .planning.mix import predict_mix
-            row["predicted_us"] = mb / predict_mix(plan, full.costs)[1] * 1e6
-            row["bytes_per_step"] = sum(p.bytes_per_step() for p in plan)
-            row["segments"] = sum(len(p.segments) for p in plan)
-        elif plan is not None:
             pc = full.costs
             if len(plan.devices) == 1:
                 from .planning import CostTable

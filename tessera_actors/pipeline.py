@@ -102,6 +102,7 @@ class PipelinedExecutor:
         the pipeline); ``"slot"`` - a stream pair per slot and device, earlier
         slots at higher priority (segments of different slots may overlap)."""
         self.costs = costs   # a CostTable over these devices: orders the segments of several slots
+        self._orders: dict[tuple[int, ...], list[int]] = {}
         if streams not in ("device", "slot"):
             raise ValueError(f"streams must be 'device' or 'slot', not {streams!r}")
         plans = list(plan) if isinstance(plan, (list, tuple)) else [plan] * microbatches
@@ -197,8 +198,12 @@ class PipelinedExecutor:
                     if feed:
                         be.run_on(self.compute[d][m],
                                   lambda p=self.progs[d][m], i=inp, f=feed: write_inputs(p, self.graph, i, f))
-        sched = list_schedule([self.slots[m].plan for m in chosen], self.costs, steps=[1] * len(chosen))
-        self.run_order([chosen[i] for i in sched.order])
+        key = tuple(chosen)
+        order = self._orders.get(key)
+        if order is None:   # one step of these slots is queued the same way every time
+            sched = list_schedule([self.slots[m].plan for m in chosen], self.costs, steps=[1] * len(chosen))
+            order = self._orders[key] = [chosen[i] for i in sched.order]
+        self.run_order(order)
         self.step_count += 1
 
     def _slot_step(self, m: int):

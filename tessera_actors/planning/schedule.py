@@ -27,7 +27,6 @@ class Schedule:
     steps: list[int]          # whole steps of every slot in it
     makespan_s: float         # estimated seconds until the last segment ends
     busy_s: list[float]       # per device
-    ends: list[float]         # when every slot's last step ends
 
     @property
     def throughput(self) -> float:
@@ -105,4 +104,4 @@ def list_schedule(plans: Sequence[Plan], costs: CostTable | None, total_steps: i
             makespan = max(makespan, end_of_step[m])
             ready[m] = {}
         live = [k for k in live if active(k) or pos[k]]   # a started step is always finished
-    return Schedule(order, done, makespan, busy, [begin[m] if done[m] else 0.0 for m in range(len(plans))])
+    return Schedule(order, done, makespan, busy)
