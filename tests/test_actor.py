@@ -229,13 +229,19 @@ async def test_failing_tell_is_logged_and_actor_serves_on(system, caplog):
     assert "told" in caplog.text
 
 
-async def test_bounded_mailbox_backpressure(system):
+async def busy_with_full_mailbox(system, add=ActAdd()):
+    """A TinyMailbox actor stuck in a handler, its mailbox (2) full of ``add``."""
     actor = TinyMailbox()
     ref = await system.spawn(actor, "c")
     blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
     await actor.waiting.wait()   # the actor is busy; its mailbox is empty
-    await ref.tell(ActAdd())
-    await ref.tell(ActAdd())    # mailbox (2) now full
+    await ref.tell(add)
+    await ref.tell(add)         # mailbox (2) now full
+    return actor, ref, blocker
+
+
+async def test_bounded_mailbox_backpressure(system):
+    actor, ref, blocker = await busy_with_full_mailbox(system)
     with pytest.raises(MailboxFull):
         ref.tell_nowait(ActAdd())
     third = asyncio.ensure_future(ref.tell(ActAdd()))
@@ -248,12 +254,7 @@ async def test_bounded_mailbox_backpressure(system):
 
 
 async def test_ask_timeout_while_mailbox_full(system):
-    actor = TinyMailbox()
-    ref = await system.spawn(actor, "c")
-    blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
-    await actor.waiting.wait()
-    await ref.tell(ActAdd())
-    await ref.tell(ActAdd())
+    actor, ref, blocker = await busy_with_full_mailbox(system)
     with pytest.raises(AskTimeout):
         await ref.ask(ActGet(), timeout=0.02)
     actor.gate.set()
@@ -262,12 +263,7 @@ async def test_ask_timeout_while_mailbox_full(system):
 
 
 async def test_blocked_senders_fail_when_the_actor_stops(system):
-    actor = TinyMailbox()
-    ref = await system.spawn(actor, "c")
-    blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
-    await actor.waiting.wait()
-    await ref.tell(ActAdd())
-    await ref.tell(ActAdd())
+    actor, ref, blocker = await busy_with_full_mailbox(system)
     blocked_tell = asyncio.ensure_future(ref.tell(ActAdd()))
     blocked_ask = asyncio.ensure_future(ref.ask(ActGet()))
     await asyncio.sleep(0.02)
@@ -279,12 +275,7 @@ async def test_blocked_senders_fail_when_the_actor_stops(system):
 
 
 async def test_blocked_senders_keep_order_and_a_cancelled_one_gives_way(system):
-    actor = TinyMailbox()
-    ref = await system.spawn(actor, "c")
-    blocker = asyncio.ensure_future(ref.ask(ActWaitGate()))
-    await actor.waiting.wait()
-    await ref.tell(ActAdd(1))
-    await ref.tell(ActAdd(1))
+    actor, ref, blocker = await busy_with_full_mailbox(system, ActAdd(1))
     first = asyncio.ensure_future(ref.tell(ActAdd(100)))
     second = asyncio.ensure_future(ref.tell(ActAdd(10)))
     await asyncio.sleep(0.02)
