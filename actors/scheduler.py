@@ -135,7 +135,9 @@ class SchedulerActor(Actor):
             raise PlanError("no live devices registered")
         specs = [self.inventory[d][2] for d in live]
         plan = await asyncio.to_thread(self.planner.plan, graph, specs, msg.mode)
-        pins = {name: live.index(d) for name, d in msg.pins.items() if d in live}
+        where = {(self.nodes[self.inventory[d][0]].endpoint, f"device{self.inventory[d][1]}"): i
+                 for i, d in enumerate(live)}
+        pins = {name: where[tuple(r)] for name, r in msg.pins.items() if tuple(r) in where}
         if pins and not respects(graph, plan.assignment, pins):
             assignment = pinned_assignment(graph, pins)
             plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)

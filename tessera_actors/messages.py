@@ -304,9 +304,10 @@ class Place:
     ``graph`` names the graph (a bucket of a served model; "" = the first);
     ``pins`` maps state-buffer names to inventory device indices: kernels
     touching that state run there (the KV cache stays where it lives), and
-    the rest follow their state (``planning.pinning``); ``share`` is passed
-    on to ``InstallPlan``.  ``devices`` (inventory indices) restricts the
-    placement to those devices."""
+    the rest follow their state (``planning.pinning``); a pin is the
+    ``[endpoint, actor]`` of the device actor holding the state.  ``share``
+    is passed on to ``InstallPlan``.  ``devices`` (inventory indices)
+    restricts the placement to those devices."""
     plan_id: str
     mode: str = "latency"
     graph: str = ""
