@@ -66,8 +66,9 @@ class EngineConfig:
         self.prefill_buckets = tuple(b for b in self.prefill_buckets if b < self.max_model_len)
         if self.mode not in ("latency", "throughput", "auto"):
             raise bad(f"mode must be latency, throughput or auto, got {self.mode!r}")
-        if self.groups < 1 or self.groups > self.max_seqs:
-            raise bad(f"groups must be in 1..max_seqs, got {self.groups}")
+        if self.groups < 1:
+            raise bad(f"groups must be >= 1, got {self.groups}")
+        self.groups = min(self.groups, self.max_seqs)   # a group needs at least one row
         for name in ("step_timeout", "heartbeat_s", "lost_after_s", "monitor_window_s", "monitor_beta"):
             if getattr(self, name) <= 0:
                 raise bad(f"{name} must be positive, got {getattr(self, name)}")
