@@ -285,10 +285,12 @@ class DeviceActor(Actor):
             i = j
         mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
         tokens: list[int] = []
+        logprobs: list[float] = []
         logits_view = graph.meta["output_views"][0] if msg.sample else None
         if logits_view is not None and any(b == logits_view[0] for b, _, _ in mine):
-            from tessera_actors.serving.sampling import sample_rows
-            tokens = await self._on_worker(lambda: sample_rows(prog.view(logits_view), msg.sample))
+            from tessera_actors.serving.sampling import sample_with_logprobs
+            tokens, logprobs = await self._on_worker(
+                lambda: sample_with_logprobs(prog.view(logits_view), msg.sample))
         if not msg.outputs:
             mine = []
 
@@ -297,4 +299,4 @@ class DeviceActor(Actor):
         data = await self._on_worker(outputs) if mine else []
         self.steps_run += 1
         self.busy_s += busy
-        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens)
+        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs)

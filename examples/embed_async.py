@@ -1,26 +1,26 @@
-"""Embedding tessera-actors in your own asyncio program: no HTTP, no node
-processes - two CPU devices as actors inside this process, a split plan, and
-token streaming from a coroutine.
+"""The serving engine embedded in a plain asyncio program.
 
-    python examples/embed_async.py "Write a haiku about GPUs"
+    python examples/embed_async.py "What is the capital of France?"
+
+Streams the reply of SmolLM2-135M-Instruct (real weights, split over two
+CPU devices) as whole characters, then prints the placement and usage.
 """
-from __future__ import annotations
-
 import asyncio
 import sys
 
-from tessera_actors.service import GenerationService, ServiceConfig
+from tessera_actors import AsyncEngine, SamplingParams
 
 
-async def main(prompt: str) -> None:
-    cfg = ServiceConfig(model="smollm2", nodes=(), devices="cpu,cpu")
-    async with GenerationService(cfg, log=print) as svc:
-        ids = []
-        async for tok in svc.generate(svc.encode_chat(prompt), max_new=48):
-            ids.append(tok)
-            print(svc.decode([tok]), end="", flush=True)
-        print()
+async def main(question: str) -> None:
+    async with AsyncEngine(model="smollm2", devices="cpu,cpu", max_seqs=4, max_model_len=1024) as eng:
+        chat = [{"role": "user", "content": question}]
+        last = None
+        async for out in eng.generate(chat, SamplingParams(max_tokens=96, temperature=0.0)):
+            print(out.text, end="", flush=True)
+            last = out
+        print(f"\n[{last.finish_reason}; {last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} "
+              f"generated tokens; placement {eng.stats()['placement']}]")
 
 
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else "What is the capital of France?"))
+    asyncio.run(main(" ".join(sys.argv[1:]) or "Say something in French, please."))

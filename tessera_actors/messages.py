@@ -192,7 +192,8 @@ class RunStep:
 class StepDone:
     """``ranges[i] = [buffer, start, end]`` of final output bytes in ``data[i]``;
     ``tokens``: one sampled id per ``RunStep.sample`` entry, from the device
-    holding the logits (empty elsewhere)."""
+    holding the logits (empty elsewhere), with its log probability in
+    ``logprobs``."""
     plan_id: str
     step: int
     device: int
@@ -201,6 +202,7 @@ class StepDone:
     busy_s: float = 0.0
     wait_s: float = 0.0
     tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
 
 
 @message

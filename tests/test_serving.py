@@ -147,3 +147,21 @@ async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token():
     assert results == reference
     assert stats["recoveries"] == 1 and stats["generation"] == 1
     assert stats["placement"]["devices"] == [NODES[0]]
+
+
+async def test_served_tokens_are_the_eager_pytorch_models_tokens():
+    import torch
+    from tessera_actors import models
+    prompt, n = [5, 6, 7, 8, 9], 8
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
+    want = []
+    with torch.no_grad():
+        logits = m(input_ids=torch.tensor([prompt]), positions=torch.arange(len(prompt))[None])
+        for pos in range(len(prompt), len(prompt) + n):
+            want.append(int(logits[0, -1].argmax()))
+            logits = m(input_ids=torch.tensor([[want[-1]]]), positions=torch.tensor([pos]))
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu,cpu", max_seqs=2, max_model_len=64,
+                           prefill_buckets=(4, 16)) as eng:
+        got, _, last = await _tokens(eng, prompt, SamplingParams(max_tokens=n))
+        assert len(eng.stats()["placement"]["kernels_per_device"]) == 2
+    assert got == want and last.finish_reason == "length"

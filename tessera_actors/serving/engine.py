@@ -78,6 +78,7 @@ class AsyncEngine:
                                initial="throughput" if config.mode == "throughput" else "latency")
         self.tokenizer = None
         self.template = None
+        self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -264,8 +265,9 @@ class AsyncEngine:
         if "prefill" not in busy and self._prefill:
             req = self._prefill[0]
             size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
-            task = loop.create_task(self.runtime.step(f"prefill:{size}", inputs, sample))
-            inflight[task] = ("prefill", [req], n)
+            bucket = f"prefill:{size}"
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample))
+            inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
             key = f"decode{g}"
             if key in busy or not reqs:
@@ -273,11 +275,12 @@ class AsyncEngine:
             lo, hi = self.slots.bounds[g]
             size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
                                                  self.max_model_len)
-            task = loop.create_task(self.runtime.step(f"decode:{size}@{lo}", inputs, sample))
-            inflight[task] = (key, reqs, 0)
+            bucket = f"decode:{size}@{lo}"
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample))
+            inflight[task] = (key, reqs, 0, bucket)
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:
-        key, reqs, n = info
+        key, reqs, n, bucket = info
         try:
             result = task.result()
         except StepFailed as e:
@@ -287,6 +290,9 @@ class AsyncEngine:
             self._lost_or_fail(reqs, e)
             return
         self.counters["steps"] += 1
+        acc = self.step_time.setdefault(bucket, [0, 0.0])
+        acc[0] += 1
+        acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
         live = [r for r in reqs if r.finished is None]
         if key == "prefill":
@@ -299,12 +305,12 @@ class AsyncEngine:
                 return
             self._prefill.remove(req)
             req.seq.phase = "decode"
-            self._accept(req, result.tokens[0])
+            self._accept(req, result.tokens[0], result.logprobs[0])
             return
-        for req, tok in zip(reqs, result.tokens):
+        for req, tok, lp in zip(reqs, result.tokens, result.logprobs):
             if req.finished is None:
                 req.seq.exec_s += result.seconds
-                self._accept(req, tok)
+                self._accept(req, tok, lp)
         del live
 
     def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
@@ -323,7 +329,7 @@ class AsyncEngine:
         self._requests.pop(seq.rid, None)
         req.out.put_nowait(err)
 
-    def _accept(self, req: _Request, token: int) -> None:
+    def _accept(self, req: _Request, token: int, logprob: float) -> None:
         """A new token of ``req``: stream it, and finish the request when done."""
         seq, p = req.seq, req.seq.params
         if seq.first_token_at is None:
@@ -341,13 +347,13 @@ class AsyncEngine:
         usage = Usage(len(seq.prompt), len(seq.generated))
         reason = "stop" if (is_eos or stopped) else ("length" if length else None)
         if reason is None:
-            req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], None, usage))
+            req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], None, usage, [logprob]))
             return
         req.finished = reason
         seq.phase = "done"
         self.slots.release(seq.slot)
         self._requests.pop(seq.rid, None)
-        req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], reason, usage))
+        req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], reason, usage, [logprob]))
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
 
@@ -402,7 +408,8 @@ class AsyncEngine:
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
                 "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
                 "generation": rt.generation if rt else 0, "placement": placement,
-                "lost": sorted(rt.lost) if rt else [], **self.counters}
+                "lost": sorted(rt.lost) if rt else [],
+                "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n}, **self.counters}
 
     def health(self) -> dict:
         ok = self._dead is None and not self._lost and self.runtime is not None and bool(self.runtime.placed)

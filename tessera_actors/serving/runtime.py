@@ -66,6 +66,7 @@ class Placed:
 class StepResult:
     tokens: list[int]
     seconds: float
+    logprobs: list[float] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     spans: list = field(default_factory=list)
 
@@ -174,10 +175,12 @@ class Runtime:
             if isinstance(r, BaseException):
                 raise StepFailed(f"{bucket} step {step}: device {d} ({p.plan.devices[d]}) failed: "
                                  f"{type(r).__name__}: {r}") from r
-        tokens = next((r.tokens for r in results if r.tokens), [])
+        holder = next((r for r in results if r.tokens), None)
+        tokens = holder.tokens if holder else []
         if sample and len(tokens) != len(sample):
             raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {len(sample)} sampled rows")
-        return StepResult(tokens, time.perf_counter() - t0, [r.busy_s for r in results])
+        return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
+                          [r.busy_s for r in results])
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:
