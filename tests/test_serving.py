@@ -165,3 +165,21 @@ async def test_served_tokens_are_the_eager_pytorch_models_tokens():
         got, _, last = await _tokens(eng, prompt, SamplingParams(max_tokens=n))
         assert len(eng.stats()["placement"]["kernels_per_device"]) == 2
     assert got == want and last.finish_reason == "length"
+
+
+async def test_a_trace_of_served_steps_is_valid_trace_event_json_with_spans_per_device(tmp_path):
+    import json
+    async with AsyncEngine(nodes=NODES, max_seqs=2, trace_dir=str(tmp_path), **SMALL) as eng:
+        await asyncio.gather(*(_tokens(eng, p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS[:2]))
+        steps = eng.stats()["steps"]
+        path = eng.write_trace()
+    events = json.loads(open(path).read())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X"]
+    engine_spans = [e for e in spans if tracks[e["tid"]] == "engine"]
+    assert steps >= 20 and len(engine_spans) == steps
+    assert any(e["name"].startswith("prefill:") for e in engine_spans)
+    for d, spec in enumerate(NODES):
+        mine = [e for e in spans if tracks[e["tid"]] == f"device {d}: {spec}"]
+        assert len(mine) >= steps and all(e["dur"] >= 0 and e["ts"] > 0 for e in mine)
+    assert any(e["name"].startswith("recv") for e in spans) and any(e["name"].startswith("sample") for e in spans)

@@ -7,9 +7,9 @@ import torch
 from tessera_actors import AsyncEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
-CFG = dict(model="smollm2", size="tiny", max_model_len=512, max_seqs=8, decode_buckets=(1, 2, 4, 8),
-           prefill_buckets=(16, 64))
-PROMPTS = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(8)]
+CFG = dict(model="llama", size="tiny", max_model_len=64, max_seqs=8, decode_buckets=(1, 2, 4, 8),
+           prefill_buckets=(4, 16))
+PROMPTS = [[i + 1, 2 * i + 3, 7, 11 + i] for i in range(8)]
 
 
 async def _run(eng, params):

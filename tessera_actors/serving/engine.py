@@ -97,7 +97,11 @@ class AsyncEngine:
             if tpl:
                 self.template = ChatTemplate(tpl, self.tokenizer.bos_token, self.tokenizer.eos_token)
         self.slots = SlotAllocator(self.cfg.group_bounds(self.groups))
-        self.runtime = Runtime(self.cfg, served, self._on_lost)
+        self.trace = None
+        if self.cfg.trace_dir:
+            from .trace import StepTrace
+            self.trace = StepTrace()
+        self.runtime = Runtime(self.cfg, served, self._on_lost, self.trace)
         try:
             await self.runtime.start()
         except BaseException:
@@ -116,6 +120,15 @@ class AsyncEngine:
             self._finish(req, "abort")
         if self.runtime is not None:
             await self.runtime.stop()
+        self.write_trace()
+
+    def write_trace(self) -> str | None:
+        """Write the trace of the steps so far to ``trace_dir/trace.json``
+        (also done at stop); returns the path, None when not tracing."""
+        if self.trace is None:
+            return None
+        import os
+        return self.trace.write(os.path.join(self.cfg.trace_dir, "trace.json"))
 
     # -- requests -----------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
@@ -266,7 +279,7 @@ class AsyncEngine:
             req = self._prefill[0]
             size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
             bucket = f"prefill:{size}"
-            task = loop.create_task(self.runtime.step(bucket, inputs, sample))
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
             inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
             key = f"decode{g}"
@@ -276,7 +289,7 @@ class AsyncEngine:
             size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
                                                  self.max_model_len)
             bucket = f"decode:{size}@{lo}"
-            task = loop.create_task(self.runtime.step(bucket, inputs, sample))
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
             inflight[task] = (key, reqs, 0, bucket)
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:

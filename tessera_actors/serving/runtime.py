@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgpack
 
@@ -72,8 +72,12 @@ class StepResult:
 
 
 class Runtime:
-    def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None]) -> None:
+    def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
+                 trace=None) -> None:
+        """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
+        records every step (None: no tracing)."""
         self.cfg, self.served, self.on_lost = cfg, served, on_lost
+        self.trace = trace
         self.generation = 0
         self.placed: dict[str, Placed] = {}
         self.lost: set[str] = set()
@@ -160,14 +164,16 @@ class Runtime:
         return await self.system.remote_ref(endpoint, name)
 
     # -- steps ----------------------------------------------------------------
-    async def step(self, bucket: str, inputs: dict, sample: list) -> StepResult:
+    async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = ()) -> StepResult:
         p = self.placed.get(bucket)
         if p is None:
             raise StepFailed(f"bucket {bucket} is not placed (re-placement in progress)")
         step = p.steps
         p.steps += 1
         t0 = time.perf_counter()
-        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False),
+        wall = time.time()
+        traced = self.trace is not None
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False, traced),
                         timeout=self.cfg.step_timeout)
                 for d, ref in enumerate(p.refs)]
         results = await asyncio.gather(*asks, return_exceptions=True)
@@ -175,6 +181,9 @@ class Runtime:
             if isinstance(r, BaseException):
                 raise StepFailed(f"{bucket} step {step}: device {d} ({p.plan.devices[d]}) failed: "
                                  f"{type(r).__name__}: {r}") from r
+        if traced:
+            self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
+                            [r.spans for r in results])
         holder = next((r for r in results if r.tokens), None)
         tokens = holder.tokens if holder else []
         if sample and len(tokens) != len(sample):
