@@ -79,6 +79,7 @@ class AsyncEngine:
         self.tokenizer = None
         self.template = None
         self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
+        self._outbox: list[tuple[_Request, RequestOutput]] = []   # delivered after the next steps are sent
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -116,6 +117,7 @@ class AsyncEngine:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._deliver()
         for req in list(self._requests.values()):
             self._finish(req, "abort")
         if self.runtime is not None:
@@ -238,6 +240,7 @@ class AsyncEngine:
                 self._maybe_switch(inflight)
                 self._admit()
                 self._launch(inflight)
+                self._deliver()   # after the launch: the new steps' messages go out before the streams wake
                 self._wake.clear()
                 waits = set(inflight) | {asyncio.ensure_future(self._wake.wait())}
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -252,11 +255,20 @@ class AsyncEngine:
             raise
         except Exception as e:   # the engine cannot go on: every request gets the error
             log.exception("engine loop failed")
+            self._deliver()
             self._dead = f"engine failed: {type(e).__name__}: {e}"
             for req in list(self._requests.values()):
                 req.finished = "error"
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
+
+    def _emit(self, req: _Request, out: RequestOutput) -> None:
+        self._outbox.append((req, out))
+
+    def _deliver(self) -> None:
+        box, self._outbox = self._outbox, []
+        for req, out in box:
+            req.out.put_nowait(out)
 
     def _admit(self) -> None:
         while self._waiting and self.slots.free():
@@ -360,13 +372,13 @@ class AsyncEngine:
         usage = Usage(len(seq.prompt), len(seq.generated))
         reason = "stop" if (is_eos or stopped) else ("length" if length else None)
         if reason is None:
-            req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], None, usage, [logprob]))
+            self._emit(req, RequestOutput(seq.rid, text, [int(token)], None, usage, [logprob]))
             return
         req.finished = reason
         seq.phase = "done"
         self.slots.release(seq.slot)
         self._requests.pop(seq.rid, None)
-        req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], reason, usage, [logprob]))
+        self._emit(req, RequestOutput(seq.rid, text, [int(token)], reason, usage, [logprob]))
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
 
