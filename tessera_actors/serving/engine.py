@@ -425,14 +425,18 @@ class AsyncEngine:
     def stats(self) -> dict:
         rt = self.runtime
         ref = rt.placed.get(rt.reference_bucket()) if rt else None
-        placement = {}
+        placement, devices = {}, []
         if ref is not None:
             placement = {"plan": ref.plan.name, "devices": list(ref.plan.devices),
                          "kernels_per_device": ref.plan.kernels_per_device(),
                          "bytes_per_step": ref.plan.bytes_per_step()}
+            elapsed = max(time.monotonic() - rt.since, 1e-9)
+            devices = [{"device": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
+                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed)}
+                       for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
                 "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
-                "generation": rt.generation if rt else 0, "placement": placement,
+                "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
                 "lost": sorted(rt.lost) if rt else [],
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n}, **self.counters}
 

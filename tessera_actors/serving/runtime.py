@@ -84,7 +84,8 @@ class Runtime:
         self.cluster: LocalCluster | None = None
         self.system: ActorSystem | None = None
         self._watchers: list[asyncio.Task] = []
-        self.switches = 0
+        self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
+        self.since = time.monotonic()          # when the current placement started
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -146,6 +147,8 @@ class Runtime:
             if name != ref_name:
                 placed[name] = await self._place(name, pins)
         self.placed = placed
+        self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
+        self.since = time.monotonic()
         log.info("placed %d buckets (generation %d): %s", len(placed), self.generation, ref.plan.name)
 
     async def replace(self, lost: list[str]) -> None:
@@ -184,6 +187,8 @@ class Runtime:
         if traced:
             self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
                             [r.spans for r in results])
+        for d, r in enumerate(results):
+            self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
         holder = next((r for r in results if r.tokens), None)
         tokens = holder.tokens if holder else []
         if sample and len(tokens) != len(sample):
