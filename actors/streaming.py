@@ -21,9 +21,12 @@ Contract of a step (every method runs on the device actor's worker thread):
 
 On CPU the copies run when queued and every event is complete at once, so CI
 runs this same order.  The device's ``mem=`` budget counts the resident
-buffers and the slots, not the host homes.  Chunks of a streaming program
-are never captured as CUDA graphs (``capturable = False``): a replay would
-not repeat the copies' host-side ordering.
+buffers and the slots, not the host homes.  The segment runner does not
+capture a streaming program's chunks (``capturable = False``); the program
+captures the pieces *between* streamed readers itself (eager the first
+time, one CUDA graph the second, replayed after; ``graphs`` from the
+runner), so copies and events stay outside graphs and prefetch crosses
+chunks (copies overlap the CPU's kernels between two GPU chunks).
 
 :class:`Throttle` slows a program down by a factor (``cpu?slow=4``): every
 kernel run is followed by a sleep of ``(slow - 1)`` times its duration, the
@@ -52,7 +55,8 @@ class StreamingProgram(AtenProgram):
 
     def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
                  streamed: Sequence[int], slots: int, slot_bytes: int, backend: Any,
-                 memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None) -> None:
+                 memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None,
+                 graphs: bool = False) -> None:
         ids = set(buffer_ids)
         self.streamed = [b for b in streamed if b in ids]
         if self.streamed and slots < 1:
@@ -86,6 +90,12 @@ class StreamingProgram(AtenProgram):
         self.first: int | None = None                           # first kernel of this device in a step
         self.copies = 0
         self.copied_bytes = 0
+        # pieces between streamed readers: None = warmed up (eager), else a replay
+        self.units: dict[tuple[int, int], Any] = {}
+        self.graphs = graphs
+        self.pool = None
+        self.replays = self.graphs_failed = 0
+        self.capture_error = ""
 
     def load(self, values: dict[int, torch.Tensor]) -> None:
         for b, v in values.items():
@@ -114,22 +124,64 @@ class StreamingProgram(AtenProgram):
         be = self.backend
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         m, S = len(self.streamed), self.slots
+        piece: list[int] = []
         for kid in kernel_ids:
             if kid == self.first:   # a new step: the first copies go out at once
                 self.copied = [None] * m
                 for i in range(min(S, m)):
                     self._issue(i)
             mine = self.index.get(kid, ())
+            if not mine:
+                piece.append(kid)
+                continue
+            self._piece(piece, compute)
+            piece = []
             for i in mine:
                 if self.copied[i] is None:
                     raise BackendError(f"kernel {kid} reads streamed weight {self.streamed[i]} before its copy "
                                        "was queued (plan out of copy order)")
                 be.wait(compute, self.copied[i][0])
-            self.bind(kid)()
+            self._piece([kid], compute)
             for i in mine:
                 self.freed[i % S] = (be.record(compute),)
                 if i + S < m:
                     self._issue(i + S)
+        self._piece(piece, compute)
+
+    def _piece(self, kernels: list[int], compute) -> None:
+        """Run kernels between two streamed readers: eagerly the first time,
+        captured (one CUDA graph, one memory pool for all pieces) the second,
+        replayed from then on; copies and events stay outside the graphs."""
+        if not kernels:
+            return
+        key = (kernels[0], len(kernels))
+        unit = self.units.get(key)
+        if unit is not None:
+            unit()
+            self.replays += 1
+            return
+
+        def eager() -> None:
+            for kid in kernels:
+                self.bind(kid)()
+        if not self.graphs or key not in self.units:
+            eager()
+            self.units.setdefault(key, None)
+            return
+        if self.pool is None and self.device.type == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            unit = self.backend.replayable(eager, compute, pool=self.pool, warmup=False)
+        except Exception as e:   # e.g. a kernel that syncs with the host: this piece stays eager
+            self.capture_error = f"{key}: {type(e).__name__}: {e}"
+            self.graphs_failed += 1
+            self.units[key] = None
+            self.graphs = self.graphs and self.graphs_failed < 4
+            eager()
+            return
+        self.units[key] = unit
+        unit()
+        self.replays += 1
 
 
 class Throttle:
@@ -158,7 +210,7 @@ def program_for(cls: type[AtenProgram], graph: KernelGraph, plan: Plan, device: 
             raise BackendError("weight streaming runs aten-captured graphs only")
         off = plan.meta["offload"]
         prog = StreamingProgram(graph, runner.device, plan.resident[device], streamed, int(off["slots"]),
-                                int(off["slot_bytes"]), runner.backend, memory_limit, shared)
+                                int(off["slot_bytes"]), runner.backend, memory_limit, shared, runner.graphs)
     else:
         prog = cls(graph, runner.device, plan.resident[device], memory_limit=memory_limit, shared=shared)
     if slow > 1.0:

@@ -103,3 +103,11 @@ async def test_a_throttled_cpu_device_moves_its_share_to_streaming_at_the_next_r
     assert moved.kernels_per_device()[1] < on_cpu
     assert moved.meta["offload"]["choices"].count("C") < calm.meta["offload"]["choices"].count("C")
     assert len(moved.meta["offload"]["streamed"]) > len(calm.meta["offload"]["streamed"])
+
+
+def test_slow_option_round_trips_and_is_checked():
+    from tessera_actors.devices import DeviceSpec, DeviceSpecError
+    spec = DeviceSpec.parse("cpu?threads=2&slow=4")
+    assert spec.slow == 4.0 and DeviceSpec.parse(spec.name) == spec
+    with pytest.raises(DeviceSpecError, match="slow"):
+        DeviceSpec.parse("cpu?slow=0.5")
