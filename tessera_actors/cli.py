@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--measure-links", action="store_true",
                    help="time the L<->R copies for the cost table (default: 25 us + 385 GB/s, DESIGN.md)")
     b.set_defaults(fn=_arena)
+    from . import offload_bench
+    b = bsub.add_parser("offload", help="a model over the GPU budget: kernel-level CPU+GPU placement vs offloading")
+    offload_bench.add_arguments(b)
+    b.set_defaults(fn=offload_bench.main)
 
     p = sub.add_parser("node", help="run a node daemon", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)

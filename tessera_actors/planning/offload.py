@@ -58,12 +58,19 @@ SWITCH_S = 200e-6   # one activation hand-off between two device actors (message
 GATHERS = ("embedding", "index", "index_select", "gather")
 
 
-def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float = SWITCH_S) -> CostTable:
+def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float = SWITCH_S,
+                   cpu_bps: float | None = None) -> CostTable:
     """Roofline kernel times: cuda devices from the H200 preset, cpu devices
-    from :func:`host_model` at their thread count; a gather (embedding) reads
-    what it writes, not its whole table.  Links: ``switch_s`` latency."""
+    from :func:`host_model` at their thread count (``cpu_bps``: a measured
+    DRAM rate of the unbudgeted cpu device instead); a gather (embedding)
+    reads what it writes, not its whole table.  Links: ``switch_s`` latency."""
     specs = [DeviceSpec.parse(d) for d in devices]
     models = [host_model(s.threads) if s.kind == "cpu" else device_model(s) for s in specs]
+    if cpu_bps:
+        for i, s in enumerate(specs):
+            if s.kind == "cpu" and s.mem is None:
+                models[i] = DeviceModel(f"cpu-measured-t{s.threads}", models[i].flops_per_s, cpu_bps,
+                                        models[i].launch_s)
     costs = CostTable.estimate(graph, list(devices), models)
     for k in graph.kernels:
         if k.name in GATHERS:
