@@ -133,8 +133,8 @@ def measure_rates(threads: int | None, gpu_index: int, seconds: float = 1.5) -> 
     """CPU bf16 GEMV DRAM rate at ``threads`` while a pinned host-to-device
     copy stream runs beside it, and that copy's rate (DESIGN.md's method:
     matrices cycled so none stays in cache)."""
-    mats = [torch.randn(4096, 4096, dtype=torch.bfloat16) for _ in range(40)]   # 1.3 GB
-    x = torch.randn(1, 4096, dtype=torch.bfloat16)
+    mats = [torch.full((4096, 4096), 0.01, dtype=torch.bfloat16) for _ in range(40)]   # 1.3 GB
+    x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
     host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(256 << 20, dtype=torch.uint8, device=f"cuda:{gpu_index}")
     stop = time.perf_counter() + seconds
@@ -209,12 +209,22 @@ async def run_plan(cfg: OffloadConfig, name: str, kind: str, batch: int, seq: in
         arena = [i.resident_bytes for i in dep.installed]
         await dep.close()
     peak = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    free_gpu(gpu)
     per_step = batch if kind == "decode" else seq
     return {"step_s": wall, "tok_s": per_step / wall, "busy": busy, "arena_bytes": arena,
             "gpu_peak_bytes": peak, "tokens": tokens, "logits": logits}
+
+
+def free_gpu(gpu: DeviceSpec) -> None:
+    """Drop what a finished deployment left (its actors are gone) and say
+    if anything stays allocated: it would count against the next budget."""
+    gc.collect()
+    if gpu.kind == "cuda":
+        torch.cuda.synchronize(gpu.index)
+        torch.cuda.empty_cache()
+        left = torch.cuda.memory_allocated(gpu.index)
+        if left > 64 << 20:
+            log(f"warning: {left / 2**20:.0f} MiB still allocated on {gpu.name} after a deployment")
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -251,16 +261,27 @@ async def bench(cfg: OffloadConfig) -> dict:
             ref = await run_plan(cfg, f"{name}-ref", kind, batch, seq, graph, single_device_plan(graph, ref_dev),
                                  values, gpu)
             row["reference_tok_s"] = ref["tok_s"]
+            row["reference_device"] = ref_dev
+            log(f"{name} reference on {ref_dev} (no budget): {ref['tok_s']:.1f} tok/s, "
+                f"peak {ref['gpu_peak_bytes']} B")
         for pol, got in chosen.items():
             if got is None:
                 row[f"{pol}_tok_s"] = None
                 continue
             p, st = got
             plan = to_plan(o, p, pol, st)
-            r = await run_plan(cfg, f"{name}-{pol}", kind, batch, seq, graph, plan, values, gpu)
+            try:
+                r = await run_plan(cfg, f"{name}-{pol}", kind, batch, seq, graph, plan, values, gpu)
+            except Exception as e:   # one policy failing (e.g. out of memory) must not lose the others
+                log(f"{name} {pol}: FAILED: {type(e).__name__}: {e}")
+                row["policies"][pol] = {"error": f"{type(e).__name__}: {e}", "predicted_step_s": st.step_s}
+                row[f"{pol}_tok_s"] = None
+                free_gpu(gpu)
+                continue
             streamed = sum(graph.buffers[b].nbytes for b in p.streamed)
             info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": st.step_s,
-                    "pcie_bytes_per_token": streamed / per_step, "gpu_busy": r["busy"][o.gpu],
+                    "pcie_bytes_per_token": streamed / per_step,
+                    "activation_bytes_per_token": plan.bytes_per_step() / per_step, "gpu_busy": r["busy"][o.gpu],
                     "cpu_busy": r["busy"][o.cpu], "gpu_peak_bytes": r["gpu_peak_bytes"],
                     "gpu_arena_bytes": r["arena_bytes"][o.gpu], "planned_gpu_bytes": o.gpu_bytes(p),
                     "choices": plan.meta["offload"]["choices"], "slots": p.slots, "slot_bytes": p.slot_bytes,

@@ -112,3 +112,21 @@ def test_needs_one_budgeted_device_and_a_cpu():
     g = chain(2)
     with pytest.raises(PlanError, match="one budgeted device"):
         OffloadPlanner().plan(g, ["cuda:0", "cpu"])
+
+
+def test_tessera_is_between_the_ideal_and_the_coarse_policies():
+    import random
+    rng = random.Random(3)
+    for trial in range(12):
+        n = rng.randint(3, 9)
+        gpu_ms = [rng.uniform(0.05, 0.3) for _ in range(n)]
+        cpu_ms = [rng.uniform(0.5, 3.0) for _ in range(n)]
+        budget = (n + 1) * A + rng.randint(0, n) * W
+        o = offload(n, budget, gpu_ms, cpu_ms, pcie_bps=rng.uniform(0.5, 2.0) * W / MS,
+                    latency=rng.choice([0.0, 0.1 * MS]))
+        p, st = tessera(o)
+        assert o.gpu_bytes(p) <= o.budget, trial
+        for base in (layer_offload(o), streaming(o), gpu_only(o)):
+            if base is not None:
+                assert st.step_s <= base[1].step_s + 1e-12, trial
+        assert ideal(o) <= st.step_s + 1e-12, trial

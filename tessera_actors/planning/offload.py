@@ -325,7 +325,8 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
     program order, split between CPU and streaming by error diffusion at
     the fraction where both finish together (and a few around it, in runs
     of 1..6 units); the best on the step model is then polished by flipping
-    single units between C and S."""
+    single units between C and S.  The layer-offload and streaming plans are
+    candidates too, so the result is never worse than them on the model."""
     first = {u: o.kernels[u][0] for u in o.units}
     # a slot holds the largest streamed weight: try the three largest sizes
     sizes = sorted({o.size[u] for u in o.streamable}, reverse=True)[:3]
@@ -373,7 +374,9 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
         raise PlanError(f"offload: {o.devices[o.gpu]} cannot hold even the KV cache and activations "
                         f"({o.fixed_bytes()} bytes, budget {o.budget})")
     s, b = min(tried, key=lambda x: x[1][1].step_s)[0]
-    return _best([o.fit(choose_for(s, b, polish), s, s * b), *(r for _, r in tried)])
+    from .offload_baselines import layer_offload, streaming   # coarse plans are candidates too
+    return _best([o.fit(choose_for(s, b, polish), s, s * b), *(r for _, r in tried), layer_offload(o),
+                  streaming(o, slot_options)])
 
 
 def to_plan(o: Offload, p: Placement, name: str, st: StepTime | None = None) -> Plan:
