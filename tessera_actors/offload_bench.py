@@ -257,7 +257,7 @@ async def bench(cfg: OffloadConfig) -> dict:
         row: dict = {"gpu_budget_bytes": budget, "ideal_tok_s": per_step / bound, "ideal_step_s": bound,
                      "policies": {}}
         if kind == "decode" and batch == 1:   # the reference: the whole graph on the GPU, no budget
-            ref_dev = gpu.name if gpu.kind == "cuda" else cpu.name
+            ref_dev = DeviceSpec(gpu.kind, gpu.index, gpu.sms).name if gpu.kind == "cuda" else cpu.name
             ref = await run_plan(cfg, f"{name}-ref", kind, batch, seq, graph, single_device_plan(graph, ref_dev),
                                  values, gpu)
             row["reference_tok_s"] = ref["tok_s"]
