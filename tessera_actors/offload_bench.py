@@ -63,6 +63,7 @@ class OffloadConfig:
     reserve: str = "320MiB"           # GPU bytes kept for transient op results
     switch_s: float = 200e-6
     measure: bool = True              # measure CPU GEMV and PCIe rates on a GPU machine
+    layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
 
     def device_pair(self) -> tuple[DeviceSpec, DeviceSpec]:
         text = self.devices or ("cuda:0,cpu?threads=12" if torch.cuda.is_available() else "cpu?threads=1,cpu")
@@ -95,8 +96,9 @@ def build(cfg: OffloadConfig, gpu: DeviceSpec):
     max_seq = -(-max_seq // 64) * 64
     init = f"cuda:{gpu.index}" if gpu.kind == "cuda" else "cpu"
     t0 = time.perf_counter()
+    extra = {"n_layers": cfg.layers} if cfg.layers else {}
     real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device=init,
-                      max_batch=max(cfg.batches), max_seq=max_seq)
+                      max_batch=max(cfg.batches), max_seq=max_seq, **extra)
     named = {n: storage_bytes(t).cpu() for n, t in list(real.named_parameters()) + list(real.named_buffers())}
     vocab = real.cfg.vocab_size
     del real
@@ -110,7 +112,8 @@ def build(cfg: OffloadConfig, gpu: DeviceSpec):
         work.append(("prefill", "prefill", 1, cfg.prefill))
     graphs = {}
     for name, kind, batch, seq in work:
-        meta = models.get(cfg.model, cfg.size, dtype=dtype, device="meta", max_batch=batch, max_seq=max_seq)
+        meta = models.get(cfg.model, cfg.size, dtype=dtype, device="meta", max_batch=batch, max_seq=max_seq,
+                          **extra)
         cap = capture_module(meta, meta.example_inputs(kind, batch=batch, seq=seq))
         vals = {b.id: named[b.name] for b in cap.graph.buffers.values() if b.role == "weight"}
         cap.graph.meta["vocab"] = vocab
@@ -365,6 +368,7 @@ def add_arguments(b) -> None:
     b.add_argument("--reserve", default="320MiB", help="GPU bytes kept for transient op results")
     b.add_argument("--switch-us", type=float, default=200.0, help="planned cost of one CPU<->GPU hand-off")
     b.add_argument("--no-measure", action="store_true", help="DESIGN.md rates instead of measuring them")
+    b.add_argument("--layers", type=int, default=0, help="only this many layers (a quick real-size check)")
     b.add_argument("--out", default="benchmarks/results/offload")
 
 
@@ -372,7 +376,7 @@ def main(args) -> int:
     # batch 1 first: its unbudgeted GPU-only reference must run before a budget caps the allocator
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
-                        args.reserve, args.switch_us * 1e-6, not args.no_measure)
+                        args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers)
     run_offload_bench(cfg)
     return 0
 
