@@ -190,27 +190,33 @@ async def run_plan(cfg: OffloadConfig, name: str, kind: str, batch: int, seq: in
     tokens, logits = [], []
     async with ActorSystem(f"offload-{name}") as system:
         dep = await deploy(system, graph, plan, values)
-        prompt = [[1 + r, 2 + r, 3 + r] for r in range(batch)]
-        pos = 0
-        out = None
-        warm = 3 if kind == "decode" else 2
-        for i in range(warm):
-            out, _ = await dep.step(step_inputs(kind, batch, seq, pos, [p[i] for p in prompt], graph.meta["vocab"]))
-            pos += 1 if kind == "decode" else 0
-        dep.reset_counters()
-        n = cfg.steps if kind == "decode" else cfg.prefill_steps
-        for _ in range(n):
-            last = out[0].reshape(batch, -1, out[0].shape[-1])[:, -1].float()
-            nxt = [int(t) for t in last.argmax(-1)]
-            if kind == "decode":
-                tokens.append(nxt[0])
-                logits.append(last[0].cpu())
-            out, _ = await dep.step(step_inputs(kind, batch, seq, pos, nxt, graph.meta["vocab"]))
-            pos += 1 if kind == "decode" else 0
-        wall = dep.wall_s / max(dep.counted, 1)
-        busy = [b / max(dep.wall_s, 1e-12) for b in dep.busy_s]
-        arena = [i.resident_bytes for i in dep.installed]
-        await dep.close()
+        gc.collect()
+        gc.freeze()   # CUDA graph capture runs gc.collect() each time: keep it to the new objects
+        try:
+            prompt = [[1 + r, 2 + r, 3 + r] for r in range(batch)]
+            pos = 0
+            out = None
+            warm = 3 if kind == "decode" else 2
+            for i in range(warm):
+                inputs = step_inputs(kind, batch, seq, pos, [p[i] for p in prompt], graph.meta["vocab"])
+                out, _ = await dep.step(inputs)
+                pos += 1 if kind == "decode" else 0
+            dep.reset_counters()
+            n = cfg.steps if kind == "decode" else cfg.prefill_steps
+            for _ in range(n):
+                last = out[0].reshape(batch, -1, out[0].shape[-1])[:, -1].float()
+                nxt = [int(t) for t in last.argmax(-1)]
+                if kind == "decode":
+                    tokens.append(nxt[0])
+                    logits.append(last[0].cpu())
+                out, _ = await dep.step(step_inputs(kind, batch, seq, pos, nxt, graph.meta["vocab"]))
+                pos += 1 if kind == "decode" else 0
+            wall = dep.wall_s / max(dep.counted, 1)
+            busy = [b / max(dep.wall_s, 1e-12) for b in dep.busy_s]
+            arena = [i.resident_bytes for i in dep.installed]
+            await dep.close()
+        finally:
+            gc.unfreeze()
     peak = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
     free_gpu(gpu)
     per_step = batch if kind == "decode" else seq
