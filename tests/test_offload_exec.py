@@ -20,15 +20,19 @@ PROMPT = [1, 2, 3]
 PCIE = 3e8   # the rates below give a plan with all three homes
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    m = models.get("llama", "tiny", dtype=torch.float32, seed=0, max_seq=64)
+def tiny_model(dtype):
+    m = models.get("llama", "tiny", dtype=dtype, seed=0, max_seq=64)
     cap = capture_module(m, m.example_inputs("decode", batch=1))
     g = cap.graph
     w = sum(b.nbytes for b in g.buffers.values() if b.role == "weight")
     rest = sum(b.nbytes for b in g.buffers.values() if b.role != "weight")
     budget = rest + w // 3
     return cap, budget, [f"cpu?threads=1&mem={budget}", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(torch.float32)
 
 
 def plan_for(g, devices, costs=None):
@@ -145,3 +149,14 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
     pieces = len(prog.units)
     # step 1 eager, step 2 captured and run, step 3 replayed
     assert pieces >= m and prog.replays == 2 * pieces
+
+
+async def test_split_decode_in_bfloat16_equals_single_device():
+    cap, budget, devices = tiny_model(torch.bfloat16)
+    g = cap.graph
+    plan, _ = plan_for(g, devices)
+    assert plan.kernels_per_device()[1] > 0 and plan.transfers
+    want, want_logits, _ = await run(g, single_device_plan(g, "cpu"), cap.values)
+    tokens, logits, _ = await run(g, plan, cap.values)
+    assert tokens == want
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
