@@ -36,7 +36,7 @@ from ..actor import ActorRef
 from ..cluster import LocalCluster
 from ..devices import parse_devices
 from ..errors import ActorError
-from ..messages import GetStats, Ping, Place, Register, ReportLost, RunStep
+from ..messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
 from ..plan import Plan, plan_from_dict
 from ..planners import get_planner
 from ..planning.pinning import state_homes
@@ -112,6 +112,8 @@ class Runtime:
             for i, spec in enumerate(specs):
                 await self.system.spawn(DeviceActor(spec), f"device{i}")
             await sched.ask(Register("local", address, [s.name for s in specs]))
+            # in-process devices live as long as this process: keep their registration fresh
+            self._watchers.append(asyncio.get_running_loop().create_task(self._beat_local(sched)))
         await self.place_all()
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
@@ -219,6 +221,13 @@ class Runtime:
             dead = [ep for ep, ok in zip(eps, alive) if not ok and ep not in self.lost]
             if dead:
                 self.on_lost(dead)
+
+    async def _beat_local(self, sched: ActorRef) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            seq += 1
+            await sched.tell(Heartbeat("local", seq))
 
     async def _watch_exit(self, node) -> None:
         await node.proc.wait()
