@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--measure-links", action="store_true",
                    help="time the L<->R copies for the cost table (default: 25 us + 385 GB/s, DESIGN.md)")
     b.set_defaults(fn=_arena)
+    from .serving import loadgen
+    b = bsub.add_parser("serve", help="replay a request trace through tessera serve (--url) or an in-process AsyncEngine")
+    loadgen.add_arguments(b)
+    b.set_defaults(fn=loadgen.run_command)
 
     from .serving import server
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page")

@@ -350,38 +350,46 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None) -> None:
             await runner.cleanup()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
+    """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``)."""
     p.add_argument("--model", default="smollm2", help="model name (default smollm2)")
     p.add_argument("--size", default=None, help="model size, e.g. tiny | real (engine default: real)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default=None, help="in-process devices, e.g. cpu,cpu")
     where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed in the ready line)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--trace", default=None, metavar="DIR", help="write a trace-event JSON of served steps to DIR")
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="largest request body in bytes (413 above)")
     for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
                              ("--max-model-len", int, "context length"),
                              ("--max-queue", int, "waiting requests before 429"),
-                             ("--planner", str, "placement planner"), ("--seed", int, "engine seed")):
+                             ("--planner", str, "placement planner")):
         p.add_argument(flag, type=kind, default=None, help=what + " (engine default)")
+    p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, help="engine seed (engine default)")
 
 
-def engine_kwargs(a: argparse.Namespace) -> dict:
+def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
     """AsyncEngine keyword arguments from the parsed flags (unset flags keep the engine's defaults)."""
     kw: dict[str, Any] = {"model": a.model}
     if a.nodes:
         kw["nodes"] = [n for n in a.nodes.split(";") if n]
     elif a.devices:
         kw["devices"] = a.devices
-    if a.trace:
-        kw["trace_dir"] = a.trace
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "seed"):
+    if trace_dir:
+        kw["trace_dir"] = trace_dir
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
+    if a.engine_seed is not None:
+        kw["seed"] = a.engine_seed
     return kw
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed in the ready line)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write a trace-event JSON of served steps to DIR")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="largest request body in bytes (413 above)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,7 +403,7 @@ def run_command(a: argparse.Namespace) -> int:
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {a.port}")
     cfg = ServeConfig(host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
-                      served_model_name=a.served_model_name, engine=engine_kwargs(a))
+                      served_model_name=a.served_model_name, engine=engine_kwargs(a, a.trace))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
