@@ -226,7 +226,7 @@ async def replay(trace: list[TraceRequest], prompts: list[str], client) -> list[
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .server import add_engine_arguments
+    from .flags import add_engine_arguments
     p.add_argument("--url", default=None, help="a running tessera serve (default: an in-process AsyncEngine)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--compare", action="store_true",
@@ -259,7 +259,8 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
             records["http"] = await replay(trace, prompts, client)
             return records, {"url": a.url, "model": client.model}
         from . import AsyncEngine
-        from .server import engine_kwargs, make_app, start_site
+        from .flags import engine_kwargs
+        from .server import make_app, start_site
         kw = engine_kwargs(a, a.trace_dir)
         async with AsyncEngine(**kw) as eng:
             client = EngineClient(eng)

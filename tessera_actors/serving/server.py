@@ -42,6 +42,7 @@ from typing import Any
 from aiohttp import web
 
 from . import openai_api as oa
+from .flags import add_engine_arguments, engine_kwargs
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")
@@ -161,12 +162,7 @@ def _prepare(st: ServerState, req: oa.ApiRequest):
     if n_prompt + max_tokens > ctx:
         raise oa.bad(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
                      f"exceeds this model's context of {ctx} tokens", "max_tokens", "context_length_exceeded")
-    params = _sampling_params(req, max_tokens)
-    try:
-        params.validate(ctx)
-    except Exception as e:                   # noqa: BLE001
-        raise _api_error(e) from None
-    return params
+    return _sampling_params(req, max_tokens)      # the engine validates it again at its edge
 
 
 async def _generate(request: web.Request, parse) -> web.StreamResponse:
@@ -348,38 +344,6 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None) -> None:
             for rid in list(app[STATE].inflight):
                 await eng.abort(rid)
             await runner.cleanup()
-
-
-def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
-    """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``)."""
-    p.add_argument("--model", default="smollm2", help="model name (default smollm2)")
-    p.add_argument("--size", default=None, help="model size, e.g. tiny | real (engine default: real)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--devices", default=None, help="in-process devices, e.g. cpu,cpu")
-    where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
-    for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
-                             ("--max-model-len", int, "context length"),
-                             ("--max-queue", int, "waiting requests before 429"),
-                             ("--planner", str, "placement planner")):
-        p.add_argument(flag, type=kind, default=None, help=what + " (engine default)")
-    p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, help="engine seed (engine default)")
-
-
-def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
-    """AsyncEngine keyword arguments from the parsed flags (unset flags keep the engine's defaults)."""
-    kw: dict[str, Any] = {"model": a.model}
-    if a.nodes:
-        kw["nodes"] = [n for n in a.nodes.split(";") if n]
-    elif a.devices:
-        kw["devices"] = a.devices
-    if trace_dir:
-        kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner"):
-        if getattr(a, name) is not None:
-            kw[name] = getattr(a, name)
-    if a.engine_seed is not None:
-        kw["seed"] = a.engine_seed
-    return kw
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
