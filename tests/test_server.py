@@ -24,7 +24,7 @@ from tessera_actors.serving.testing import ServerProcess  # noqa: E402
 KEY = "test-key-123"
 MAX_BODY = 65536
 MODEL = "smollm2"
-SERVE_ARGS = ["--model", MODEL, "--size", "tiny", "--devices", "cpu,cpu", "--max-seqs", "1", "--max-queue", "1",
+SERVE_ARGS = ["--model", MODEL, "--size", "tiny", "--devices", "cpu,cpu", "--max-seqs", "2", "--max-queue", "1",
               "--max-model-len", "512", "--api-key", KEY, "--max-body", str(MAX_BODY)]
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -113,6 +113,11 @@ def test_chat_completion_and_stream_agree(client, server):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
+def test_completion_of_token_ids(client):
+    r = client.completions.create(model=MODEL, prompt=[100, 200, 300, 400, 500], max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == 5 and 1 <= r.usage.completion_tokens <= 4
+
+
 def test_completion_streamed(client):
     whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert whole.usage.completion_tokens <= 8 and whole.choices[0].finish_reason in ("stop", "length")
@@ -175,7 +180,9 @@ BAD = [  # (name, method, path, raw body, expected status, expected param or Non
     ("unknown field", "POST", CHAT, _with(frobnicate=True), 400, "frobnicate"),
     ("prompt too long", "POST", COMP, json.dumps({"model": MODEL, "prompt": "hello " * 4000}).encode(), 400,
      "prompt"),
-    ("prompt of token ids", "POST", COMP, json.dumps({"model": MODEL, "prompt": [1, 2, 3]}).encode(), 400, "prompt"),
+    ("prompt of mixed types", "POST", COMP, json.dumps({"model": MODEL, "prompt": [1, "a"]}).encode(), 400, "prompt"),
+    ("token id beyond the vocabulary", "POST", COMP, json.dumps({"model": MODEL, "prompt": [1, 10**9],
+                                                                 "stream": True}).encode(), 400, "prompt"),
     ("no prompt", "POST", COMP, json.dumps({"model": MODEL}).encode(), 400, "prompt"),
     ("oversized body", "POST", CHAT, b'{"model": "smollm2", "pad": "' + b"x" * (2 * MAX_BODY) + b'"}', 413, None),
     ("GET on a POST route", "GET", CHAT, None, 405, None),
@@ -241,15 +248,15 @@ def test_client_disconnect_aborts_request(server, client):
     stats = json.loads(request(server, "GET", "/v1/tessera/stats")[2])
     assert stats["server"]["in_flight"] == 0
     assert stats["engine"]["slots_in_use"] == 0      # the KV slot was freed
-    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)   # the one slot serves again
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)   # and it serves again
     assert r.usage.completion_tokens >= 1
 
 
 def test_full_queue_is_429(server):
-    # one KV slot, one waiting place: of three long requests at once, at least one is refused with 429
+    # two KV slots, one waiting place: of five long requests at once, at least one is refused with 429
     body = json.dumps({**OK_CHAT, "max_tokens": 200, "ignore_eos": True}).encode()
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda _: request(server, "POST", CHAT, body), range(3)))
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        results = list(pool.map(lambda _: request(server, "POST", CHAT, body), range(5)))
     statuses = sorted(r[0] for r in results)
     assert 429 in statuses and 200 in statuses, statuses
     err = json.loads(next(r[2] for r in results if r[0] == 429))["error"]
@@ -267,10 +274,11 @@ def test_metrics_and_placement(server, client):
     for hist in ("tessera_time_to_first_token_seconds_count", "tessera_e2e_request_latency_seconds_count"):
         assert total(after, hist) == total(before, hist) + 1
     assert total(after, "tessera_http_requests_total", endpoint="/v1/chat/completions", status="200") >= 1
-    devices = {s.labels["device"] for s in after["tessera_device_busy_fraction"]}
-    assert len(devices) == 2
-    assert all(0.0 <= s.value <= 1.0 for s in after["tessera_device_busy_fraction"])
-    assert total(after, "tessera_kv_slots_total") == 1
+    assert len(after["tessera_device_kernels"]) == 2                  # one series per device
+    assert sum(s.value for s in after["tessera_device_kernels"]) > 0
+    busy = after.get("tessera_device_busy_fraction", [])
+    assert len(busy) == 2 and all(0.0 <= s.value <= 1.0 for s in busy)
+    assert total(after, "tessera_kv_slots_total") == 2
     assert len(after["tessera_plan_in_use"]) == 1 and after["tessera_plan_in_use"][0].labels["plan"]
     for name in ("tessera_queue_depth", "tessera_kv_slots_in_use", "tessera_bytes_moved_per_step",
                  "tessera_plan_switches_total", "tessera_healthy"):

@@ -74,10 +74,10 @@ def test_chat_page_streams_a_conversation(server, browser, tmp_path):
     assert [m["role"] for m in history] == ["user", "assistant", "user", "assistant"]
     assert history[2]["content"] == "And of Italy?"
     # the placement panel: two devices with their kernels, bytes moved per step, live tok/s
-    WebDriverWait(browser, 30).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#placement tbody tr")) == 2)
-    rows = browser.find_elements(By.CSS_SELECTOR, "#placement tbody tr")
-    kernels = [int(r.find_elements(By.TAG_NAME, "td")[1].text) for r in rows]
-    assert sum(kernels) > 0
+    # the panel is redrawn every second: read it in one script call, not element by element
+    read_rows = "return [...document.querySelectorAll('#placement tbody tr')].map(r => r.cells[1].textContent)"
+    kernels = WebDriverWait(browser, 30).until(lambda d: (lambda k: k if len(k) == 2 else None)(d.execute_script(read_rows)))
+    assert sum(int(k) for k in kernels) > 0
     assert browser.find_element(By.ID, "bytes").text != "-"
     assert float(browser.find_element(By.ID, "tps").text) > 0
     shot = tmp_path / "chat.png"

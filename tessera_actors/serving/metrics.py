@@ -25,6 +25,18 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def device_rows(stats: dict) -> list[dict]:
+    """One ``{name, kernels, busy_fraction}`` per device of the plan in use:
+    ``stats["devices"]`` where the engine gives it, else the placement's
+    devices and kernel counts (busy fraction unknown: None)."""
+    if stats.get("devices"):
+        return [dict(d) for d in stats["devices"]]
+    place = stats.get("placement") or {}
+    kernels = list(place.get("kernels_per_device") or [])
+    return [{"name": n, "kernels": kernels[i] if i < len(kernels) else None, "busy_fraction": None}
+            for i, n in enumerate(place.get("devices") or [])]
+
+
 class _EngineCollector:
     """Gauges read from the engine at scrape time."""
 
@@ -51,15 +63,19 @@ class _EngineCollector:
         c = CounterMetricFamily("tessera_engine_steps", "engine steps run")
         c.add_metric([], float(s.get("steps") or 0))
         yield c
-        busy = GaugeMetricFamily("tessera_device_busy_fraction", "fraction of time a device computed", labels=["device"])
-        kern = GaugeMetricFamily("tessera_device_kernels", "kernels placed on a device", labels=["device"])
-        for d in s.get("devices") or []:
-            busy.add_metric([str(d.get("name"))], float(d.get("busy_fraction") or 0))
-            kern.add_metric([str(d.get("name"))], float(d.get("kernels") or 0))
+        place = s.get("placement") or {}
+        busy = GaugeMetricFamily("tessera_device_busy_fraction", "fraction of time a device computed",
+                                 labels=["index", "device"])
+        kern = GaugeMetricFamily("tessera_device_kernels", "kernels placed on a device", labels=["index", "device"])
+        for i, d in enumerate(device_rows(s)):
+            labels = [str(i), str(d["name"])]
+            if d.get("busy_fraction") is not None:
+                busy.add_metric(labels, float(d["busy_fraction"]))
+            kern.add_metric(labels, float(d.get("kernels") or 0))
         yield busy
         yield kern
         yield gauge("tessera_bytes_moved_per_step", "bytes moved between devices per engine step",
-                    s.get("bytes_moved_per_step"))
+                    s.get("bytes_moved_per_step", place.get("bytes_per_step")))
         yield gauge("tessera_healthy", "1 while every node is up (or re-placed)", 1 if h.get("ok", True) else 0)
         yield gauge("tessera_nodes_lost", "nodes lost and not yet re-placed", len(h.get("lost") or []))
 

@@ -11,7 +11,7 @@ Supported fields: ``model``, ``messages`` (chat) / ``prompt`` (completions),
 ``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options``
 (``include_usage``; and vLLM's ``continuous_usage_stats``: usage in every
-chunk), ``n`` (1 only), and the vLLM extensions ``top_k`` and ``ignore_eos``.
+chunk), ``n`` (1 only), a token-id ``prompt``, and the vLLM extensions ``top_k`` and ``ignore_eos``.
 Fields that change nothing at their neutral value (``user``,
 ``presence_penalty: 0``, ``logprobs: false`` ...) are accepted; anything else
 is refused with 400 naming the field, rather than silently ignored.
@@ -59,13 +59,13 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> ApiE
 
 @dataclass
 class ApiRequest:
-    """A validated request. ``prompt`` is a str (completions: raw text) or a
-    list of ``{"role", "content"}`` dicts (chat: rendered with the model's
-    template by the engine). ``max_tokens`` is None when the client left it
+    """A validated request. ``prompt`` is a str or a list of token ids
+    (completions: raw text) or a list of ``{"role", "content"}`` dicts (chat:
+    rendered with the model's template by the engine). ``max_tokens`` is None when the client left it
     out (the server then fills in what the context allows)."""
     kind: str                                   # "chat" | "completion"
     model: str
-    prompt: str | list[dict]
+    prompt: str | list[dict] | list[int]
     max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -231,17 +231,22 @@ def parse_chat(data: dict) -> ApiRequest:
     return _common(data, "chat", prompt, n)
 
 
+def is_token_ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
 def parse_completion(data: dict) -> ApiRequest:
-    """Validate a ``/v1/completions`` body. ``prompt`` is a string (or an
-    array holding one string); token-id prompts are refused."""
+    """Validate a ``/v1/completions`` body. ``prompt`` is a string or an
+    array of token ids (or an array holding one of those); batches of
+    several prompts are refused."""
     _check_fields(data, _COMMON | {"prompt"})
     p = data.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+    if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or is_token_ids(p[0])):
         p = p[0]
-    if isinstance(p, list):
-        raise bad("'prompt' must be one string (batches and token-id prompts are not supported)", "prompt")
-    if not isinstance(p, str):
-        raise bad("'prompt' is required and must be a string", "prompt")
+    if isinstance(p, list) and not is_token_ids(p):
+        raise bad("'prompt' must be a string or an array of token ids (one prompt per request)", "prompt")
+    if not isinstance(p, (str, list)):
+        raise bad("'prompt' is required and must be a string or an array of token ids", "prompt")
     if not p:
         raise bad("'prompt' must not be empty", "prompt")
     return _common(data, "completion", p, _int(data, "max_tokens", 1) or 16)

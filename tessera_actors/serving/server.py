@@ -150,7 +150,7 @@ def _prepare(st: ServerState, req: oa.ApiRequest):
     ctx = eng.max_model_len
     where = "messages" if req.kind == "chat" else "prompt"
     try:
-        n_prompt = eng.count_tokens(req.prompt)
+        n_prompt = len(req.prompt) if oa.is_token_ids(req.prompt) else eng.count_tokens(req.prompt)
     except Exception as e:                   # noqa: BLE001 - e.g. a chat template that refuses the roles
         if isinstance(e, _engine_errors()[3]):
             raise _api_error(e) from None

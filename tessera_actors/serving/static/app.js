@@ -152,30 +152,32 @@ function renderStats(s) {
   const p = e.placement || {};
   $("plan").textContent = e.plan ?? "-";
   $("switches").textContent = e.plan_switches ?? "-";
-  $("bytes").textContent = fmtBytes(p.bytes_per_step ?? e.bytes_moved_per_step);
+  $("bytes").textContent = fmtBytes(e.bytes_moved_per_step ?? p.bytes_per_step);
   $("steps").textContent = e.steps ?? "-";
   $("slots").textContent = (e.slots_in_use ?? "-") + " / " + (e.slots_total ?? "-");
   $("queue").textContent = e.queue_depth ?? "-";
-  const busy = {};
-  for (const d of e.devices || []) busy[d.name] = d;
-  const names = p.devices || (e.devices || []).map((d) => d.name);
+  // one row per device of the plan (names may repeat, e.g. two "cpu" devices): by position
+  const devs = e.devices && e.devices.length ? e.devices
+    : (p.devices || []).map((name, i) => ({ name, kernels: (p.kernels_per_device || [])[i] }));
   const tbody = $("placement").querySelector("tbody");
   tbody.replaceChildren();
-  names.forEach((name, i) => {
-    const d = busy[name] || {};
+  devs.forEach((d, i) => {
     const kernels = (p.kernels_per_device || [])[i] ?? d.kernels ?? "-";
-    const frac = d.busy_fraction || 0;
     const tr = document.createElement("tr");
-    for (const v of [name, kernels]) {
+    for (const v of [i + ": " + d.name, kernels]) {
       const td = document.createElement("td");
       td.textContent = v;
       tr.appendChild(td);
     }
     const td = document.createElement("td");
-    const bar = document.createElement("span");
-    bar.className = "bar";
-    bar.style.width = Math.round(frac * 40) + "px";
-    td.append(bar, (frac * 100).toFixed(0) + "%");
+    if (typeof d.busy_fraction === "number") {
+      const bar = document.createElement("span");
+      bar.className = "bar";
+      bar.style.width = Math.round(d.busy_fraction * 40) + "px";
+      td.append(bar, (d.busy_fraction * 100).toFixed(0) + "%");
+    } else {
+      td.textContent = "-";
+    }
     tr.appendChild(td);
     tbody.appendChild(tr);
   });
