@@ -24,7 +24,7 @@ from tessera_actors.serving.testing import ServerProcess  # noqa: E402
 KEY = "test-key-123"
 MAX_BODY = 65536
 MODEL = "smollm2"
-SERVE_ARGS = ["--model", MODEL, "--size", "tiny", "--devices", "cpu,cpu", "--max-seqs", "2", "--max-queue", "1",
+SERVE_ARGS = ["--model", MODEL, "--size", "tiny", "--devices", "cpu,cpu", "--max-seqs", "2", "--max-queue", "2",
               "--max-model-len", "512", "--api-key", KEY, "--max-body", str(MAX_BODY)]
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -253,10 +253,10 @@ def test_client_disconnect_aborts_request(server, client):
 
 
 def test_full_queue_is_429(server):
-    # two KV slots, one waiting place: of five long requests at once, at least one is refused with 429
+    # two KV slots, two waiting places: of seven long requests at once, at least one is refused with 429
     body = json.dumps({**OK_CHAT, "max_tokens": 200, "ignore_eos": True}).encode()
-    with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        results = list(pool.map(lambda _: request(server, "POST", CHAT, body), range(5)))
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        results = list(pool.map(lambda _: request(server, "POST", CHAT, body), range(7)))
     statuses = sorted(r[0] for r in results)
     assert 429 in statuses and 200 in statuses, statuses
     err = json.loads(next(r[2] for r in results if r[0] == 429))["error"]
@@ -292,6 +292,21 @@ def test_metrics_and_placement(server, client):
     assert health == {"status": "ok", "lost": []}
 
 
+def test_bench_serve_against_the_server(server, tmp_path, capsys):
+    from tessera_actors.cli import main
+    # 4 requests: never more than the server's 2 slots + 2 waiting places, so none is refused
+    rc = main(["bench", "serve", "--url", server.url, "--api-key", KEY, "--requests", "4", "--rate", "20",
+               "--prompt-tokens", "20-60", "--output-tokens", "4-8", "--out", str(tmp_path), "--name", "b"])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    doc = json.loads((tmp_path / "b.json").read_text())
+    s = doc["summary"]["http"]
+    assert s["finished"] == 4 and s["output_tokens"] == sum(r["target_output_tokens"] for r in doc["records"]["http"])
+    assert s["prompt_tokens_exact"] == 4            # prompts built to the server's own token counts
+    assert doc["provenance"]["git_commit"] and "bench serve" in doc["provenance"]["command"]
+    assert "output tok/s" in table and "TPOT p99 ms" in table
+
+
 def test_trace_of_served_steps(server, client, trace_dir):
     """Runs last: stops the server (SIGTERM: exit 0) and reads the trace it wrote."""
     for _ in range(2):
@@ -305,7 +320,9 @@ def test_trace_of_served_steps(server, client, trace_dir):
         events += doc["traceEvents"] if isinstance(doc, dict) else doc
     spans = [e for e in events if e.get("ph") == "X"]
     assert all({"name", "ts", "dur", "pid", "tid"} <= set(e) for e in spans)
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    per_device = {names.get(e["pid"], e["pid"]) for e in spans}
-    assert len(per_device) >= 2, per_device        # spans on each of the two devices
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
+    tracks = {(e["pid"], e["tid"]) for e in spans}
+    device_tracks = {t for t in tracks if "cpu" in names.get(t, names.get((t[0], None), "")).lower()}
+    assert len(device_tracks) >= 2, names          # spans on each of the two devices
     assert len(spans) >= 20

@@ -225,6 +225,16 @@ async def replay(trace: list[TraceRequest], prompts: list[str], client) -> list[
     return records
 
 
+def _span(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI (e.g. 50-400), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .flags import add_engine_arguments
     p.add_argument("--url", default=None, help="a running tessera serve (default: an in-process AsyncEngine)")
@@ -235,6 +245,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=2.0, help="requests/s (conversation: conversations/s)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--turns", type=int, default=4, help="conversation trace: turns per conversation")
+    p.add_argument("--prompt-tokens", type=_span, default=None,
+                   help="LO-HI prompt tokens (poisson: 50-400; conversation: new message, 20-100)")
+    p.add_argument("--output-tokens", type=_span, default=(32, 128), help="LO-HI output tokens (32-128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace (arrivals, lengths, prompt words)")
     p.add_argument("--slo-tpot-ms", type=float, default=50.0)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -247,9 +260,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
     import aiohttp
     if a.trace == "poisson":
-        trace = poisson_trace(a.requests, a.rate, a.seed)
+        trace = poisson_trace(a.requests, a.rate, a.seed, a.prompt_tokens or (50, 400), a.output_tokens)
     else:
-        trace = conversation_trace(a.requests, a.rate, a.seed, a.turns)
+        trace = conversation_trace(a.requests, a.rate, a.seed, a.turns, a.prompt_tokens or (20, 100),
+                                   a.output_tokens)
     records: dict[str, list[Record]] = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -290,7 +304,8 @@ def run_command(a: argparse.Namespace) -> int:
     print(table(summaries))
     stem = a.name or f"serve_{a.trace}_{mode.replace('+', '_')}"
     out = Path(a.out)
-    config = {"trace": a.trace, "requests": a.requests, "rate": a.rate, "seed": a.seed, "turns": a.turns, **where}
+    config = {"trace": a.trace, "requests": a.requests, "rate": a.rate, "seed": a.seed, "turns": a.turns,
+              "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens, **where}
     write_json(out / f"{stem}.json", config, summaries, records)
     why = write_png(out / f"{stem}.png", records, slo_tpot)
     print(f"wrote {out / (stem + '.json')}" + (f" and {stem}.png" if why is None else f" ({why})"))

@@ -170,8 +170,7 @@ def _common(data: dict, kind: str, prompt: str | list[dict], max_tokens: int | N
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required and must be a string", "model")
-    if _int(data, "n", 1, 1) not in (None, 1):
-        raise bad("only n=1 is supported", "n")
+    _int(data, "n", 1, 1)                      # one choice per request
     opts = data.get("stream_options")
     stream = _bool(data, "stream")
     if opts is not None:
