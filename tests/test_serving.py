@@ -39,7 +39,7 @@ async def test_sixteen_concurrent_requests_on_two_node_processes_match_each_alon
     assert all(last.finish_reason == "length" and last.usage.completion_tokens == 16 for _, _, last in together)
     assert stats["placement"]["devices"] == NODES and min(stats["placement"]["kernels_per_device"]) > 0
     assert stats["slots_in_use"] == 0 and stats["generated_tokens"] == 16 * 20
-    assert [d["device"] for d in stats["devices"]] == NODES and all(0 < d["busy_fraction"] <= 1
+    assert [d["name"] for d in stats["devices"]] == NODES and all(0 < d["busy_fraction"] <= 1
                                                                      for d in stats["devices"])
 
 

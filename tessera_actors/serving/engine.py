@@ -431,7 +431,7 @@ class AsyncEngine:
                          "kernels_per_device": ref.plan.kernels_per_device(),
                          "bytes_per_step": ref.plan.bytes_per_step()}
             elapsed = max(time.monotonic() - rt.since, 1e-9)
-            devices = [{"device": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
+            devices = [{"name": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
                         "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed)}
                        for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
