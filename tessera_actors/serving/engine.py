@@ -242,10 +242,11 @@ class AsyncEngine:
                 self._launch(inflight)
                 self._deliver()   # after the launch: the new steps' messages go out before the streams wake
                 self._wake.clear()
-                waits = set(inflight) | {asyncio.ensure_future(self._wake.wait())}
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for t in waits - set(inflight):
-                    t.cancel()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    done, _ = await asyncio.wait(set(inflight) | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
                 for t in done:
                     if t in inflight:
                         self._complete(t, inflight.pop(t))

@@ -93,7 +93,10 @@ class Runtime:
         self.system = ActorSystem("engine")
         address = await self.system.listen("tcp://127.0.0.1:0")
         await self.system.spawn(GraphActor(self.served.graphs), "graph")
-        await self.system.spawn(SchedulerActor(get_planner(cfg.planner), self.served.values,
+        costs = {}
+        if cfg.profile and not cfg.nodes:
+            costs = await asyncio.to_thread(self.profile_reference)
+        await self.system.spawn(SchedulerActor(get_planner(cfg.planner, costs=costs), self.served.values,
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
         if cfg.nodes:
@@ -124,6 +127,25 @@ class Runtime:
             await self.cluster.stop()
         if self.system is not None:
             await self.system.shutdown()
+
+    def profile_reference(self) -> dict:
+        """Measured per-kernel times of the reference bucket on every
+        in-process device (and measured links between them), keyed for the
+        planner (``planners.graph_key``).  Blocking."""
+        from actors.backends.base import backend_for
+        from ..planners import graph_key
+        from ..planning.costs import CostTable
+        from ..profile import measured_links, profile_kernels
+        from .deploy import bucket_inputs
+        name = self.reference_bucket()
+        graph, values = self.served.graphs[name], self.served.values[name]
+        specs = [s.name for s in parse_devices(self.cfg.devices)]
+        backends = [backend_for(s) for s in specs]
+        profiles = [profile_kernels(graph, values, bucket_inputs(self.served.buckets[name], be.device), be)
+                    for be in backends]
+        self.profiles = profiles
+        links = measured_links(backends) if len(backends) > 1 else None
+        return {graph_key(graph): CostTable.from_profiles(graph, specs, profiles, links)}
 
     # -- placement ----------------------------------------------------------
     def reference_bucket(self) -> str:
