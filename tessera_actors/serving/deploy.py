@@ -50,8 +50,10 @@ def decode_sizes(cfg: EngineConfig, limit: int) -> list[int]:
 def buckets_for(cfg: EngineConfig) -> list[Bucket]:
     """Every bucket the engine may run: decode sizes for the one group of
     latency mode and for each group of throughput mode, and the prefill
-    chunk sizes."""
-    seen: dict[str, Bucket] = {}
+    chunk sizes; always the decode bucket of every row (``decode:max_seqs@0``),
+    the reference the planner places first."""
+    ref = Bucket("decode", cfg.max_seqs, 0)
+    seen: dict[str, Bucket] = {ref.name: ref}
     layouts = [1] if cfg.mode == "latency" else ([cfg.groups] if cfg.mode == "throughput" else [1, cfg.groups])
     for groups in layouts:
         for lo, hi in cfg.group_bounds(groups):
