@@ -1,0 +1,364 @@
+"""What-if kernel costs: predict a graph's per-kernel times on GPUs we do not have.
+
+Per kernel, features come from the graph alone (:func:`graph_features`):
+FLOPs and whether they run on tensor cores and in which dtype (library
+kernels: the aten schema in the payload; Triton kernels: their PTX's
+``mma``/``wgmma`` count), the bytes it moves (the access sets, tightened by
+the launch: a Triton kernel touches at most ``numel`` elements of each
+pointer argument, a gather reads the rows it outputs), the part of those
+bytes that is activations (may hit L2) and the launch geometry (CTAs: GEMM
+output tiles with split-K, Triton grids, elementwise blocks; CTAs resident
+per SM from ``num_warps``).
+
+The time of kernel ``k`` of class ``c`` on ``s`` SMs of GPU ``G`` (model
+:class:`Params`, fitted by :func:`fit`)::
+
+    t = G.launch_s + floor[c] + wave_s * (waves - 1) + max(t_compute, t_memory)
+    t_compute = flops / (peak(G, unit, dtype) * s / G.sms * eff_c[c] * wave_eff / (1 + power * s / G.sms))
+    t_memory  = (bytes - l2) / bw + l2 / (bw * l2_gain)
+    bw = ((G.mem_bw * eff_m[c])^-p + (min(s, ctas) * bw_sm * G.boost_ghz)^-p)^(-1/p)
+
+``waves = ceil(ctas / (s * resident))`` and ``wave_eff = ctas / (waves * s *
+resident)`` quantise the launch over the SMs; ``bw`` saturates in the SMs
+that have work (a few SMs cannot pull HBM's bandwidth); ``l2`` is the
+activation bytes when they fit in half the L2.  :func:`fit` adds per-kernel
+corrections (median log residual of each kernel signature per fitted
+SM count, interpolated in log SMs), applied by :func:`predict` to kernels whose
+signature was profiled.  Torch-free (numpy + scipy).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+from ..graph import KernelGraph
+from .costs import CostTable, kernel_bytes
+from .specs import GpuSpec, get_spec, link_between
+
+CLASSES = ("gemm", "gather", "pointwise", "reduction")
+_GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm",
+             "scaled_dot_product", "_flash_attention", "_efficient_attention", "cudnn_convolution")
+_GATHER_OPS = ("embedding", "index", "index_select", "gather", "take", "index_put")
+_REDUCE_OPS = ("sum", "mean", "amax", "amin", "max", "min", "softmax", "_softmax", "log_softmax", "norm",
+               "var", "std", "cumsum", "native_layer_norm", "topk", "sort", "argmax", "prod", "any", "all")
+_ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "int8": 1,
+         "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int16": 2}
+_DT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+
+
+@dataclass(frozen=True)
+class KernelFeatures:
+    """Cost features of one kernel (see module docstring)."""
+
+    cls: str
+    flops: float
+    tensor: bool
+    dtype: str
+    bytes: float
+    act_bytes: float
+    ctas: int
+    resident: int
+    key: str = ""
+
+
+def _tensors(obj, out: list) -> list:
+    """Tensor refs ``[buf, offset, shape, stride, dtype]`` anywhere in a payload value."""
+    if isinstance(obj, dict):
+        if "t" in obj and isinstance(obj["t"], (list, tuple)) and len(obj["t"]) == 5:
+            out.append(obj["t"])
+        else:
+            for v in obj.values():
+                _tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+    return out
+
+
+def _numel(t) -> int:
+    return int(math.prod(t[2])) if t[2] else 1
+
+
+def _nbytes(t) -> int:
+    return _numel(t) * _ITEM.get(t[4], 4)
+
+
+def _op(kernel) -> str:
+    p = kernel.payload if isinstance(kernel.payload, dict) else {}
+    op = str(p.get("op", kernel.name))
+    return op.split(".")[1] if op.startswith("aten.") else op.split(".")[0]
+
+
+def _ptx_mma(graph: KernelGraph, name: str, cache: dict) -> int:
+    """Tensor-core instruction count in the kernel's PTX (0 when unavailable)."""
+    if name in cache:
+        return cache[name]
+    n = 0
+    text = (graph.meta.get("ptx") or {}).get(name)
+    if text is not None:
+        try:
+            from ptx.features import kernel_features
+            from ptx.parser import parse
+            if isinstance(text, (bytes, bytearray)):
+                text = zlib.decompress(text).decode()
+            mod = parse(text)
+            fn = mod.functions.get(name) or next(iter(mod.entries), None)
+            n = kernel_features(fn, mod)["mma"] if fn is not None else 0
+        except Exception:      # an unparsable text: counted as no tensor cores
+            n = 0
+    cache[name] = n
+    return n
+
+
+def _role_bytes(graph: KernelGraph, kernel) -> tuple[float, float]:
+    """(total, activation) access bytes: activations are neither weights nor state."""
+    tot = act = 0.0
+    for a in kernel.accesses:
+        nb = a.nbytes * (a.reads + a.writes)
+        tot += nb
+        if graph.buffers[a.buffer].role not in ("weight", "state"):
+            act += nb
+    return tot, act
+
+
+def _gemm_geometry(op: str, ts: list) -> tuple[int, int, int, int]:
+    """(batch, M, N, K) of a GEMM-like op from its tensor arguments."""
+    mats = [t for t in ts if len(t[2]) >= 2]
+    if len(mats) < 2:
+        return 1, 1, 1, 1
+    a, b = mats[-2], mats[-1]
+    if op in ("addmm", "baddbmm") and len(mats) >= 3:
+        a, b = mats[1], mats[2]
+    batch = int(math.prod(a[2][:-2])) if len(a[2]) > 2 else 1
+    m, k = a[2][-2], a[2][-1]
+    n = b[2][-1] if op != "linear" else b[2][0]
+    return max(batch, 1), max(m, 1), max(n, 1), max(k, 1)
+
+
+def kernel_features(graph: KernelGraph, k: int, ptx_cache: dict | None = None) -> KernelFeatures:
+    """Features of kernel ``k`` of ``graph``."""
+    kern = graph.kernels[k]
+    p = kern.payload if isinstance(kern.payload, dict) else {}
+    op = _op(kern)
+    ts = _tensors(p.get("args", []), [])
+    outs = _tensors(p.get("outs", []), [])
+    acc_bytes, act_bytes = _role_bytes(graph, kern)
+    nbytes = kernel_bytes(graph, k)
+    dtype = next((_DT[t[4]] for t in ts + outs if t[4] in _DT), "fp32")
+    flops, tensor, resident = float(kern.flops), False, 8
+    if kern.kind == "ptx":
+        cfg = p.get("config", {}) or {}
+        kw = cfg.get("kwargs", {}) or {}
+        warps = int(cfg.get("num_warps", 4) or 4)
+        resident = max(1, min(16, 32 // warps))
+        info = (graph.meta.get("triton_kernels") or {}).get(p.get("triton", kern.name), {})
+        names = [n for n in info.get("arg_names", []) if not n.endswith("BLOCK")]
+        args = p.get("args", [])
+        ints = {n: v for n, v in zip(names, args) if isinstance(v, int) and not isinstance(v, bool)}
+        numel = {d: ints.get(f"{d}numel", 1) for d in ("x", "y", "z", "r0_")}
+        ctas = 1
+        for d, blk in (("x", "XBLOCK"), ("y", "YBLOCK"), ("z", "ZBLOCK")):
+            ctas *= max(1, math.ceil(numel[d] / max(int(kw.get(blk, numel[d]) or 1), 1)))
+        touched = numel["x"] * numel["y"] * numel["z"] * numel["r0_"]
+        bound = sum(min(_nbytes(t), touched * _ITEM.get(t[4], 4)) for t in ts)
+        if bound > 0:
+            scale = min(1.0, bound / max(nbytes, 1.0))
+            nbytes, act_bytes = nbytes * scale, act_bytes * scale
+        tensor = _ptx_mma(graph, p.get("triton", kern.name), ptx_cache if ptx_cache is not None else {}) > 0
+        name = kern.name
+        cls = "gemm" if tensor or "_tem_" in name else ("reduction" if ("_red_" in name or "_per_" in name)
+                                                         else "pointwise")
+    elif any(op == g or op.startswith(g) for g in _GEMM_OPS):
+        cls, tensor = "gemm", dtype in ("bf16", "fp16", "fp8")
+        batch, m, n, kk = _gemm_geometry(op, ts)
+        tiles = batch * math.ceil(m / 128) * math.ceil(n / 128)
+        ctas = tiles * max(1, min(kk // 256, math.ceil(264 / tiles)))       # split-K fills a GPU
+        resident = 1
+    elif op.rstrip("_") in _GATHER_OPS:
+        cls = "gather"
+        vals = ts[2] if op.startswith("index_put") and len(ts) > 2 else (outs[0] if outs else None)
+        if vals is not None:
+            nbytes = act_bytes = 2.0 * _nbytes(vals) + sum(_nbytes(t) for t in ts if t[4].startswith("int"))
+        ctas = max(1, math.ceil((_numel(vals) if vals is not None else 1) / 512))
+    else:
+        cls = "reduction" if op.rstrip("_") in _REDUCE_OPS else "pointwise"
+        big = max((_numel(t) for t in ts + outs), default=1)
+        small = max((_numel(t) for t in outs), default=big)
+        ctas = max(1, math.ceil((small if cls == "reduction" else big) / (1 if cls == "reduction" else 512)))
+    key = kern.signature or f"{kern.name}#{k}"
+    return KernelFeatures(cls, flops, tensor, dtype, float(nbytes), float(min(act_bytes, nbytes)),
+                          int(max(ctas, 1)), int(resident), key)
+
+
+def graph_features(graph: KernelGraph) -> list[KernelFeatures]:
+    cache: dict = {}
+    return [kernel_features(graph, k.id, cache) for k in graph.kernels]
+
+
+@dataclass
+class Params:
+    """Fitted terms of the cost model (module docstring); defaults are a
+    neutral start (fit them with :func:`fit`)."""
+
+    eff_c: dict[str, float] = field(default_factory=lambda: {c: 0.8 for c in CLASSES})
+    eff_m: dict[str, float] = field(default_factory=lambda: {c: 0.85 for c in CLASSES})
+    floor: dict[str, float] = field(default_factory=lambda: {c: 1e-6 for c in CLASSES})
+    bw_sm: float = 20e9          # bytes/s one SM pulls per GHz of clock
+    p: float = 3.0               # sharpness of the bandwidth saturation
+    power: float = 0.15          # clock loss at full occupancy of the chip
+    l2_gain: float = 2.0         # L2 bandwidth over HBM bandwidth for activations
+    wave_s: float = 0.5e-6       # extra seconds per additional wave
+    corrections: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    _SCALARS = ("bw_sm", "p", "power", "l2_gain", "wave_s")
+
+    def vector(self) -> np.ndarray:
+        v = [self.eff_c[c] for c in CLASSES] + [self.eff_m[c] for c in CLASSES]
+        v += [self.floor[c] * 1e6 for c in CLASSES]
+        v += [self.bw_sm / 1e9, self.p, self.power, self.l2_gain, self.wave_s * 1e6]
+        return np.array(v, dtype=float)
+
+    @classmethod
+    def from_vector(cls, v: Sequence[float], corrections: dict | None = None) -> "Params":
+        n = len(CLASSES)
+        return cls({c: float(v[i]) for i, c in enumerate(CLASSES)},
+                   {c: float(v[n + i]) for i, c in enumerate(CLASSES)},
+                   {c: float(v[2 * n + i]) * 1e-6 for i, c in enumerate(CLASSES)},
+                   float(v[3 * n]) * 1e9, float(v[3 * n + 1]), float(v[3 * n + 2]), float(v[3 * n + 3]),
+                   float(v[3 * n + 4]) * 1e-6, dict(corrections or {}))
+
+    def to_dict(self) -> dict:
+        return {"eff_c": self.eff_c, "eff_m": self.eff_m, "floor": self.floor,
+                **{k: getattr(self, k) for k in self._SCALARS},
+                "corrections": {k: [list(x) for x in v] for k, v in self.corrections.items()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Params":
+        return cls(dict(d["eff_c"]), dict(d["eff_m"]), dict(d["floor"]),
+                   *[float(d[k]) for k in cls._SCALARS],
+                   {k: [(int(s), float(r)) for s, r in v] for k, v in d.get("corrections", {}).items()})
+
+
+_LO = np.array([0.05] * 4 + [0.05] * 4 + [0.0] * 4 + [1.0, 1.0, 0.0, 1.0, 0.0])
+_HI = np.array([1.0] * 4 + [1.0] * 4 + [50.0] * 4 + [200.0, 8.0, 1.0, 6.0, 20.0])
+
+
+def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> float:
+    """Seconds of one kernel on ``sms`` SMs of ``spec``, without corrections."""
+    s = max(1, min(int(sms), spec.sms))
+    slots = s * (f.resident if f.cls != "gemm" else 1)
+    waves = math.ceil(f.ctas / slots)
+    wave_eff = f.ctas / (waves * slots)
+    frac = s / spec.sms
+    peak = (spec.tensor_peak(f.dtype) if f.tensor else spec.fp32) * frac
+    tc = f.flops / (peak * p.eff_c[f.cls] * min(1.0, wave_eff if f.cls == "gemm" else 1.0)
+                    / (1 + p.power * frac)) if f.flops else 0.0
+    active = min(s, f.ctas)
+    bw = ((spec.mem_bw * p.eff_m[f.cls]) ** -p.p + (active * p.bw_sm * spec.boost_ghz) ** -p.p) ** (-1 / p.p)
+    l2 = f.act_bytes if f.act_bytes <= spec.l2_bytes / 2 else 0.0
+    tm = (f.bytes - l2) / bw + l2 / (bw * p.l2_gain)
+    return spec.launch_s + p.floor[f.cls] + p.wave_s * (waves - 1) + max(tc, tm)
+
+
+def correction(p: Params, key: str, sms: int) -> float:
+    """Multiplicative correction of a profiled kernel at ``sms`` SMs: its log
+    residual interpolated linearly in log(SMs) between the fitted SM counts
+    around ``sms`` (the nearest one's outside their range)."""
+    pts = p.corrections.get(key)
+    if not pts:
+        return 1.0
+    x = math.log(max(sms, 1))
+    lo = [q for q in pts if math.log(q[0]) <= x]
+    hi = [q for q in pts if math.log(q[0]) >= x]
+    if not lo or not hi:
+        return math.exp((hi or lo)[0 if not lo else -1][1])
+    (s0, r0), (s1, r1) = lo[-1], hi[0]
+    if s0 == s1:
+        return math.exp(r0)
+    w = (x - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return math.exp(r0 + w * (r1 - r0))
+
+
+def kernel_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params, corrected: bool = True) -> float:
+    t = roofline_time(f, spec, sms, p)
+    return t * correction(p, f.key, sms) if corrected else t
+
+
+@dataclass
+class Profile:
+    """Measured seconds of every kernel of ``graph`` on ``sms`` SMs of ``gpu``."""
+
+    graph: KernelGraph
+    gpu: str
+    sms: int
+    times: list[float]
+    tag: str = ""
+
+
+def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: bool = True) -> Params:
+    """Least squares on log(predicted / measured) over every kernel of every
+    profile (robust loss), then per-kernel corrections (see module docstring)."""
+    from scipy.optimize import least_squares
+    rows = []
+    for pr in profiles:
+        spec = get_spec(pr.gpu)
+        for f, t in zip(graph_features(pr.graph), pr.times):
+            if t > 0:
+                rows.append((f, spec, pr.sms, math.log(t)))
+    if not rows:
+        raise ValueError("fit: no measured kernel times")
+    x0 = np.clip((start or Params()).vector(), _LO + 1e-9, _HI - 1e-9)
+
+    def resid(v: np.ndarray) -> np.ndarray:
+        p = Params.from_vector(v)
+        return np.array([math.log(roofline_time(f, s, n, p)) - y for f, s, n, y in rows])
+    res = least_squares(resid, x0, bounds=(_LO, _HI), loss="soft_l1", f_scale=0.2, max_nfev=200, x_scale="jac")
+    out = Params.from_vector(res.x)
+    if corrections:
+        by: dict[str, dict[int, list[float]]] = {}
+        for (f, _, n, _y), r in zip(rows, resid(res.x)):
+            by.setdefault(f.key, {}).setdefault(n, []).append(-float(r))
+        out.corrections = {k: [(n, float(np.median(v))) for n, v in sorted(d.items())] for k, d in by.items()}
+    return out
+
+
+def predict(graph: KernelGraph, devices: Sequence[tuple[str, int | None]] | Sequence[str],
+            params: Params, corrected: bool = True, mem: Sequence[int | None] | None = None) -> CostTable:
+    """The planner's :class:`CostTable` of ``graph`` on simulated GPUs:
+    ``devices`` are GPU names (whole GPUs) or ``(name, sms)`` pairs; links
+    from :func:`.specs.link_between`; memory budgets default to each GPU's
+    capacity.  Device names in the table are ``NAME`` or ``NAME#i`` when a
+    type repeats (``NAME?sms=N`` for a partition)."""
+    devs = [(d, None) if isinstance(d, str) else (d[0], d[1]) for d in devices]
+    specs = [get_spec(n) for n, _ in devs]
+    sms = [s or sp.sms for (_, s), sp in zip(devs, specs)]
+    feats = graph_features(graph)
+    times = [[kernel_time(f, sp, n, params, corrected) for sp, n in zip(specs, sms)] for f in feats]
+    names, seen = [], {}
+    for (n, s), sp in zip(devs, specs):
+        base = sp.name + (f"?sms={s}" if s and s < sp.sms else "")
+        seen[base] = seen.get(base, 0) + 1
+        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    nd = len(specs)
+    lat = [[0.0] * nd for _ in range(nd)]
+    bw = [[float("inf")] * nd for _ in range(nd)]
+    for a in range(nd):
+        for b in range(nd):
+            if a != b:
+                lat[a][b], bw[a][b] = link_between(specs[a], specs[b])
+    budgets = list(mem) if mem is not None else [sp.mem_bytes for sp in specs]
+    return CostTable(names, times, lat, bw, budgets, "whatif")
+
+
+def step_time(graph: KernelGraph, gpu: str, sms: int | None, params: Params, corrected: bool = True) -> float:
+    """Sum of the predicted kernel times (a whole step on one device)."""
+    spec = get_spec(gpu)
+    return sum(kernel_time(f, spec, sms or spec.sms, params, corrected) for f in graph_features(graph))
+
+
+__all__ = ["CLASSES", "KernelFeatures", "Params", "Profile", "correction", "fit", "graph_features",
+           "kernel_features", "kernel_time", "predict", "replace", "roofline_time", "step_time"]
