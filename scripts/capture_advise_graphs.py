@@ -3,9 +3,8 @@
 Every reference model at real size and full depth, bf16: its decode bucket
 (64 sequences, 2048-token KV cache; VLM 32: its
 multi-head KV cache is 4x Llama-3's) and prefill bucket (one 1024-token
-request; Mamba2's prefill is a static unroll of one-token steps, so its
-bucket is one token and advise repeats it 1024 times; VLM adds its 576 image
-tokens), DiT's denoise bucket (16 latents).  Meta tensors carry shapes only,
+request; VLM adds its 576 image tokens; Mamba2 has none: its reference
+prefill is a static unroll of one-token steps, advise costs a chunked scan), DiT's denoise bucket (16 latents).  Meta tensors carry shapes only,
 so this takes seconds and no memory; the graphs are written msgpack +
 gzip to ``tessera_actors/advise_data/`` (a few hundred kB in all).
 
@@ -25,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BUCKETS = {"llama": ("decode:64", "prefill:1:1024"), "moe": ("decode:64", "prefill:1:1024"),
-           "mamba2": ("decode:64", "prefill:1:1"), "vlm": ("decode:32", "prefill:1:1024"),
+           "mamba2": ("decode:64",), "vlm": ("decode:32", "prefill:1:1024"),
            "dit": ("denoise:16",)}
 
 

@@ -8,7 +8,9 @@ the launch: a Triton kernel touches at most ``numel`` elements of each
 pointer argument, a gather reads the rows it outputs), the part of those
 bytes that is activations (may hit L2) and the launch geometry (CTAs: GEMM
 output tiles with split-K, Triton grids, elementwise blocks; CTAs resident
-per SM from ``num_warps``).
+per SM from ``num_warps``).  Classes: ``gemm`` (tensor-core library kernels
+and Triton kernels with MMA), ``gather``, ``pointwise`` and ``reduction``
+(library/aten kernels), ``t_pointwise`` and ``t_reduction`` (Triton).
 
 The time of kernel ``k`` of class ``c`` on ``s`` SMs of GPU ``G`` (model
 :class:`Params`, fitted by :func:`fit`)::
@@ -39,7 +41,7 @@ from ..graph import KernelGraph
 from .costs import CostTable, kernel_bytes
 from .specs import GpuSpec, get_spec, link_between
 
-CLASSES = ("gemm", "gather", "pointwise", "reduction")
+CLASSES = ("gemm", "gather", "pointwise", "reduction", "t_pointwise", "t_reduction")
 _GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm",
              "scaled_dot_product", "_flash_attention", "_efficient_attention", "cudnn_convolution")
 _GATHER_OPS = ("embedding", "index", "index_select", "gather", "take", "index_put")
@@ -170,8 +172,8 @@ def kernel_features(graph: KernelGraph, k: int, ptx_cache: dict | None = None) -
             nbytes, act_bytes = nbytes * scale, act_bytes * scale
         tensor = _ptx_mma(graph, p.get("triton", kern.name), ptx_cache if ptx_cache is not None else {}) > 0
         name = kern.name
-        cls = "gemm" if tensor or "_tem_" in name else ("reduction" if ("_red_" in name or "_per_" in name)
-                                                         else "pointwise")
+        cls = "gemm" if tensor or "_tem_" in name else ("t_reduction" if ("_red_" in name or "_per_" in name)
+                                                         else "t_pointwise")
     elif any(op == g or op.startswith(g) for g in _GEMM_OPS):
         cls, tensor = "gemm", dtype in ("bf16", "fp16", "fp8")
         batch, m, n, kk = _gemm_geometry(op, ts)
@@ -186,9 +188,11 @@ def kernel_features(graph: KernelGraph, k: int, ptx_cache: dict | None = None) -
         ctas = max(1, math.ceil((_numel(vals) if vals is not None else 1) / 512))
     else:
         cls = "reduction" if op.rstrip("_") in _REDUCE_OPS else "pointwise"
-        big = max((_numel(t) for t in ts + outs), default=1)
-        small = max((_numel(t) for t in outs), default=big)
-        ctas = max(1, math.ceil((small if cls == "reduction" else big) / (1 if cls == "reduction" else 512)))
+        big = max(ts + outs, key=_numel, default=None)
+        n = _numel(big) if big is not None else 1
+        # a reduction runs a CTA per row of its (last-dimension) reduction
+        ctas = max(1, n // max(big[2][-1] if big is not None and big[2] else 1, 1)) if cls == "reduction" \
+            else math.ceil(n / 512)
     key = kern.signature or f"{kern.name}#{k}"
     return KernelFeatures(cls, flops, tensor, dtype, float(nbytes), float(min(act_bytes, nbytes)),
                           int(max(ctas, 1)), int(resident), key)
@@ -207,7 +211,7 @@ class Params:
     eff_c: dict[str, float] = field(default_factory=lambda: {c: 0.8 for c in CLASSES})
     eff_m: dict[str, float] = field(default_factory=lambda: {c: 0.85 for c in CLASSES})
     floor: dict[str, float] = field(default_factory=lambda: {c: 1e-6 for c in CLASSES})
-    bw_sm: float = 20e9          # bytes/s one SM pulls per GHz of clock
+    bw_sm: float = 40e9          # bytes/s one SM pulls per GHz (H200 copy at 8 SMs, DESIGN.md: 0.65 TB/s)
     p: float = 3.0               # sharpness of the bandwidth saturation
     power: float = 0.15          # clock loss at full occupancy of the chip
     l2_gain: float = 2.0         # L2 bandwidth over HBM bandwidth for activations
@@ -243,8 +247,9 @@ class Params:
                    {k: [(int(s), float(r)) for s, r in v] for k, v in d.get("corrections", {}).items()})
 
 
-_LO = np.array([0.05] * 4 + [0.05] * 4 + [0.0] * 4 + [1.0, 1.0, 0.0, 1.0, 0.0])
-_HI = np.array([1.0] * 4 + [1.0] * 4 + [50.0] * 4 + [200.0, 8.0, 1.0, 6.0, 20.0])
+_NC = len(CLASSES)
+_LO = np.array([0.05] * _NC + [0.05] * _NC + [0.0] * _NC + [1.0, 1.0, 0.0, 1.0, 0.0])
+_HI = np.array([1.0] * _NC + [1.0] * _NC + [50.0] * _NC + [200.0, 8.0, 1.0, 6.0, 20.0])
 
 
 def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> float:
@@ -299,9 +304,12 @@ class Profile:
     tag: str = ""
 
 
-def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: bool = True) -> Params:
+def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: bool = True,
+        prior_weight: float = 0.3) -> Params:
     """Least squares on log(predicted / measured) over every kernel of every
-    profile (robust loss), then per-kernel corrections (see module docstring)."""
+    profile (robust loss) with a weak pull (``prior_weight``) towards
+    ``start`` (default :class:`Params`), then per-kernel corrections (see
+    module docstring)."""
     from scipy.optimize import least_squares
     rows = []
     for pr in profiles:
@@ -311,12 +319,19 @@ def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: b
                 rows.append((f, spec, pr.sms, math.log(t)))
     if not rows:
         raise ValueError("fit: no measured kernel times")
-    x0 = np.clip((start or Params()).vector(), _LO + 1e-9, _HI - 1e-9)
+    prior = np.clip((start or Params()).vector(), _LO + 1e-9, _HI - 1e-9)
+    span = _HI - _LO
 
     def resid(v: np.ndarray) -> np.ndarray:
         p = Params.from_vector(v)
         return np.array([math.log(roofline_time(f, s, n, p)) - y for f, s, n, y in rows])
-    res = least_squares(resid, x0, bounds=(_LO, _HI), loss="soft_l1", f_scale=0.2, max_nfev=200, x_scale="jac")
+
+    def objective(v: np.ndarray) -> np.ndarray:
+        # a weak pull to the prior keeps terms the profiles do not constrain
+        # (a class that never occurs, SM scaling from one count) at it
+        return np.concatenate([resid(v), prior_weight * (v - prior) / span])
+    res = least_squares(objective, prior, bounds=(_LO, _HI), loss="soft_l1", f_scale=0.2, max_nfev=200,
+                        x_scale="jac")
     out = Params.from_vector(res.x)
     if corrections:
         by: dict[str, dict[int, list[float]]] = {}
