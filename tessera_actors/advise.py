@@ -57,8 +57,8 @@ class Workload:
 WORKLOADS = {"conversation": Workload()}
 
 
-def graph_path(model: str, bucket: str) -> Path:
-    return DATA / f"{model}-{bucket}.tgraph.gz"
+def graph_path(model: str, bucket: str, data: str | Path | None = None) -> Path:
+    return Path(data or DATA) / f"{model}-{bucket}.tgraph.gz"
 
 
 def buckets_of(model: str) -> dict[str, str]:
@@ -70,9 +70,10 @@ def buckets_of(model: str) -> dict[str, str]:
 
 
 @lru_cache(maxsize=16)
-def load_graph(model: str, bucket: str) -> KernelGraph:
+def load_graph(model: str, bucket: str, data: str | None = None) -> KernelGraph:
+    """A committed graph (``data``: another directory of ``MODEL-BUCKET.tgraph.gz``)."""
     import msgpack
-    path = graph_path(model, bucket)
+    path = graph_path(model, bucket, data)
     if not path.exists():
         raise FileNotFoundError(f"no committed graph {path} (run scripts/capture_advise_graphs.py)")
     return KernelGraph.from_dict(msgpack.unpackb(gzip.decompress(path.read_bytes()), raw=False,
@@ -136,7 +137,8 @@ def _tessera_step(graph: KernelGraph, costs, extra_plans: Sequence = ()) -> tupl
     return best, label
 
 
-def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, params=None) -> dict[str, Any]:
+def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, params=None,
+             data: str | None = None) -> dict[str, Any]:
     """Predicted tokens/s, tokens/$ and notes of every applicable policy on
     the pair ``gpus`` (two names from :data:`.planning.specs.SPECS`; the same
     name twice is a homogeneous pair)."""
@@ -158,7 +160,7 @@ def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, 
                        "note": note}
 
     if model == "dit":
-        g = load_graph(model, buckets_of(model)["denoise"])
+        g = load_graph(model, buckets_of(model)["denoise"], data)
         c = predict(g, [s.name for s in specs], params)
         per_img = wl.denoise_steps / wl.image_tokens        # graph executions per token
         batch = _batch_of(g, 16)
@@ -170,13 +172,13 @@ def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, 
         t, label = _tessera_step(g, c)
         add("Tessera", batch / (t * per_img), sum(price), label)
         return {"model": model, "gpus": list(gpus), "policies": out, "unit": "latent tokens"}
-    gd = load_graph(model, buckets_of(model)["decode"])
+    gd = load_graph(model, buckets_of(model)["decode"], data)
     cd = predict(gd, [s.name for s in specs], params)
     ssm = model == "mamba2"
     # Mamba2: the reference model's prefill is a static unroll of one-token
     # steps; a real SSM prefills with a chunked scan, parallel over the
     # prompt like a batch, so a prompt costs prompt / batch decode steps
-    gp, cp = (gd, cd) if ssm else (load_graph(model, buckets_of(model)["prefill"]), None)
+    gp, cp = (gd, cd) if ssm else (load_graph(model, buckets_of(model)["prefill"], data), None)
     cp = cp or predict(gp, [s.name for s in specs], params)
     B, T = _batch_of(gd, wl.batch), wl.out_tokens
 
@@ -237,20 +239,20 @@ def _batch_of(graph: KernelGraph, default: int) -> int:
 
 
 def recommend(model: str, gpus: Sequence[str], budget: float, workload: Workload | None = None,
-              params=None, pair: dict | None = None) -> dict[str, Any] | None:
+              params=None, pair: dict | None = None, data: str | None = None) -> dict[str, Any] | None:
     """The GPU mix (one or two of each given type, at most two GPUs) and
     policy with the most tokens per dollar whose price fits ``budget``
     $/hour; ties go to more tokens/s.  ``replicas``: how many copies of that
     mix the budget rents (tokens per dollar is unchanged by replication)."""
     params = params or load_params()
     cands: list[tuple[str, list[str], str, dict]] = []
-    pair = pair or evaluate(model, gpus, workload, params)
+    pair = pair or evaluate(model, gpus, workload, params, data)
     for pol, v in pair["policies"].items():
         used = {"Homo-L": [gpus[0]], "Homo-R": [gpus[1]]}.get(pol, list(gpus))
         cands.append((f"{' + '.join(used)}", used, pol, v))
     for g in dict.fromkeys(gpus):
         if [g, g] != list(gpus):
-            same = evaluate(model, [g, g], workload, params)
+            same = evaluate(model, [g, g], workload, params, data)
             for pol in ("Request Distribution", "Tessera"):
                 if pol in same["policies"]:
                     cands.append((f"2x {g}", [g, g], pol, same["policies"][pol]))
@@ -306,6 +308,7 @@ def add_arguments(p) -> None:
     p.add_argument("--budget", type=float, default=None, help="$/hour: recommend the mix with the most tokens/$")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--png", default=None, help="write a bar chart of the comparison")
+    p.add_argument("--data", default=None, help="directory of MODEL-BUCKET.tgraph.gz graphs (default: the committed ones)")
 
 
 def main(args) -> int:
@@ -315,8 +318,8 @@ def main(args) -> int:
         gpus = [get_spec(g).name for g in gpus]
         if len(gpus) != 2:
             raise ValueError("--gpus takes two GPU types: L,R")
-        res = evaluate(args.model, gpus, WORKLOADS[args.workload])
-        rec = recommend(args.model, gpus, args.budget, WORKLOADS[args.workload], pair=res) \
+        res = evaluate(args.model, gpus, WORKLOADS[args.workload], data=args.data)
+        rec = recommend(args.model, gpus, args.budget, WORKLOADS[args.workload], pair=res, data=args.data) \
             if args.budget is not None else None
     except (ValueError, FileNotFoundError, PlanError) as e:
         print(f"tessera advise: error: {e}", file=sys.stderr)

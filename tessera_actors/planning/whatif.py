@@ -263,7 +263,9 @@ def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> floa
     tc = f.flops / (peak * p.eff_c[f.cls] * min(1.0, wave_eff if f.cls == "gemm" else 1.0)
                     / (1 + p.power * frac)) if f.flops else 0.0
     active = min(s, f.ctas)
-    bw = ((spec.mem_bw * p.eff_m[f.cls]) ** -p.p + (active * p.bw_sm * spec.boost_ghz) ** -p.p) ** (-1 / p.p)
+    hbm, sm_bw = spec.mem_bw * p.eff_m[f.cls], active * p.bw_sm * spec.boost_ghz
+    r = hbm / sm_bw            # (hbm^-p + sm_bw^-p)^(-1/p), without under/overflow
+    bw = hbm / (1 + r ** p.p) ** (1 / p.p) if r < 1e3 else sm_bw
     l2 = f.act_bytes if f.act_bytes <= spec.l2_bytes / 2 else 0.0
     tm = (f.bytes - l2) / bw + l2 / (bw * p.l2_gain)
     return spec.launch_s + p.floor[f.cls] + p.wave_s * (waves - 1) + max(tc, tm)
