@@ -240,8 +240,8 @@ def _batch_of(graph: KernelGraph, default: int) -> int:
 
 def recommend(model: str, gpus: Sequence[str], budget: float, workload: Workload | None = None,
               params=None, pair: dict | None = None, data: str | None = None) -> dict[str, Any] | None:
-    """The GPU mix (one or two of each given type, at most two GPUs) and
-    policy with the most tokens per dollar whose price fits ``budget``
+    """The GPU mix (one of a type, two of a type, or the pair; at most two
+    GPUs) and policy with the most tokens per dollar whose price fits ``budget``
     $/hour; ties go to more tokens/s.  ``replicas``: how many copies of that
     mix the budget rents (tokens per dollar is unchanged by replication)."""
     params = params or load_params()
@@ -250,12 +250,13 @@ def recommend(model: str, gpus: Sequence[str], budget: float, workload: Workload
     for pol, v in pair["policies"].items():
         used = {"Homo-L": [gpus[0]], "Homo-R": [gpus[1]]}.get(pol, list(gpus))
         cands.append((f"{' + '.join(used)}", used, pol, v))
-    for g in dict.fromkeys(gpus):
-        if [g, g] != list(gpus):
-            same = evaluate(model, [g, g], workload, params, data)
-            for pol in ("Request Distribution", "Tessera"):
-                if pol in same["policies"]:
-                    cands.append((f"2x {g}", [g, g], pol, same["policies"][pol]))
+    # two GPUs of one type: a replica each (kernels of one type never disagree
+    # about the device, so a kernel-level split has nothing to gain there)
+    for pol, g in (("Homo-L", gpus[0]), ("Homo-R", gpus[1])):
+        v = pair["policies"].get(pol)
+        if v is not None and gpus[0] != gpus[1]:
+            cands.append((f"2x {g}", [g, g], "Request Distribution",
+                          {**v, "tokens_per_s": 2 * v["tokens_per_s"], "price_per_h": 2 * v["price_per_h"]}))
     ok = [c for c in cands if c[3]["price_per_h"] <= budget + 1e-9]
     if not ok:
         return None
