@@ -30,6 +30,32 @@ PAPER = {"Tessera/PD": {"mean": 1.51, "max": 2.32}, "Tessera/AF": {"mean": 1.35,
 BASE = {"Tessera/PD": "PD", "Tessera/AF": "AF", "Tessera/RD": "Request Distribution"}
 
 
+def plot(rows: list[dict], path: Path) -> bool:
+    """Grouped bars of the three ratios per pair and model, the paper's means dashed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(11, 3.6))
+    labels = [f"{r['model']}\n{r['pair']}" for r in rows]
+    for i, (k, color) in enumerate(zip(BASE, ("#c33", "#36c", "#999"))):
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(rows))], [r["ratios"][k] or 0 for r in rows], 0.27,
+               label=k, color=color)
+        if PAPER[k]["mean"]:
+            ax.axhline(PAPER[k]["mean"], color=color, ls="--", lw=1)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("Tessera / policy (predicted)")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -45,7 +71,7 @@ def main() -> int:
             tess = pol.get("Tessera", {}).get("tokens_per_s")
             ratios = {k: (tess / pol[b]["tokens_per_s"] if tess and b in pol else None) for k, b in BASE.items()}
             rows.append({"pair": "+".join(pair), "model": model, "ratios": ratios, "seconds": time.perf_counter() - t0,
-                         "policies": pol})
+                         "policies": pol, "terms": res["terms"]})
             print(f"{'+'.join(pair):<18} {model:<7} " + "  ".join(
                 f"{k} {v:.2f}" if v else f"{k} -" for k, v in ratios.items()) + f"  ({rows[-1]['seconds']:.1f} s)",
                 flush=True)
@@ -61,6 +87,16 @@ def main() -> int:
         t = r["policies"].get("Tessera", {})
         lines.append(f"| {r['pair']} | {r['model']} | {f(r['ratios']['Tessera/PD'])} | {f(r['ratios']['Tessera/AF'])} "
                      f"| {f(r['ratios']['Tessera/RD'])} | {t.get('tokens_per_s', 0):.0f} | {t.get('note', '')} |")
+    lines += ["", "Terms (per phase: share of kernels faster on R by count / by their time on L; step ms on L / R; "
+              "the largest kernel classes' ms on L / R):", "",
+              "| pair | model | phase | R faster (count / time) | step ms L / R | top classes ms L / R |",
+              "|---|---|---|---:|---:|---|"]
+    for r in rows:
+        for ph, tm in r["terms"].items():
+            top = ", ".join(f"{c} {v[0] * 1e3:.1f}/{v[1] * 1e3:.1f}" for c, v in list(tm["by_class_s"].items())[:3])
+            lines.append(f"| {r['pair']} | {r['model']} | {ph} | {tm['r_faster_count'] * 100:.0f}% / "
+                         f"{tm['r_faster_time'] * 100:.0f}% | {tm['step_s'][0] * 1e3:.1f} / {tm['step_s'][1] * 1e3:.1f} "
+                         f"| {top} |")
     lines += ["", "| ratio | predicted mean | predicted max | paper mean | paper max |", "|---|---:|---:|---:|---:|"]
     for k, v in summary.items():
         g = lambda x: f"{x:.2f}" if x else "-"  # noqa: E731
@@ -72,7 +108,10 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     (out / "paper_check.json").write_text(json.dumps({"commit": commit, "command": " ".join(sys.argv),
                                                       "rows": rows, "summary": summary}, indent=1))
-    (out / "paper_check.md").write_text("# Paper check (predicted by tessera advise)\n\n" + text + "\n")
+    notes = out / "explanation.md"
+    (out / "paper_check.md").write_text("# Paper check (predicted by tessera advise)\n\n" + text + "\n"
+                                        + (f"\n{notes.read_text()}" if notes.exists() else ""))
+    plot(rows, out / "paper_check.png")
     return 0
 
 

@@ -171,7 +171,8 @@ def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, 
         add("Request Distribution", sum(r for r in rate if r) or None, sum(price), "a replica per GPU")
         t, label = _tessera_step(g, c)
         add("Tessera", batch / (t * per_img), sum(price), label)
-        return {"model": model, "gpus": list(gpus), "policies": out, "unit": "latent tokens"}
+        return {"model": model, "gpus": list(gpus), "policies": out, "unit": "latent tokens",
+                "terms": {"denoise": kernel_terms(g, c)}}
     gd = load_graph(model, buckets_of(model)["decode"], data)
     cd = predict(gd, [s.name for s in specs], params)
     ssm = model == "mamba2"
@@ -227,7 +228,28 @@ def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, 
     if both:
         tess = max(tess, B * T / (B / both + T * dstep))
     add("Tessera", tess, sum(price), f"decode {dstep * 1e3:.2f} ms/step ({dlabel}); prefill {lat * 1e3:.1f} ms")
-    return {"model": model, "gpus": list(gpus), "policies": out, "unit": "output tokens"}
+    terms = {"decode": kernel_terms(gd, cd)}
+    if not ssm:
+        terms["prefill"] = kernel_terms(gp, cp)
+    return {"model": model, "gpus": list(gpus), "policies": out, "unit": "output tokens", "terms": terms}
+
+
+def kernel_terms(graph: KernelGraph, costs) -> dict[str, Any]:
+    """What the ratios come from: share of kernels (by count, and by their
+    time on L) faster on R, and each device's step seconds by kernel class."""
+    from .planning.whatif import graph_features
+    feats = graph_features(graph)
+    r_wins = [row[1] < row[0] for row in costs.times]
+    tl = sum(row[0] for row in costs.times) or 1.0
+    by: dict[str, list[float]] = {}
+    for f, row in zip(feats, costs.times):
+        acc = by.setdefault(f.cls, [0.0, 0.0])
+        acc[0] += row[0]
+        acc[1] += row[1]
+    return {"kernels": len(feats), "r_faster_count": sum(r_wins) / max(len(feats), 1),
+            "r_faster_time": sum(row[0] for row, w in zip(costs.times, r_wins) if w) / tl,
+            "step_s": [costs.device_total(0), costs.device_total(1)],
+            "by_class_s": {c: v for c, v in sorted(by.items(), key=lambda kv: -kv[1][0])}}
 
 
 def _batch_of(graph: KernelGraph, default: int) -> int:

@@ -15,13 +15,14 @@ and Triton kernels with MMA), ``gather``, ``pointwise`` and ``reduction``
 The time of kernel ``k`` of class ``c`` on ``s`` SMs of GPU ``G`` (model
 :class:`Params`, fitted by :func:`fit`)::
 
-    t = G.launch_s + floor[c] + wave_s * (waves - 1) + max(t_compute, t_memory)
+    t = G.launch_s + (floor[c] + wave_s * (waves - 1)) * 1.98 / G.boost_ghz + max(t_compute, t_memory)
     t_compute = flops / (peak(G, unit, dtype) * s / G.sms * eff_c[c] * wave_eff / (1 + power * s / G.sms))
     t_memory  = (bytes - l2) / bw + l2 / (bw * l2_gain)
     bw = ((G.mem_bw * eff_m[c])^-p + (min(s, ctas) * bw_sm * G.boost_ghz)^-p)^(-1/p)
 
 ``waves = ceil(ctas / (s * resident))`` and ``wave_eff = ctas / (waves * s *
-resident)`` quantise the launch over the SMs; ``bw`` saturates in the SMs
+resident)`` quantise the launch over the SMs (the floor and the wave tails
+are fixed cycle counts, so they shrink with the clock); ``bw`` saturates in the SMs
 that have work (a few SMs cannot pull HBM's bandwidth); ``l2`` is the
 activation bytes when they fit in half the L2.  :func:`fit` adds per-kernel
 corrections (median log residual of each kernel signature per fitted
@@ -41,6 +42,7 @@ from ..graph import KernelGraph
 from .costs import CostTable, kernel_bytes
 from .specs import GpuSpec, get_spec, link_between
 
+REF_GHZ = 1.98          # clock the floor and wave terms are expressed at (H100/H200 SXM boost)
 CLASSES = ("gemm", "gather", "pointwise", "reduction", "t_pointwise", "t_reduction")
 _GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm",
              "scaled_dot_product", "_flash_attention", "_efficient_attention", "cudnn_convolution")
@@ -268,7 +270,8 @@ def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> floa
     bw = hbm / (1 + r ** p.p) ** (1 / p.p) if r < 1e3 else sm_bw
     l2 = f.act_bytes if f.act_bytes <= spec.l2_bytes / 2 else 0.0
     tm = (f.bytes - l2) / bw + l2 / (bw * p.l2_gain)
-    return spec.launch_s + p.floor[f.cls] + p.wave_s * (waves - 1) + max(tc, tm)
+    cycles = REF_GHZ / spec.boost_ghz       # floors and wave tails are fixed cycle counts
+    return spec.launch_s + (p.floor[f.cls] + p.wave_s * (waves - 1)) * cycles + max(tc, tm)
 
 
 def correction(p: Params, key: str, sms: int) -> float:
