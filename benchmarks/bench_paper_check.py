@@ -39,7 +39,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(11, 3.6))
-    labels = [f"{r['model']}\n{r['pair']}" for r in rows]
+    labels = [f"{r['model']}\n{r['pair'].replace('RTX-PRO-6000', 'RTX6000')}" for r in rows]
     for i, (k, color) in enumerate(zip(BASE, ("#c33", "#36c", "#999"))):
         ax.bar([x + (i - 1) * 0.27 for x in range(len(rows))], [r["ratios"][k] or 0 for r in rows], 0.27,
                label=k, color=color)
@@ -47,7 +47,7 @@ def plot(rows: list[dict], path: Path) -> bool:
             ax.axhline(PAPER[k]["mean"], color=color, ls="--", lw=1)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_xticklabels(labels, fontsize=7, rotation=45, ha="right")
     ax.set_ylabel("Tessera / policy (predicted)")
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()

@@ -12,7 +12,9 @@ the roofline alone and with the per-kernel corrections.  ``--synthetic``
 makes profiles from the committed advise graphs with known parameters and
 noise instead (a check of the fit itself).  ``--write-params`` also fits on
 every profile and writes ``tessera_actors/planning/whatif_params.json``,
-which ``tessera advise`` uses.
+which ``tessera advise`` uses (also fitted to the whole-step times of the
+arena's aten graphs in ``benchmarks/results/whatif/arena_aten/``, unless
+``--no-steps``, and to DESIGN.md's H200 micro-benchmarks per SM count).
 
     python benchmarks/bench_whatif.py [--profiles DIR ...] [--out benchmarks/results/whatif]
 """
@@ -66,6 +68,59 @@ def load_profiles(dirs) -> list[W.Profile]:
             for i, dev in enumerate(c.devices):
                 out.append(W.Profile(g, "H200", _sms_of(dev), [row[i] for row in c.times],
                                      cj.name.replace(".costs.json", "")))
+    return out
+
+
+ARENA_ATEN = ROOT / "benchmarks" / "results" / "whatif" / "arena_aten"
+
+
+def load_steps(d: Path = ARENA_ATEN) -> list[W.StepProfile]:
+    """Whole-step measurements of aten graphs (``steps.json`` beside the graphs)."""
+    import gzip
+    import msgpack
+    f = Path(d) / "steps.json"
+    if not f.exists():
+        return []
+    graphs: dict[str, KernelGraph] = {}
+    out = []
+    for st in json.loads(f.read_text())["steps"]:
+        if st["graph"] not in graphs:
+            raw = gzip.decompress((Path(d) / st["graph"]).read_bytes())
+            graphs[st["graph"]] = KernelGraph.from_dict(msgpack.unpackb(raw, raw=False, strict_map_key=False))
+        out.append(W.StepProfile(graphs[st["graph"]], st["gpu"], int(st["sms"]), float(st["step_s"]), st["graph"]))
+    return out
+
+
+# DESIGN.md, "Heterogeneous hardware here": measured on one H200 per green-context SM count:
+# bf16 GEMM 8192^3 (TFLOP/s), copy bandwidth (TB/s, read + write), 8x8192x8192 GEMV (us)
+DESIGN_H200 = {132: (789, 4.19, 34), 66: (485, 3.75, 37), 32: (220, 2.25, 52), 16: (111, 1.23, 99), 8: (56, 0.65, 194)}
+
+
+def design_profiles() -> list[W.Profile]:
+    """The DESIGN.md micro-benchmarks as one-kernel profiles (aten mm, copy, GEMV)."""
+    from tessera_actors.graph import Access, Buffer, Kernel
+
+    def ref(b, shape):
+        return {"t": [b, 0, list(shape), [], "bfloat16"]}
+
+    def mm_graph(m, k, n):
+        bufs = {0: Buffer(0, m * k * 2, "input"), 1: Buffer(1, k * n * 2, "weight"), 2: Buffer(2, m * n * 2, "output")}
+        kern = Kernel(0, "mm", "library", (Access(0, 0, m * k * 2), Access(1, 0, k * n * 2), Access(2, 0, m * n * 2, "w")),
+                      flops=2.0 * m * n * k, signature=f"design-mm-{m}x{k}x{n}",
+                      payload={"op": "aten.mm.default", "args": [ref(0, (m, k)), ref(1, (k, n))], "outs": [{"ref": ref(2, (m, n))}]})
+        return KernelGraph([kern], bufs, meta={"model": "design"})
+    size = 1 << 30
+    copy = KernelGraph([Kernel(0, "copy_", "library", (Access(0, 0, size), Access(1, 0, size, "w")), flops=0.0,
+                               signature="design-copy-1GiB",
+                               payload={"op": "aten.copy_.default", "args": [ref(1, (size // 2,)), ref(0, (size // 2,))],
+                                        "outs": [{"ref": ref(1, (size // 2,))}]})],
+                       {0: Buffer(0, size, "input"), 1: Buffer(1, size, "output")}, meta={"model": "design"})
+    gemm, gemv = mm_graph(8192, 8192, 8192), mm_graph(8, 8192, 8192)
+    out = []
+    for sms, (tf, tbs, us) in DESIGN_H200.items():
+        out.append(W.Profile(gemm, "H200", sms, [2.0 * 8192 ** 3 / (tf * 1e12)], "design-gemm"))
+        out.append(W.Profile(copy, "H200", sms, [2.0 * size / (tbs * 1e12)], "design-copy"))
+        out.append(W.Profile(gemv, "H200", sms, [us * 1e-6], "design-gemv"))
     return out
 
 
@@ -142,6 +197,8 @@ def main() -> int:
     ap.add_argument("--synthetic", action="store_true", help="profiles made by the model with known parameters")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "whatif"))
     ap.add_argument("--write-params", action="store_true", help="fit on every profile and write whatif_params.json")
+    ap.add_argument("--no-steps", action="store_true",
+                    help="--write-params without the arena's whole-step aten measurements (benchmarks/results/whatif/arena_aten)")
     args = ap.parse_args()
     if args.synthetic:
         truth = W.Params(bw_sm=35e9, power=0.1, l2_gain=2.5, wave_s=0.4e-6)
@@ -169,9 +226,28 @@ def main() -> int:
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     (out / f"{name}.md").write_text(f"Leave-one-SM-count-out ({source})\n\n{text}\n")
     if args.write_params and not args.synthetic:
-        params = W.fit(profiles)
+        steps = [] if args.no_steps else load_steps()
+        design = design_profiles()
+        # each micro-benchmark is one clean kernel: counted 5 times against the many kernels of the graphs
+        params = W.fit(profiles + design * 5, steps=steps)
+        checks = []
+        for pr in design:
+            pred = W.kernel_time(W.graph_features(pr.graph)[0], W.get_spec("H200"), pr.sms, params, corrected=False)
+            checks.append({"what": pr.tag, "sms": pr.sms, "predicted_s": pred, "measured_s": pr.times[0]})
+        for st in steps:
+            pred = sum(W.kernel_time(f, W.get_spec(st.gpu), st.sms, params) for f in W.graph_features(st.graph))
+            checks.append({"what": f"arena aten step {st.tag}", "sms": st.sms, "predicted_s": pred,
+                           "measured_s": st.step_s})
+        print("in-sample fit of the written parameters:")
+        for c in checks:
+            c["error"] = c["predicted_s"] / c["measured_s"] - 1
+            print(f"  {c['what']:<38} {c['sms']:>4} SMs: predicted {c['predicted_s'] * 1e6:9.0f} us, measured "
+                  f"{c['measured_s'] * 1e6:9.0f} us ({c['error'] * 100:+.1f}%)")
+        (out / "fit_checks.json").write_text(json.dumps({"commit": git_commit(), "command": " ".join(sys.argv),
+                                                         "checks": checks}, indent=1))
         from tessera_actors.advise import PARAMS_FILE
         PARAMS_FILE.write_text(json.dumps({"commit": git_commit(), "source": source,
+                                           "steps": [f"{st.tag}@{st.sms}" for st in steps],
                                            "profiles": sorted({f"{p.tag}@{p.sms}" for p in profiles}),
                                            "params": params.to_dict()}, indent=1))
         print(f"parameters written to {PARAMS_FILE}", file=sys.stderr)

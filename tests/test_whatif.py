@@ -15,7 +15,7 @@ SPEC = GpuSpec("TOY", sms=100, boost_ghz=2.0, tensor={"bf16": 100e12}, fp32=10e1
                l2_bytes=0, mem_bytes=10**9, nvlink=0.0, pcie=10e9, price_per_h=1.0, launch_s=2e-6)
 # efficiencies 1, no floors, no power or wave terms, per-SM bandwidth unbounded
 IDEAL = W.Params({c: 1.0 for c in W.CLASSES}, {c: 1.0 for c in W.CLASSES}, {c: 0.0 for c in W.CLASSES},
-                 bw_sm=1e30, p=3.0, power=0.0, l2_gain=1.0, wave_s=0.0)
+                 {c: 1.0 for c in W.CLASSES}, bw_sm=1e30, p=3.0, power=0.0, l2_gain=1.0, wave_s=0.0)
 
 
 def t(buf, shape, dtype="bfloat16"):

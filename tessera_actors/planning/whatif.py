@@ -9,7 +9,8 @@ pointer argument, a gather reads the rows it outputs), the part of those
 bytes that is activations (may hit L2) and the launch geometry (CTAs: GEMM
 output tiles with split-K, Triton grids, elementwise blocks; CTAs resident
 per SM from ``num_warps``).  Classes: ``gemm`` (tensor-core library kernels
-and Triton kernels with MMA), ``gather``, ``pointwise`` and ``reduction``
+and Triton kernels with MMA), ``gather``, ``pointwise``, ``strided``
+(pointwise over a non-contiguous view: a transposing copy) and ``reduction``
 (library/aten kernels), ``t_pointwise`` and ``t_reduction`` (Triton).
 
 The time of kernel ``k`` of class ``c`` on ``s`` SMs of GPU ``G`` (model
@@ -18,7 +19,7 @@ The time of kernel ``k`` of class ``c`` on ``s`` SMs of GPU ``G`` (model
     t = G.launch_s + (floor[c] + wave_s * (waves - 1)) * 1.98 / G.boost_ghz + max(t_compute, t_memory)
     t_compute = flops / (peak(G, unit, dtype) * s / G.sms * eff_c[c] * wave_eff / (1 + power * s / G.sms))
     t_memory  = (bytes - l2) / bw + l2 / (bw * l2_gain)
-    bw = ((G.mem_bw * eff_m[c])^-p + (min(s, ctas) * bw_sm * G.boost_ghz)^-p)^(-1/p)
+    bw = ((G.mem_bw * eff_m[c])^-p + (min(s, ctas) * bw_sm * sm_eff[c] * G.boost_ghz)^-p)^(-1/p)
 
 ``waves = ceil(ctas / (s * resident))`` and ``wave_eff = ctas / (waves * s *
 resident)`` quantise the launch over the SMs (the floor and the wave tails
@@ -43,7 +44,7 @@ from .costs import CostTable, kernel_bytes
 from .specs import GpuSpec, get_spec, link_between
 
 REF_GHZ = 1.98          # clock the floor and wave terms are expressed at (H100/H200 SXM boost)
-CLASSES = ("gemm", "gather", "pointwise", "reduction", "t_pointwise", "t_reduction")
+CLASSES = ("gemm", "gather", "pointwise", "strided", "reduction", "t_pointwise", "t_reduction")
 _GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm",
              "scaled_dot_product", "_flash_attention", "_efficient_attention", "cudnn_convolution")
 _GATHER_OPS = ("embedding", "index", "index_select", "gather", "take", "index_put")
@@ -89,6 +90,19 @@ def _numel(t) -> int:
 
 def _nbytes(t) -> int:
     return _numel(t) * _ITEM.get(t[4], 4)
+
+
+def _contiguous(t) -> bool:
+    """Row-major dense (size-1 dimensions ignored); no strides recorded: assumed so."""
+    shape, stride = t[2], t[3]
+    if not stride or len(stride) != len(shape):
+        return True
+    want = 1
+    for n, st in zip(reversed(shape), reversed(stride)):
+        if n != 1 and st != want:
+            return False
+        want *= n
+    return True
 
 
 def _op(kernel) -> str:
@@ -190,6 +204,8 @@ def kernel_features(graph: KernelGraph, k: int, ptx_cache: dict | None = None) -
         ctas = max(1, math.ceil((_numel(vals) if vals is not None else 1) / 512))
     else:
         cls = "reduction" if op.rstrip("_") in _REDUCE_OPS else "pointwise"
+        if cls == "pointwise" and any(_numel(t) > 4096 and not _contiguous(t) for t in ts):
+            cls = "strided"      # a transposing copy: scattered accesses
         big = max(ts + outs, key=_numel, default=None)
         n = _numel(big) if big is not None else 1
         # a reduction runs a CTA per row of its (last-dimension) reduction
@@ -213,6 +229,7 @@ class Params:
     eff_c: dict[str, float] = field(default_factory=lambda: {c: 0.8 for c in CLASSES})
     eff_m: dict[str, float] = field(default_factory=lambda: {c: 0.85 for c in CLASSES})
     floor: dict[str, float] = field(default_factory=lambda: {c: 1e-6 for c in CLASSES})
+    sm_eff: dict[str, float] = field(default_factory=lambda: {c: 1.0 for c in CLASSES})
     bw_sm: float = 40e9          # bytes/s one SM pulls per GHz (H200 copy at 8 SMs, DESIGN.md: 0.65 TB/s)
     p: float = 3.0               # sharpness of the bandwidth saturation
     power: float = 0.15          # clock loss at full occupancy of the chip
@@ -220,11 +237,16 @@ class Params:
     wave_s: float = 0.5e-6       # extra seconds per additional wave
     corrections: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.sm_eff, dict):     # positional construction without sm_eff
+            raise TypeError("Params.sm_eff must be a dict of per-class factors")
+
     _SCALARS = ("bw_sm", "p", "power", "l2_gain", "wave_s")
 
     def vector(self) -> np.ndarray:
         v = [self.eff_c[c] for c in CLASSES] + [self.eff_m[c] for c in CLASSES]
         v += [self.floor[c] * 1e6 for c in CLASSES]
+        v += [self.sm_eff[c] for c in CLASSES]
         v += [self.bw_sm / 1e9, self.p, self.power, self.l2_gain, self.wave_s * 1e6]
         return np.array(v, dtype=float)
 
@@ -234,24 +256,26 @@ class Params:
         return cls({c: float(v[i]) for i, c in enumerate(CLASSES)},
                    {c: float(v[n + i]) for i, c in enumerate(CLASSES)},
                    {c: float(v[2 * n + i]) * 1e-6 for i, c in enumerate(CLASSES)},
-                   float(v[3 * n]) * 1e9, float(v[3 * n + 1]), float(v[3 * n + 2]), float(v[3 * n + 3]),
-                   float(v[3 * n + 4]) * 1e-6, dict(corrections or {}))
+                   {c: float(v[3 * n + i]) for i, c in enumerate(CLASSES)},
+                   float(v[4 * n]) * 1e9, float(v[4 * n + 1]), float(v[4 * n + 2]), float(v[4 * n + 3]),
+                   float(v[4 * n + 4]) * 1e-6, dict(corrections or {}))
 
     def to_dict(self) -> dict:
-        return {"eff_c": self.eff_c, "eff_m": self.eff_m, "floor": self.floor,
+        return {"eff_c": self.eff_c, "eff_m": self.eff_m, "floor": self.floor, "sm_eff": self.sm_eff,
                 **{k: getattr(self, k) for k in self._SCALARS},
                 "corrections": {k: [list(x) for x in v] for k, v in self.corrections.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Params":
         return cls(dict(d["eff_c"]), dict(d["eff_m"]), dict(d["floor"]),
+                   dict(d.get("sm_eff") or {c: 1.0 for c in CLASSES}),
                    *[float(d[k]) for k in cls._SCALARS],
                    {k: [(int(s), float(r)) for s, r in v] for k, v in d.get("corrections", {}).items()})
 
 
 _NC = len(CLASSES)
-_LO = np.array([0.05] * _NC + [0.05] * _NC + [0.0] * _NC + [1.0, 1.0, 0.0, 1.0, 0.0])
-_HI = np.array([1.0] * _NC + [1.0] * _NC + [50.0] * _NC + [200.0, 8.0, 1.0, 6.0, 20.0])
+_LO = np.array([0.05] * _NC + [0.05] * _NC + [0.0] * _NC + [0.1] * _NC + [1.0, 1.0, 0.0, 1.0, 0.0])
+_HI = np.array([1.0] * _NC + [1.0] * _NC + [50.0] * _NC + [3.0] * _NC + [200.0, 8.0, 1.0, 6.0, 20.0])
 
 
 def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> float:
@@ -265,7 +289,7 @@ def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> floa
     tc = f.flops / (peak * p.eff_c[f.cls] * min(1.0, wave_eff if f.cls == "gemm" else 1.0)
                     / (1 + p.power * frac)) if f.flops else 0.0
     active = min(s, f.ctas)
-    hbm, sm_bw = spec.mem_bw * p.eff_m[f.cls], active * p.bw_sm * spec.boost_ghz
+    hbm, sm_bw = spec.mem_bw * p.eff_m[f.cls], active * p.bw_sm * p.sm_eff[f.cls] * spec.boost_ghz
     r = hbm / sm_bw            # (hbm^-p + sm_bw^-p)^(-1/p), without under/overflow
     bw = hbm / (1 + r ** p.p) ** (1 / p.p) if r < 1e3 else sm_bw
     l2 = f.act_bytes if f.act_bytes <= spec.l2_bytes / 2 else 0.0
@@ -309,12 +333,24 @@ class Profile:
     tag: str = ""
 
 
+@dataclass
+class StepProfile:
+    """A measured whole step (the sum of its kernels' times) of ``graph``."""
+
+    graph: KernelGraph
+    gpu: str
+    sms: int
+    step_s: float
+    tag: str = ""
+
+
 def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: bool = True,
-        prior_weight: float = 0.3) -> Params:
+        prior_weight: float = 0.3, steps: Sequence[StepProfile] = (), step_weight: float = 3.0) -> Params:
     """Least squares on log(predicted / measured) over every kernel of every
-    profile (robust loss) with a weak pull (``prior_weight``) towards
-    ``start`` (default :class:`Params`), then per-kernel corrections (see
-    module docstring)."""
+    profile (robust loss), plus ``step_weight`` x log(predicted / measured)
+    of every whole step in ``steps`` (graphs timed only as a whole), with a
+    weak pull (``prior_weight``) towards ``start`` (default
+    :class:`Params`), then per-kernel corrections (see module docstring)."""
     from scipy.optimize import least_squares
     rows = []
     for pr in profiles:
@@ -322,7 +358,8 @@ def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: b
         for f, t in zip(graph_features(pr.graph), pr.times):
             if t > 0:
                 rows.append((f, spec, pr.sms, math.log(t)))
-    if not rows:
+    whole = [(graph_features(st.graph), get_spec(st.gpu), st.sms, math.log(st.step_s)) for st in steps]
+    if not rows and not whole:
         raise ValueError("fit: no measured kernel times")
     prior = np.clip((start or Params()).vector(), _LO + 1e-9, _HI - 1e-9)
     span = _HI - _LO
@@ -334,7 +371,9 @@ def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: b
     def objective(v: np.ndarray) -> np.ndarray:
         # a weak pull to the prior keeps terms the profiles do not constrain
         # (a class that never occurs, SM scaling from one count) at it
-        return np.concatenate([resid(v), prior_weight * (v - prior) / span])
+        p = Params.from_vector(v)
+        st = [step_weight * (math.log(sum(roofline_time(f, sp, n, p) for f in fs)) - y) for fs, sp, n, y in whole]
+        return np.concatenate([resid(v), np.array(st), prior_weight * (v - prior) / span])
     res = least_squares(objective, prior, bounds=(_LO, _HI), loss="soft_l1", f_scale=0.2, max_nfev=200,
                         x_scale="jac")
     out = Params.from_vector(res.x)
@@ -380,5 +419,5 @@ def step_time(graph: KernelGraph, gpu: str, sms: int | None, params: Params, cor
     return sum(kernel_time(f, spec, sms or spec.sms, params, corrected) for f in graph_features(graph))
 
 
-__all__ = ["CLASSES", "KernelFeatures", "Params", "Profile", "correction", "fit", "graph_features",
+__all__ = ["CLASSES", "KernelFeatures", "Params", "Profile", "StepProfile", "correction", "fit", "graph_features",
            "kernel_features", "kernel_time", "predict", "replace", "roofline_time", "step_time"]
