@@ -221,7 +221,8 @@ def main() -> int:
           f"(acceptance: <= 15% and <= 10%)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "bench_whatif_synthetic" if args.synthetic else "bench_whatif"
+    name = "bench_whatif_synthetic" if args.synthetic else (
+        f"bench_whatif_{Path(args.profiles[0]).name}" if args.profiles else "bench_whatif")
     doc = {"commit": git_commit(), "command": " ".join(sys.argv), "source": source, "rows": rows, "worst": worst}
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     (out / f"{name}.md").write_text(f"Leave-one-SM-count-out ({source})\n\n{text}\n")
