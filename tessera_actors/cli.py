@@ -3,6 +3,7 @@
   tessera demo       split a Llama-style decoder over node processes, check tokens
   tessera capture    record a model's forward pass as a kernel graph file
   tessera plan       place a graph file on devices and compare with the baselines
+  tessera advise     predict tokens/s and tokens/$ of every policy on GPU types we do not have
   tessera node       run a node daemon (same as python -m tessera_actors.node)
   tessera serve      serve a model over the OpenAI API, with a chat page at /
 """
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", default=None, help="cost table file (default: estimate from kernel features)")
     p.add_argument("--png", default=None, help="write a timeline of the predicted schedule")
     p.set_defaults(fn=_plan)
+
+    from . import advise
+    p = sub.add_parser("advise", help="predict every policy on a pair of GPU types we may not have")
+    advise.add_arguments(p)
+    p.set_defaults(fn=advise.main)
 
     p = sub.add_parser("bench", help="benchmarks: arena (all policies side by side)")
     bsub = p.add_subparsers(dest="bench", required=True)
