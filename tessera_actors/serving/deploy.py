@@ -19,6 +19,7 @@ cache starts as zeros and is never shipped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -104,6 +105,14 @@ class ServedModel:
     gguf_meta: dict | None
 
 
+@functools.lru_cache(maxsize=2)
+def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple) -> torch.nn.Module:
+    """The real model, built once per configuration in a process (engines of
+    one benchmark share its weights: they are only ever read)."""
+    from .. import models
+    return models.get(model, size, dtype=dtype, seed=seed, **dict(kw))
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
@@ -119,7 +128,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
     try:
-        real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+        real = _build(cfg.model, cfg.size, dtype, cfg.seed, tuple(sorted(kw.items())))
         meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
     except (KeyError, TypeError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
