@@ -128,7 +128,13 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
     try:
-        real = _build(cfg.model, cfg.size, dtype, cfg.seed, tuple(sorted(kw.items())))
+        key = tuple(sorted(kw.items()))
+        try:
+            hash(key)
+        except TypeError:   # an unhashable override (a dict): build it afresh
+            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+        else:
+            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
         meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
     except (KeyError, TypeError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
