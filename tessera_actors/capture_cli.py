@@ -105,6 +105,10 @@ def build_model(name: str, size: str, bucket: str, dtype_name: str, device: str,
     from . import models
     from .capture.inductor_buckets import bucket_inputs, bucket_overrides, parse_bucket
     kind, batch, seq = parse_bucket(bucket)
+    if name.startswith("hf:"):  # a transformers model: inputs as a user passes them (models/hf.py)
+        from .models import hf
+        loaded = hf.load(name, dtype=_dtype(dtype_name), device=device, **extra)
+        return loaded.model, loaded.example_inputs(batch, seq), (kind, batch, seq)
     cfg = models.config(name, size, **extra)
     overrides = dict(extra, **bucket_overrides(cfg, kind, batch, seq, pos=16 if kind == "decode" else 0))
     model = models.get(name, size, dtype=_dtype(dtype_name), seed=0, device=device, **overrides)

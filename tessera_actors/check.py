@@ -169,6 +169,8 @@ def check(model: torch.nn.Module, inputs: dict[str, Any], devices: Sequence[str]
         named.append((f"planner split ({planner})", get_planner(planner).plan(g, devices)))
     for case, plan in named:
         out = run(plan)
+        if len(set(plan.assignment)) < 2:  # named by what ran
+            case = case.replace("split", "plan") + " (one device)"
         used = {kinds[d] for d in set(plan.assignment)}
         split = {"kernels_per_device": plan.kernels_per_device(), "bytes_moved": plan.bytes_per_step()}
         rows.append(dict(_row(case, "single-device", [_compare(out, single, names)], used <= {kinds[0]}), **split))
