@@ -1,11 +1,19 @@
-"""tessera-actors: kernel-granularity disaggregated inference (see README.md).
+"""tessera-actors: kernel-granularity disaggregated inference as an asyncio actor system.
 
-Importing the package is torch-free; ``tessera_actors.check(model, inputs,
-devices=[...])`` (see :mod:`tessera_actors.check`) loads torch when called."""
+``from tessera_actors import AsyncEngine, SamplingParams`` is the embedding API
+(see ``tessera_actors.serving``); ``tessera_actors.check(model, inputs,
+devices=[...])`` checks a model's captured program (see
+:mod:`tessera_actors.check`).  Importing the package is torch-free."""
 
 
-def __getattr__(name: str):
-    if name == "check":
+def __getattr__(name):
+    if name in ("AsyncEngine", "SamplingParams", "EngineConfig", "RequestOutput"):
+        from . import serving
+        return getattr(serving, name)
+    if name == "check":  # the module is callable: tessera_actors.check(model, inputs, ...)
         import importlib
         return importlib.import_module(".check", __name__)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(name)
+
+
+__all__ = ["AsyncEngine", "EngineConfig", "RequestOutput", "SamplingParams", "check"]

@@ -5,7 +5,7 @@ through ``F.scaled_dot_product_attention`` - the library kernels a user runs
 Cache layout: ``k_cache``/``v_cache`` are state buffers of shape
 ``[max_batch, n_kv_heads, max_seq, head_dim]`` (``max_seq + 1`` slots with
 attention sinks: the last slot stays zero, see below).  A forward with ``B``
-rows uses the first ``B`` cache rows (or the rows named by ``rows``); token
+rows uses the first ``B`` cache rows (rows ``row_base`` .. when ``row_base`` is set, or the rows named by ``rows``); token
 ``t`` of row ``b`` is written at ``positions[b, t]`` with ``index_put_``
 (unique indices -> deterministic), and attends to every cache slot ``s``
 with ``s <= positions[b, t]`` (and, with a sliding window ``W``,
@@ -62,6 +62,7 @@ class CachedAttention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+        self.row_base = 0  # without ``rows``: the batch uses cache rows row_base .. row_base+B-1
         slots = max_seq + (1 if sinks else 0)
         register_state(self, "k_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
         register_state(self, "v_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
@@ -70,7 +71,10 @@ class CachedAttention(nn.Module):
         """Store the new keys/values; return the cache rows of this batch."""
         B, T = positions.shape
         if rows is None:
-            k_cache, v_cache = self.k_cache[:B], self.v_cache[:B]
+            base = self.row_base
+            if base + B > self.k_cache.shape[0]:
+                raise ValueError(f"rows {base}..{base + B - 1} exceed the KV cache's max_batch {self.k_cache.shape[0]}")
+            k_cache, v_cache = self.k_cache[base:base + B], self.v_cache[base:base + B]
             where = torch.arange(B, device=k.device)[:, None].expand(B, T)
         else:
             k_cache, v_cache = self.k_cache, self.v_cache
@@ -104,8 +108,6 @@ class CachedAttention(nn.Module):
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         G = H // KV
-        if B > self.k_cache.shape[0]:
-            raise ValueError(f"batch {B} exceeds the KV cache's max_batch {self.k_cache.shape[0]}")
         q = apply_rope(self.wq(x).view(B, T, H, hd), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, KV, hd), cos, sin)
         v = self.wv(x).view(B, T, KV, hd)
