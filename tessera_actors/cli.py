@@ -109,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="time the L<->R copies for the cost table (default: 25 us + 385 GB/s, DESIGN.md)")
     b.set_defaults(fn=_arena)
 
+    from . import roofline
+    b = bsub.add_parser("roofline", help="one GPU: tessera step vs torch.compile(reduce-overhead) vs the HBM/GEMM floor")
+    roofline.add_arguments(b)
+    b.set_defaults(fn=roofline.main)
+
     p = sub.add_parser("node", help="run a node daemon", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(fn=lambda a: __import__("tessera_actors.node", fromlist=["main"]).main(a.rest))

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 import tessera_actors  # noqa: E402
 from tessera_actors.cli import main as cli_main  # noqa: E402
+from tessera_actors.capture.pytree import flatten_outputs  # noqa: E402
 from tessera_actors.models import hf  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "mixtral", "gpt2", "mamba2", "vit"]
@@ -58,3 +59,23 @@ def test_cli_capture_of_a_config_file(tmp_path, capsys):
     assert cli_main(["capture", "--model", f"hf:{tmp_path / 'config.json'}", "--bucket", "prefill:1:4",
                      "--out", str(out)]) == 0
     assert out.exists() and "kernels" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+def test_default_transformers_model_captured_by_inductor_with_default_regions(arch):
+    """On a GPU: the inductor capture with the default regions (transformers'
+    mask code reads the host between the layers: compiled as one graph)."""
+    from tessera_actors.capture.inductor import capture_inductor
+    from tessera_actors.capture.inductor_check import soundness
+    loaded = hf.load(f"hf:tiny-{arch}", dtype=torch.bfloat16, device="cuda", seed=0)
+    inputs = user_inputs(loaded)
+    res = capture_inductor(loaded.model, inputs)
+    assert any(k.kind == "ptx" for k in res.graph.kernels)
+    s = soundness(res, inputs, orders=20, device="cuda")
+    assert s["program_order"]["equal"] and s["mismatches"] == 0, s
+    with torch.no_grad():
+        eager = [t for _, t in flatten_outputs(loaded.model(**inputs))]
+    assert len(eager) == len(res.outputs)
+    cos = torch.nn.functional.cosine_similarity(res.outputs[0].float().flatten(), eager[0].float().flatten(), dim=0)
+    assert cos > 0.99

@@ -104,3 +104,19 @@ def allowed_random(func, args, kwargs) -> bool:
                 return True
             return False
     return vals.get("train") is False
+
+
+def host_read_sites(model: Callable[..., Any], inputs: dict[str, Any]) -> list[str]:
+    """Source lines of the host reads one eager ``model(**inputs)`` makes
+    (the caller restores any state the call changed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    sites: list[str] = []
+
+    class _Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name == "aten::_local_scalar_dense":
+                sites.append(user_site())
+            return func(*args, **(kwargs or {}))
+    with python_level_reads(lambda t, v: sites.append(user_site())), _Probe():
+        model(**inputs)
+    return sites

@@ -34,6 +34,8 @@ import torch
 
 from . import inductor_hooks as hooks
 from .aten import CaptureError, CaptureResult, _Recorder, byte_span, module_roles
+from .hostreads import host_read_sites, python_level_reads
+from .pytree import encode_constant, flatten_inputs
 from .inductor_graph import assemble
 from .inductor_match import (KernelAnalysis, analyze_ptx, inductor_opinion, launch_access, ptx_text,
                              triton_source, unpack_text)
@@ -310,6 +312,14 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      compiled: Callable[..., Any] | None = None, regions: str = "auto") -> CaptureResult:
     """Compile ``model`` with inductor and record ``model(**inputs)``.
 
+    ``inputs`` are what a user passes (tensors, nested tensors, plain
+    keywords: constants of the bucket); the result may be any pytree of
+    tensors (as in :func:`.aten.capture`).  With ``regions="auto"``, a model
+    whose eager forward reads tensor values on the host (transformers' mask
+    code does, between the decoder layers) is compiled as one whole graph,
+    where such code is traced instead (``graph.meta["regions_reason"]``);
+    host reads left in eager code under ``regions="blocks"`` become guards.
+
     Weights are the model's parameters and non-state buffers; state buffers
     (default ``model.state_names()``) are snapshot before the recorded run
     and restored after it (warm-up runs too), so the model's state is
@@ -319,7 +329,8 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     :class:`CaptureError` when the model cannot be compiled or recorded."""
     say = progress or (lambda msg: log.info("%s", msg))
     params, state = module_roles(model, state_names)
-    device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
+    tensors, constants, _ = flatten_inputs(inputs)
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     if device.type != "cuda":
         # inductor's CPU kernels are C++ functions no recorder sees: the graph would miss them
         raise CaptureError(f"the inductor capture records Triton kernels and needs CUDA inputs, not {device}; "
@@ -333,6 +344,17 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                 t.copy_(saved[n])
     try:
         t0 = time.perf_counter()
+        reason = ""
+        if compiled is None and regions == "auto" and repeated_blocks(model):
+            say("looking for host reads")
+            with torch.no_grad():
+                sites = host_read_sites(model, inputs)
+            restore()
+            if sites:
+                regions = "whole"
+                reason = (f"host reads in the eager forward ({len(sites)}, first at {sites[0]}): "
+                          "compiled as one graph instead of per block")
+                log.info("%s", reason)
         say("compiling")
         if compiled is None:
             compiled = compile_model(model, regions=regions)
@@ -357,13 +379,13 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
             roles[t.untyped_storage()._cdata] = ("weight", name)
         for name, t in state.items():
             roles[t.untyped_storage()._cdata] = ("state", name)
-        for name, t in inputs.items():
+        for name, t in tensors.items():
             roles[t.untyped_storage()._cdata] = ("input", name)
         rec = _InductorRecorder(roles, [""], keep_ptx)
-        for t in list(params.values()) + list(state.values()) + list(inputs.values()):
+        for t in list(params.values()) + list(state.values()) + list(tensors.values()):
             rec._storage(t, producing=False)
         graphs_before = _unique_graphs()
-        with torch.no_grad(), hooks.run_hook(rec.on_launch), rec:
+        with torch.no_grad(), hooks.run_hook(rec.on_launch), python_level_reads(rec.guard_tolist), rec:
             result = compiled(**inputs)
         _sync(device)
         if graphs_before >= 0 and _unique_graphs() != graphs_before:
@@ -377,12 +399,14 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
             log.warning("%s", warnings[-1])
         say("building graph")
         t2 = time.perf_counter()
-        res = assemble(rec, result, inputs, dict(meta or {}), reuse_temps, compress, keep_ptx)
+        meta = dict(meta or {}, constants={n: encode_constant(v) for n, v in constants.items()})
+        res = assemble(rec, result, tensors, meta, reuse_temps, compress, keep_ptx)
         times["assemble_s"] = time.perf_counter() - t2
         times["total_s"] = time.perf_counter() - t0
         res.graph.meta["capture_times"] = {k: round(v, 3) for k, v in times.items()}
         res.graph.meta["compiled_graphs"] = _unique_graphs()
         res.graph.meta["regions"] = "blocks" if compiled is model else "whole"
+        res.graph.meta["regions_reason"] = reason
         res.graph.meta["torch"] = torch.__version__
         res.graph.meta["warnings"] = warnings
         return res
