@@ -19,7 +19,7 @@ planner split          single-device and the eager model (``planner``)
 A row is ``ok`` when every run of it is bitwise equal to its reference,
 except where the two sides ran on different kinds of device (a CPU and a
 GPU do not round alike): then language-model tokens (argmax of outputs
-named ``logits``) must be identical and the cosine similarity >= 0.9999.
+named ``logits``, or of a lone [B, T, vocab] output) must be identical and the cosine similarity >= 0.9999.
 ``CheckReport.ok`` is True only when every row is.  Blocking; runs on the
 calling thread; the model's state (if any) is left as it was.
 """
@@ -79,7 +79,13 @@ class CheckReport:
         return self.table()
 
 
-def _compare(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], names: Sequence[str]) -> dict[str, Any]:
+def _vocab(model: torch.nn.Module) -> int | None:
+    cfg = getattr(model, "config", None) or getattr(model, "cfg", None)
+    return getattr(cfg, "vocab_size", None)
+
+
+def _compare(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], names: Sequence[str],
+             vocab: int | None = None) -> dict[str, Any]:
     bitwise, max_abs, cosine, tokens = True, 0.0, 1.0, None
     for name, g, w in zip(names, got, want):
         g, w = g.detach().cpu(), w.detach().cpu()
@@ -91,7 +97,8 @@ def _compare(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], names: S
             max_abs = max(max_abs, float((gf - wf).abs().max()))
             denom = float(gf.norm() * wf.norm())
             cosine = min(cosine, float(gf @ wf) / denom if denom else float(torch.equal(gf, wf)))
-        if name.split(".")[-1] == "logits" and g.dim() >= 1 and g.is_floating_point():
+        logits = name.split(".")[-1] == "logits" or (name == "output" and g.dim() == 3 and g.shape[-1] == vocab)
+        if logits and g.is_floating_point():
             tokens = (tokens is not False) and torch.equal(g.argmax(-1), w.argmax(-1))
     return {"bitwise": bool(bitwise), "max_abs": max_abs, "cosine": cosine, "tokens": tokens}
 
@@ -132,6 +139,7 @@ def check(model: torch.nn.Module, inputs: dict[str, Any], devices: Sequence[str]
     res = capture_module(model, inputs)
     g = res.graph
     names = g.meta["output_names"]
+    vocab = _vocab(model)
     with torch.no_grad():
         eager = [t.detach().clone() for _, t in flatten_outputs(model(**inputs))]
     restore()
@@ -149,19 +157,19 @@ def check(model: torch.nn.Module, inputs: dict[str, Any], devices: Sequence[str]
     home = single_device_plan(g, devices[0])
     home_runner = PlanRunner(g, home, res.values, lambda d: _torch_device(devices[0]))
     single = run(home, runner=home_runner)
-    rows = [_row("single-device", "eager", [_compare(single, eager, names)], kinds[0] == model_kind)]
+    rows = [_row("single-device", "eager", [_compare(single, eager, names, vocab)], kinds[0] == model_kind)]
     reordered = []
     for _ in range(orders):
         order = tuple(random_topological_order(g, rng))
         plan = replace(home, segments=[Segment(0, 0, order)], name="homo[random order]")
-        reordered.append(_compare(run(plan, runner=home_runner), single, names))
+        reordered.append(_compare(run(plan, runner=home_runner), single, names, vocab))
     if orders:
         rows.append(_row(f"random orders ({orders})", "single-device", reordered, True))
     same = len(set(kinds)) == 1
     split_runs = []
     for _ in range(splits):
         plan = build_plan(g, devices, random_assignment(g, len(devices), rng), name="random")
-        split_runs.append(_compare(run(plan, rng), single, names))
+        split_runs.append(_compare(run(plan, rng), single, names, vocab))
     if splits:
         rows.append(_row(f"random splits ({splits})", "single-device", split_runs, same))
     named = [("contiguous split", get_planner("contiguous").plan(g, devices))]
@@ -173,8 +181,8 @@ def check(model: torch.nn.Module, inputs: dict[str, Any], devices: Sequence[str]
             case = case.replace("split", "plan") + " (one device)"
         used = {kinds[d] for d in set(plan.assignment)}
         split = {"kernels_per_device": plan.kernels_per_device(), "bytes_moved": plan.bytes_per_step()}
-        rows.append(dict(_row(case, "single-device", [_compare(out, single, names)], used <= {kinds[0]}), **split))
-        rows.append(dict(_row(case, "eager", [_compare(out, eager, names)], used <= {model_kind}), **split))
+        rows.append(dict(_row(case, "single-device", [_compare(out, single, names, vocab)], used <= {kinds[0]}), **split))
+        rows.append(dict(_row(case, "eager", [_compare(out, eager, names, vocab)], used <= {model_kind}), **split))
     report = CheckReport(rows, {"kernels": len(g.kernels), "guards": g.meta["guards"],
                                 "constants": g.meta["constants"], "output_names": names,
                                 "devices": devices, "planner": planner})

@@ -37,20 +37,59 @@ def test_default_transformers_model_captures_and_splits_bitwise(arch):
         assert report.info["output_names"] == ["last_hidden_state", "pooler_output"]
 
 
-def test_smollm2_real_weights_in_transformers_llama_split_over_two_devices():
+@pytest.fixture(scope="module")
+def smollm2():
+    return hf.load("hf:smollm2", layers=2)
+
+
+def test_smollm2_real_weights_in_transformers_llama_split_over_two_devices(smollm2):
     from tessera_actors import models
-    loaded = hf.load("hf:smollm2", layers=2)
-    assert type(loaded.model).__name__ == "LlamaForCausalLM"
-    inputs = loaded.example_inputs(batch=1, seq=6, seed=2)
-    report = tessera_actors.check(loaded.model, inputs, orders=3, splits=2, planner="contiguous", verbose=False)
+    assert type(smollm2.model).__name__ == "LlamaForCausalLM"
+    inputs = smollm2.example_inputs(batch=1, seq=6, seed=2)
+    report = tessera_actors.check(smollm2.model, inputs, orders=3, splits=2, planner="contiguous", verbose=False)
     assert report.ok, report.table()
     ours = models.get("smollm2", "tiny", dtype=torch.float32)  # the same GGUF through our own reader and model
     ids = inputs["input_ids"]
     with torch.no_grad():
-        theirs = loaded.model(**inputs).logits
+        theirs = smollm2.model(**inputs).logits
         mine = ours(input_ids=ids, positions=torch.arange(ids.shape[1])[None])
     assert torch.equal(theirs.argmax(-1), mine.argmax(-1))
     assert (theirs - mine).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "gpt2"])
+def test_serving_contract_prefill_then_decode_equals_the_transformers_forward(arch):
+    """hf.load_serving: the engine's contract (positions, rows, last, a static
+    KV cache as state) around transformers' own model."""
+    from tessera_actors.models.hf_serving import ServingLM
+    model = hf.load(f"hf:tiny-{arch}").model
+    lm = ServingLM(model, max_batch=3, max_seq=16)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        got = [lm(ids[:, :5], torch.arange(5)[None].expand(2, 5))[:, -1]]
+        got += [lm(ids[:, t:t + 1], torch.full((2,), t))[:, -1] for t in range(5, 9)]
+        lm.reset_state()
+        chunk = lm(ids[1:], torch.arange(9)[None], rows=torch.tensor([2]), last=torch.tensor([8]))
+    torch.testing.assert_close(torch.stack(got, 1), want[:, 4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunk[0, 0], want[1, 8], rtol=1e-5, atol=1e-5)
+    assert lm.state_names()[0] == "cache.k0" and lm.cache.k0.shape[0] == 3 and lm.cache.k0.shape[2] == 16
+
+
+def test_served_smollm2_buckets_capture_on_meta_without_guards_and_check_on_cpu(smollm2):
+    from tessera_actors.capture import capture_module
+    from tessera_actors.models.hf_serving import ServingLM
+    meta = hf.load_serving("hf:smollm2", max_batch=2, max_seq=32, layers=2, device="meta")
+    ids = torch.zeros(1, 8, dtype=torch.int64, device="meta")
+    cap = capture_module(meta, {"input_ids": ids, "positions": torch.arange(8, device="meta")[None],
+                                "rows": torch.zeros(1, dtype=torch.int64, device="meta"),
+                                "last": torch.zeros(1, dtype=torch.int64, device="meta")})
+    assert cap.graph.meta["guards"] == [] and any(b.role == "state" for b in cap.graph.buffers.values())
+    real = ServingLM(smollm2.model, max_batch=2, max_seq=32)
+    assert {n for n, _ in real.named_buffers()} == {n for n, _ in meta.named_buffers()}
+    report = tessera_actors.check(real, real.example_inputs("decode", batch=2, pos=4), orders=5, splits=2,
+                                  planner="contiguous", verbose=False)
+    assert report.ok and report.rows[0]["tokens"], report.table()
 
 
 def test_cli_capture_of_a_config_file(tmp_path, capsys):

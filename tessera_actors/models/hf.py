@@ -108,19 +108,29 @@ def _model_class(cfg):
         return tf.AutoModel._model_mapping[type(cfg)]
 
 
-def _from_gguf(path: str, dtype: torch.dtype, overrides: dict[str, Any]) -> torch.nn.Module:
-    """Config and weights read by transformers from a GGUF file (what
-    ``from_pretrained(dir, gguf_file=...)`` does, without needing accelerate)."""
-    tf = _transformers()
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    cfg = tf.AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path),
-                                        **overrides)
+def _gguf_config(path: str, overrides: dict[str, Any]):
+    cfg = _transformers().AutoConfig.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                     gguf_file=os.path.basename(path), **overrides)
     if not getattr(cfg, "architectures", None) and cfg.model_type == "llama":
         cfg.architectures = ["LlamaForCausalLM"]
+    return cfg
+
+
+def _from_gguf(path: str, cfg) -> torch.nn.Module:
+    """Weights read by transformers from a GGUF file (what
+    ``from_pretrained(dir, gguf_file=...)`` does, without needing accelerate)."""
     from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.utils import logging as tf_logging
     with no_init_weights():  # every weight comes from the file: skip the random init
         model = _model_class(cfg)(cfg)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    bar = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    try:
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    finally:
+        if bar:
+            tf_logging.enable_progress_bar()
     want = dict(model.state_dict())
     state = {k: v for k, v in tensors.items() if k in want}
     missing = set(want) - set(state)
@@ -131,6 +141,18 @@ def _from_gguf(path: str, dtype: torch.dtype, overrides: dict[str, Any]) -> torc
     if tied & missing:
         model.tie_weights()
     return model
+
+
+def _config(how: str, path: str, overrides: dict[str, Any]):
+    tf = _transformers()
+    if how == "tiny":
+        cfg_name, arch, fields = TINY[path]
+        cfg = getattr(tf, cfg_name)(**dict(fields, **overrides))
+        cfg.architectures = [arch]
+        return cfg
+    if how == "gguf":
+        return _gguf_config(path, overrides)
+    return tf.AutoConfig.from_pretrained(path, **overrides)
 
 
 def _resolve(spec: str) -> tuple[str, str]:
@@ -163,25 +185,22 @@ def _resolve(spec: str) -> tuple[str, str]:
 
 def load(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
          layers: int | None = None, **config_overrides: Any) -> HFModel:
-    """Build a transformers model from ``spec`` (see the module docstring)."""
-    tf = _transformers()
+    """Build a transformers model from ``spec`` (see the module docstring).
+    On ``device="meta"`` only the config is read: shapes, no values."""
     how, path = _resolve(spec)
     if layers is not None:
-        config_overrides["num_hidden_layers" if how != "tiny" or path != "gpt2" else "n_layer"] = layers
+        config_overrides["num_hidden_layers"] = layers
+    cfg = _config(how, path, config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if how == "gguf":
-            model = _from_gguf(path, dtype, config_overrides)
+        if str(device) == "meta":
+            with torch.device("meta"):
+                model = _model_class(cfg)(cfg)
+        elif how == "gguf":
+            model = _from_gguf(path, cfg)
         elif how == "pretrained":
-            model = _model_class(tf.AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype,
-                                                                                     **config_overrides)
+            model = _model_class(cfg).from_pretrained(path, config=cfg, dtype=dtype)
         else:
-            if how == "tiny":
-                cfg_name, _, fields = TINY[path]
-                cfg = getattr(tf, cfg_name)(**dict(fields, **config_overrides))
-                cfg.architectures = [TINY[path][1]]
-            else:
-                cfg = tf.AutoConfig.from_pretrained(path, **config_overrides)
             model = _model_class(cfg)(cfg)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     lm = hasattr(model, "get_output_embeddings") and model.get_output_embeddings() is not None
@@ -189,3 +208,22 @@ def load(spec: str, dtype: torch.dtype = torch.float32, device: str | torch.devi
                "use_cache": "constant False (stateless full-sequence forward)"} if lm else
               {"pixel_values": "float [B, C, H, W] images"})
     return HFModel(model, "causal-lm" if lm else "encoder", f"hf:{spec.removeprefix('hf:')}", inputs)
+
+
+def load_serving(spec: str, max_batch: int, max_seq: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", seed: int = 0, layers: int | None = None,
+                 **config_overrides: Any):
+    """The causal LM of ``spec`` with the serving engine's contract
+    (:class:`~tessera_actors.models.hf_serving.ServingLM`: ``forward(input_ids,
+    positions, rows, last)``, a static KV cache of ``max_batch`` rows x
+    ``max_seq`` positions as state, ``row_base``); on ``device="meta"`` for
+    capture without values (buffer names match the real model's)."""
+    from .hf_serving import ServingLM
+    loaded = load(spec, dtype=dtype, device=device, seed=seed, layers=layers, **config_overrides)
+    if loaded.kind != "causal-lm":
+        raise ValueError(f"{loaded.source} is not a causal LM: nothing to serve")
+    limit = getattr(loaded.config, "max_position_embeddings", None)
+    if limit and max_seq > limit:
+        raise ValueError(f"max_seq {max_seq} exceeds {loaded.source}'s context of {limit}")
+    with torch.device(device):
+        return ServingLM(loaded.model, max_batch, max_seq)
