@@ -83,8 +83,6 @@ class _InductorRecorder(_Recorder):
         for t in written:
             if t.untyped_storage()._cdata not in self.storages and t.untyped_storage()._cdata not in self.roles:
                 self._storage(t, producing=True)
-        if torch.Tag.nondeterministic_seeded in func.tags and _without_dropout(func, args, kwargs):
-            func = _Seedless(func)  # e.g. SDPA that inductor's pattern matcher inserted, dropout_p=0
         n = len(self.records)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if len(self.records) > n:
@@ -184,32 +182,6 @@ class _InductorRecorder(_Recorder):
         return k
 
 
-class _Seedless:
-    """An op tagged ``nondeterministic_seeded`` called with ``dropout_p == 0``:
-    it draws no random numbers, so the aten recorder may record it."""
-
-    def __init__(self, op) -> None:
-        self._op = op
-        self.tags = [t for t in op.tags if t != torch.Tag.nondeterministic_seeded]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._op, name)
-
-    def __call__(self, *args, **kwargs):
-        return self._op(*args, **kwargs)
-
-    def __str__(self) -> str:
-        return str(self._op)
-
-
-def _without_dropout(func, args, kwargs) -> bool:
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
-            return isinstance(v, (int, float)) and float(v) == 0.0
-    return False
-
-
 def a_device(args) -> int:
     for a in args:
         if isinstance(a, torch.Tensor) and a.device.type == "cuda":
@@ -292,6 +264,24 @@ def compile_model(model: torch.nn.Module, *, reset: bool = True, regions: str = 
     return model
 
 
+def _warm_up(compiled, inputs: dict[str, Any], warmup: int, device: torch.device, times: dict[str, float],
+             t0: float, label: str) -> None:
+    """Run the compiled model ``warmup`` times (compilation, autotuning);
+    a failure is a :class:`CaptureError`."""
+    try:
+        with torch.no_grad():
+            for i in range(max(1, warmup)):
+                compiled(**inputs)
+                _sync(device)
+                if i == 0:
+                    times["compile_s"] = time.perf_counter() - t0
+    except CaptureError:
+        raise
+    except Exception as e:
+        raise CaptureError(f"torch.compile (inductor) failed for {label}: "
+                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -356,20 +346,20 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                           "compiled as one graph instead of per block")
                 log.info("%s", reason)
         say("compiling")
+        given = compiled
         if compiled is None:
             compiled = compile_model(model, regions=regions)
         try:
-            with torch.no_grad():
-                for i in range(max(1, warmup)):
-                    compiled(**inputs)
-                    _sync(device)
-                    if i == 0:
-                        times["compile_s"] = time.perf_counter() - t0
-        except CaptureError:
-            raise
-        except Exception as e:
-            raise CaptureError(f"torch.compile (inductor) failed for {type(model).__name__}: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
+        except CaptureError as e:
+            if not reason or given is not None:
+                raise
+            # the whole graph did not compile: blocks after all, the host reads become guards
+            reason += f"; the whole graph failed ({e}): compiled per block, host reads guarded"
+            log.info("%s", reason)
+            restore()
+            compiled = compile_model(model, regions="blocks")
+            _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
         times["warmup_s"] = time.perf_counter() - t0 - times.get("compile_s", 0.0)
         restore()
         say("recording")
