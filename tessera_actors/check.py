@@ -20,8 +20,11 @@ A row is ``ok`` when every run of it is bitwise equal to its reference,
 except where the two sides ran on different kinds of device (a CPU and a
 GPU do not round alike): then language-model tokens (argmax of outputs
 named ``logits``, or of a lone [B, T, vocab] output) must be identical and the cosine similarity >= 0.9999.
-``CheckReport.ok`` is True only when every row is.  Blocking; runs on the
-calling thread; the model's state (if any) is left as it was.
+``CheckReport.ok`` is True only when every row is.  Every device's program
+runs in this process on the torch device its spec names (CPU thread options
+such as ``cpu?threads=1`` are not applied: same threads on both sides).
+Blocking; runs on the calling thread; the model's state (if any) is left as
+it was.
 """
 from __future__ import annotations
 

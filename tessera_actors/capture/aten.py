@@ -148,6 +148,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         qual = func._schema.name
         if qual == "aten::_local_scalar_dense":  # .item(), bool(t), int(t): keep the value, guard it
+            if args[0].is_meta:
+                raise CaptureError(f"host read of a tensor value {self._where()} while capturing on the meta "
+                                   "device: the value does not exist there (capture on a real device)")
             value = func(*args, **kwargs)
             record_guard(self._dispatch, args[0], value, user_site(), self.guards)
             return value
@@ -175,10 +178,13 @@ class _Recorder(TorchDispatchMode):
         accesses: list[tuple[int, int, int, str]] = []
         schema_args = func._schema.arguments
         enc_args = []
-        for i, v in enumerate(args):
-            enc_args.append(self._encode(v, accesses, lambda i=i: _mode(qual, schema_args[i] if i < len(schema_args) else None)))
-        by_name = {a.name: a for a in schema_args}
-        enc_kwargs = {k: self._encode(v, accesses, lambda k=k: _mode(qual, by_name.get(k))) for k, v in kwargs.items()}
+        try:
+            for i, v in enumerate(args):
+                enc_args.append(self._encode(v, accesses, lambda i=i: _mode(qual, schema_args[i] if i < len(schema_args) else None)))
+            by_name = {a.name: a for a in schema_args}
+            enc_kwargs = {k: self._encode(v, accesses, lambda k=k: _mode(qual, by_name.get(k))) for k, v in kwargs.items()}
+        except CaptureError as e:
+            raise CaptureError(f"{qual}: {e} ({self._where()})") from None
         enc_outs = []
         for t in outs:
             if not isinstance(t, torch.Tensor):
