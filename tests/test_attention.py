@@ -50,7 +50,7 @@ def test_sdpa_attention_equals_the_textbook_math(gqa, sinks, window):
             want = textbook(att, x, cos_t[positions], sin_t[positions], positions)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if sinks:
-        assert torch.count_nonzero(att.k_cache[:, :, -1]) == 0     # the sink slot is never written
+        assert torch.count_nonzero(att.k_cache[:, :, 10:]) == 0    # the sink slots are never written
 
 
 @pytest.mark.parametrize("name", ["llama", "moe"])

@@ -3,8 +3,9 @@ through ``F.scaled_dot_product_attention`` - the library kernels a user runs
 (flash / memory-efficient / cuDNN attention on GPUs, the fused CPU kernel).
 
 Cache layout: ``k_cache``/``v_cache`` are state buffers of shape
-``[max_batch, n_kv_heads, max_seq, head_dim]`` (``max_seq + 1`` slots with
-attention sinks: the last slot stays zero, see below).  A forward with ``B``
+``[max_batch, n_kv_heads, max_seq, head_dim]`` (with attention sinks,
+``max_seq`` rounded up to the next multiple of 16 above it: slot ``max_seq``
+carries the sink, the spare slots stay zero and masked, see below).  A forward with ``B``
 rows uses the first ``B`` cache rows (rows ``row_base`` .. when ``row_base`` is set, or the rows named by ``rows``); token
 ``t`` of row ``b`` is written at ``positions[b, t]`` with ``index_put_``
 (unique indices -> deterministic), and attends to every cache slot ``s``
@@ -24,9 +25,10 @@ GQA (``gqa``):
     without native GQA for masked attention fall back to a path that repeats
     the cache per query head.
 Attention sinks (GPT-oss): a learned per-head logit in the softmax
-denominator.  Implemented as one extra, always-zero cache slot whose
+denominator.  Implemented as an extra, always-zero cache slot whose
 additive mask entry is the sink logit: it adds ``exp(sink)`` to the
-denominator and nothing to the output.
+denominator and nothing to the output.  Positions must stay below
+``max_seq`` (the slots above it are the sink's).
 """
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ class CachedAttention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.row_base = 0  # without ``rows``: the batch uses cache rows row_base .. row_base+B-1
-        slots = max_seq + (1 if sinks else 0)
+        # sinks: one zero slot for the sink logit, padded so rows stay 16-element aligned for the kernels
+        slots = max_seq + ((16 - max_seq % 16) if sinks else 0)
         register_state(self, "k_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
         register_state(self, "v_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
 
@@ -97,11 +100,12 @@ class CachedAttention(nn.Module):
         if self.sinks is None:
             return mask
         B, T = positions.shape
-        H = self.n_heads
+        H, pad = self.n_heads, self.k_cache.shape[2] - S - 1
         add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         add = add.expand(B, H, T, S)                                                            # [B,H,T,S]
         sink = self.sinks.to(dtype).view(1, H, 1, 1).expand(B, H, T, 1)
-        return torch.cat([add, sink], dim=-1)                                                   # [B,H,T,S+1]
+        unused = torch.full((1, 1, 1, 1), float("-inf"), dtype=dtype, device=mask.device).expand(B, H, T, pad)
+        return torch.cat([add, sink, unused], dim=-1)                                           # [B,H,T,slots]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
                 rows: Tensor | None = None) -> Tensor:

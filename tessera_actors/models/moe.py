@@ -17,7 +17,8 @@ Static-shape expert dispatch (``MoEConfig.dispatch``):
     Shapes are static ([N*k, ...] whatever the routing); only offsets and
     indices carry the routing, as values.  Each expert's weights are read
     once, and only the FLOPs of the chosen experts are spent.  Needs rows
-    16-byte aligned (``dim``, ``expert_dim`` multiples of 8).
+    16-byte aligned (``dim``, ``expert_dim`` multiples of 8); on CUDA the
+    grouped GEMM is a bf16 kernel, so other dtypes there take ``"gather"``.
   ``"dense"``: every expert runs on every token as one batched matmul over
     the expert dimension, combined with a sparse gate matrix [N, E]; wastes
     E/k x FLOPs (kept as a baseline).
@@ -124,9 +125,12 @@ class Experts(nn.Module):
         logits = self.router(flat)                                    # [N, E]
         top_val, top_idx = torch.topk(logits, self.cfg.top_k, dim=-1)  # [N, k]
         weights = torch.softmax(top_val.float(), dim=-1).to(x.dtype)
-        if self.cfg.dispatch == "grouped":
+        dispatch = self.cfg.dispatch
+        if dispatch == "grouped" and flat.is_cuda and flat.dtype != torch.bfloat16:
+            dispatch = "gather"  # CUDA grouped GEMMs are bf16 kernels
+        if dispatch == "grouped":
             out = self._grouped(flat, top_idx, weights)
-        elif self.cfg.dispatch == "dense":
+        elif dispatch == "dense":
             gate = torch.zeros_like(logits).scatter(1, top_idx, weights)  # [N, E], k nonzeros/row
             h = torch.matmul(flat[None], self.gate_up) + self.gate_up_bias[:, None, :]  # [E, N, 2I]
             y = torch.matmul(self._activation(h), self.down) + self.down_bias[:, None, :]  # [E, N, D]
