@@ -22,7 +22,9 @@ batch ``--batch`` and 1, named so - three numbers:
   measured here (8192^3).
 
 Ratios: ``tessera / compile`` (overhead of the product's path) and
-``floor / tessera`` (fraction of the physical limit reached).
+``floor / tessera`` (fraction of the physical limit reached).  Runs split by
+``--models`` (GPU time limits) into one ``--out`` folder of the same commit
+and ``--gqa`` add up to one ``roofline.json``.
 """
 from __future__ import annotations
 
@@ -240,7 +242,17 @@ def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
     meta = {"commit": _git_commit(), "command": sys.argv, "gpu": torch.cuda.get_device_name(device),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "config": asdict(cfg), "bandwidth_Bps": bandwidth, "gemm_flops": gemm}
+    path = out / "roofline.json"
     rows: list[dict[str, Any]] = []
+    if path.exists():  # runs split by model (GPU time limits) add up to one table of the same commit
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = {}
+        same = old.get("meta", {}).get("commit") == meta["commit"] and old["meta"].get("config", {}).get("gqa") == cfg.gqa
+        if same:
+            rows = [r for r in old.get("rows", []) if r.get("model") not in cfg.models]
+            meta["runs"] = old["meta"].get("runs", [old["meta"]["command"]]) + [meta["command"]]
     for name in cfg.models:
         for case in ("decode", "prefill"):
             try:
@@ -248,7 +260,7 @@ def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
             except Exception as e:  # one model failing must not lose the others' numbers
                 rows.append({"model": name, "case": case, "error": f"{type(e).__name__}: {e}"})
                 print(f"  {name} {case}: {rows[-1]['error']}", flush=True)
-            (out / "roofline.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+            path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     print(format_table(rows))
-    print(f"wrote {out / 'roofline.json'}")
+    print(f"wrote {path}")
     return rows
