@@ -18,7 +18,8 @@ Static-shape expert dispatch (``MoEConfig.dispatch``):
     indices carry the routing, as values.  Each expert's weights are read
     once, and only the FLOPs of the chosen experts are spent.  Needs rows
     16-byte aligned (``dim``, ``expert_dim`` multiples of 8); on CUDA the
-    grouped GEMM is a bf16 kernel, so other dtypes there take ``"gather"``.
+    grouped GEMM is a bf16 kernel, so other dtypes there (and on the meta
+    device) take ``"gather"``.
   ``"dense"``: every expert runs on every token as one batched matmul over
     the expert dimension, combined with a sparse gate matrix [N, E]; wastes
     E/k x FLOPs (kept as a baseline).
@@ -126,8 +127,8 @@ class Experts(nn.Module):
         top_val, top_idx = torch.topk(logits, self.cfg.top_k, dim=-1)  # [N, k]
         weights = torch.softmax(top_val.float(), dim=-1).to(x.dtype)
         dispatch = self.cfg.dispatch
-        if dispatch == "grouped" and flat.is_cuda and flat.dtype != torch.bfloat16:
-            dispatch = "gather"  # CUDA grouped GEMMs are bf16 kernels
+        if dispatch == "grouped" and (flat.is_cuda or flat.is_meta) and flat.dtype != torch.bfloat16:
+            dispatch = "gather"  # CUDA grouped GEMMs (and their meta shapes) are bf16 only
         if dispatch == "grouped":
             out = self._grouped(flat, top_idx, weights)
         elif dispatch == "dense":
