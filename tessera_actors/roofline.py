@@ -135,9 +135,28 @@ def step_bytes(graph) -> int:
     return sum(e - s for ranges in list(read.values()) + list(written.values()) for s, e in _merge(ranges))
 
 
+def _sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """q @ k^T and p @ v of attention, any head grouping (q [B, Hq, T, d])."""
+    b, h, t, d = q
+    return 2 * b * h * t * k[-2] * d + 2 * b * h * t * k[-2] * v[-1]
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """Rows of ``a`` [M, K] each multiplied by one expert matrix of ``b`` [E, K, N]."""
+    return 2 * a[0] * a[1] * b[-1]
+
+
 def step_flops(model: torch.nn.Module, inputs: dict[str, Any]) -> float:
+    """FLOPs of one eager step (torch's flop counter, with GQA-aware attention
+    and grouped-GEMM formulas: torch's own count neither)."""
     from torch.utils.flop_counter import FlopCounterMode
-    counter = FlopCounterMode(display=False)
+    aten = torch.ops.aten
+    mapping = {getattr(aten, n): _sdpa_flops for n in (  # keyed by op packet, as the counter looks up
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+        if hasattr(aten, n)}
+    mapping[aten._grouped_mm] = _grouped_mm_flops
+    counter = FlopCounterMode(display=False, custom_mapping=mapping)
     with torch.no_grad(), counter:
         model(**inputs)
     return float(counter.get_total_flops())

@@ -27,3 +27,14 @@ def test_cases_are_named_by_what_runs():
            "bytes": 1e9, "flops": 1e12, "tessera_over_compile": 1.1, "floor_fraction": 90 / 110}
     table = format_table([row, {"model": "moe", "case": "decode", "error": "boom"}])
     assert "1.100" in table and "0.818" in table and "error: boom" in table
+
+
+def test_flops_count_grouped_experts_and_attention_like_the_textbook():
+    grouped, gather = models.get("moe", dispatch="grouped"), models.get("moe", dispatch="gather")
+    x = grouped.example_inputs("prefill", batch=1, seq=16)
+    assert step_flops(grouped, x) == step_flops(gather, x)     # grouped GEMMs counted as the bmm they replace
+    cfg = grouped.cfg
+    attn = cfg.n_layers * 4 * 16 * cfg.n_heads * cfg.max_seq * cfg.head_dim   # q@k and p@v over every slot
+    from tessera_actors.roofline import _sdpa_flops
+    assert _sdpa_flops((1, cfg.n_heads, 16, cfg.head_dim), (1, 2, cfg.max_seq, cfg.head_dim),
+                       (1, 2, cfg.max_seq, cfg.head_dim)) * cfg.n_layers == attn
