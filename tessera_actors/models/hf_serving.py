@@ -94,7 +94,7 @@ class ServingLM(nn.Module):
         for i in range(cfg.num_hidden_layers):
             register_state(self.cache, f"k{i}", torch.zeros(max_batch, kv, max_seq, hd, dtype=dtype, device=device))
             register_state(self.cache, f"v{i}", torch.zeros(max_batch, kv, max_seq, hd, dtype=dtype, device=device))
-        self.config = cfg
+        self.config = self.cfg = cfg  # ``cfg.vocab_size`` as the reference models have it
         self.eval().requires_grad_(False)
 
     def state_names(self) -> list[str]:
