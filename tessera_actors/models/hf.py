@@ -119,18 +119,20 @@ def _gguf_config(path: str, overrides: dict[str, Any]):
 def _from_gguf(path: str, cfg) -> torch.nn.Module:
     """Weights read by transformers from a GGUF file (what
     ``from_pretrained(dir, gguf_file=...)`` does, without needing accelerate)."""
-    from transformers.initialization import no_init_weights
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    from transformers.utils import logging as tf_logging
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        from transformers.modeling_utils import no_init_weights
     with no_init_weights():  # every weight comes from the file: skip the random init
         model = _model_class(cfg)(cfg)
-    bar = tf_logging.is_progress_bar_enabled()
-    tf_logging.disable_progress_bar()
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = lambda it, **kw: it  # no progress bar on stderr for a library call
     try:
         tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
     finally:
-        if bar:
-            tf_logging.enable_progress_bar()
+        gguf_utils.tqdm = bar
     want = dict(model.state_dict())
     state = {k: v for k, v in tensors.items() if k in want}
     missing = set(want) - set(state)
