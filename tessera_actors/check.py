@@ -61,11 +61,11 @@ class CheckReport:
         return bool(self.rows) and all(r["ok"] for r in self.rows)
 
     def table(self) -> str:
-        head = f"{'case':<28} {'reference':<14} {'runs':>4} {'bitwise':>8} {'max abs':>10} {'cosine':>10} {'tokens':>7}  verdict"
+        head = f"{'case':<32} {'reference':<14} {'runs':>4} {'bitwise':>8} {'max abs':>10} {'cosine':>10} {'tokens':>7}  verdict"
         lines = [head, "-" * len(head)]
         for r in self.rows:
             tok = "-" if r["tokens"] is None else ("same" if r["tokens"] else "DIFF")
-            lines.append(f"{r['case']:<28} {r['reference']:<14} {r['runs']:>4} "
+            lines.append(f"{r['case']:<32} {r['reference']:<14} {r['runs']:>4} "
                          f"{('yes' if r['bitwise'] else 'NO'):>8} {r['max_abs']:>10.3g} {r['cosine']:>10.7f} "
                          f"{tok:>7}  {'ok' if r['ok'] else 'FAIL'}")
         i = self.info
@@ -181,7 +181,7 @@ def check(model: torch.nn.Module, inputs: dict[str, Any], devices: Sequence[str]
     for case, plan in named:
         out = run(plan)
         if len(set(plan.assignment)) < 2:  # named by what ran
-            case = case.replace("split", "plan") + " (one device)"
+            case = case.replace(" split (", " (one device, ")
         used = {kinds[d] for d in set(plan.assignment)}
         split = {"kernels_per_device": plan.kernels_per_device(), "bytes_moved": plan.bytes_per_step()}
         rows.append(dict(_row(case, "single-device", [_compare(out, single, names, vocab)], used <= {kinds[0]}), **split))
