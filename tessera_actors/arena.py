@@ -12,9 +12,8 @@ Measured per model (random weights, real layer shapes, ``--layers`` layers):
   executed with the pipelined executor (segments as CUDA graphs);
   Request Distribution from the Homo runs (a replica per device);
 * prefill of one ``--prompt``-token request: Homo-L, Homo-R, Tessera latency;
-* the conversation workload (``--prompt`` in, ``--out-tokens`` out per
-  request): output tokens/s per policy, PD as a two-stage pipeline (prefill
-  on one device, decode on the other, KV cache moved over the link);
+* no workload numbers: served requests are measured through the serving
+  engine (``tessera bench serve``), never computed from step times here;
 * the ideal zero-communication kernel split from the same run's profiles;
 * predicted (simulated from the profiles) vs measured step times;
 * cost efficiency with declared prices (R priced in proportion to its SMs).
@@ -361,35 +360,7 @@ def run_prefill(cfg: ArenaConfig, name: str, backends, decode: dict[str, Any]) -
     t["Tessera"] = measure(pre, lat, backends, 1, max(3, cfg.steps // 4))
     for k, v in t.items():
         log(f"  prefill 1x{cfg.prompt} {k:<10} {v * 1e6:9.0f} us")
-    # decode seconds per batch-sized step (pipelined policies: per micro-batch)
-    dec = {r["policy"]: r["step_us"] * 1e-6 / r["microbatches"] for r in decode["decode"]}
-    kv_bytes = sum(b.nbytes for b in pre.graph.buffers.values() if b.role == "state") / max(cfg.batch, 1)
-    kv_s = cfg.link_latency_s + kv_bytes / cfg.link_bandwidth
-
-    def workload(prefill_s: float, decode_step_s: float) -> float:
-        # one batch: every request prefilled, then out_tokens decode steps
-        return cfg.batch * cfg.out_tokens / (cfg.batch * prefill_s + cfg.out_tokens * decode_step_s)
-    wl = {"Homo-L": workload(t["Homo-L"], dec["Homo-L"]), "Homo-R": workload(t["Homo-R"], dec["Homo-R"])}
-    wl["Request Distribution"] = wl["Homo-L"] + wl["Homo-R"]
-    pd = []
-    for pre_dev, dec_dev in (("Homo-L", "Homo-R"), ("Homo-R", "Homo-L")):
-        req_rate = min(1 / (t[pre_dev] + kv_s), cfg.batch / (cfg.out_tokens * dec[dec_dev]))
-        pd.append(req_rate * cfg.out_tokens)
-    wl["PD"] = max(pd)
-    for pol in ("AF", "layer split"):  # their prefill: on L alone (the better single device)
-        if pol in dec:
-            wl[pol] = workload(min(t["Homo-L"], t["Homo-R"]), dec[pol])
-    per_token = {r["policy"]: r["step_us"] * 1e-6 / r["microbatches"] for r in decode["decode"]}
-    best_step = min(v for k, v in per_token.items() if k.startswith("Tessera") and "GiB" not in k)
-    # Tessera plans every bucket: prefill by its latency plan, or - like its
-    # decode mix - by a replica per device (both prefilling), whichever serves
-    # more; the devices alternate between the phases: a batch of requests
-    # costs its prefills at the prefill rate plus its decode steps
-    both = 1 / t["Homo-L"] + 1 / t["Homo-R"]
-    wl["Tessera"] = max(workload(t["Tessera"], best_step),
-                        cfg.batch * cfg.out_tokens / (cfg.batch / both + cfg.out_tokens * best_step))
-    log("  workload output tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in wl.items()))
-    return {"prefill_us": {k: v * 1e6 for k, v in t.items()}, "workload_tokens_per_s": wl}
+    return {"prefill_us": {k: v * 1e6 for k, v in t.items()}}
 
 
 def print_table(results: list[dict[str, Any]], cfg: ArenaConfig) -> str:
@@ -407,10 +378,6 @@ def print_table(results: list[dict[str, Any]], cfg: ArenaConfig) -> str:
             lines.append(f"| {res['model']} | {r['policy']} | {r['step_us']:.0f} | {pred} | {r['tokens_per_s']:.0f} | "
                          f"{r['of_ideal'] * 100:.1f}% | {r['tokens_per_dollar']:.3g} | {r['tokens_per_s'] / best_other:.2f} "
                          f"| {busy} |")
-        if "workload_tokens_per_s" in res:
-            wl = res["workload_tokens_per_s"]
-            lines.append(f"| {res['model']} | workload tok/s | " + ", ".join(f"{k}: {v:.0f}" for k, v in wl.items())
-                         + " | | | | | | |")
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@
   tessera check      capture a model, replay it in random orders and splits, print a verdict
   tessera plan       place a graph file on devices and compare with the baselines
   tessera node       run a node daemon (same as python -m tessera_actors.node)
+  tessera serve      serve a model over the OpenAI API, with a chat page at /
 """
 from __future__ import annotations
 
@@ -108,6 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--measure-links", action="store_true",
                    help="time the L<->R copies for the cost table (default: 25 us + 385 GB/s, DESIGN.md)")
     b.set_defaults(fn=_arena)
+    from .serving import loadgen
+    b = bsub.add_parser("serve", help="replay a request trace through tessera serve (--url) or an in-process AsyncEngine")
+    loadgen.add_arguments(b)
+    b.set_defaults(fn=loadgen.run_command)
+
+    from .serving import server
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page")
+    server.add_arguments(p)
+    p.set_defaults(fn=server.run_command)
 
     from . import roofline
     b = bsub.add_parser("roofline", help="one GPU: tessera step vs torch.compile(reduce-overhead) vs the HBM/GEMM floor")

@@ -43,6 +43,7 @@ class EngineConfig:
     heartbeat_s: float = 0.25
     lost_after_s: float = 1.5
     seed: int = 0
+    profile: bool = False       # time the reference bucket's kernels on each in-process device for the planner
     trace_dir: str | None = None
     overrides: dict = field(default_factory=dict)   # extra model config fields
 
