@@ -84,6 +84,13 @@ def format_summary(graph: KernelGraph, path: str | None = None) -> str:
     if s["disagreements"]:
         lines.append(f"ptx/inductor access disagreements in {s['disagreements']} launches (writes unioned)")
     lines.append("bytes    " + ", ".join(f"{r} {_mib(b)}" for r, b in s["bytes_by_role"].items()))
+    guards = graph.meta.get("guards") or []
+    if guards:
+        lines.append(f"guards   {len(guards)} host reads checked at replay (first at {guards[0]['site']})")
+    if graph.meta.get("constants"):
+        lines.append(f"consts   {graph.meta['constants']}")
+    if graph.meta.get("regions_reason"):
+        lines.append(f"regions  {graph.meta['regions']}: {graph.meta['regions_reason']}")
     times = graph.meta.get("capture_times")
     if times:
         lines.append("time     " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
