@@ -230,6 +230,24 @@ def repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return taken
 
 
+def choose_regions(model: torch.nn.Module, inputs: dict[str, Any], regions: str = "auto") -> tuple[str, str]:
+    """(regions, reason): ``"auto"`` becomes ``"whole"`` when the model has
+    repeated blocks and its eager forward reads tensor values on the host
+    (code between compiled blocks runs eagerly; compiled as one graph it is
+    traced instead); otherwise ``regions`` is kept.  Runs ``model(**inputs)``
+    once eagerly when it has to look (the caller restores any state)."""
+    if regions != "auto" or not repeated_blocks(model):
+        return regions, ""
+    with torch.no_grad():
+        sites = host_read_sites(model, inputs)
+    if not sites:
+        return regions, ""
+    reason = (f"host reads in the eager forward ({len(sites)}, first at {sites[0]}): "
+              "compiled as one graph instead of per block")
+    log.info("%s", reason)
+    return "whole", reason
+
+
 def compile_model(model: torch.nn.Module, *, reset: bool = True, regions: str = "auto") -> Callable[..., Any]:
     """``torch.compile`` with inductor, fullgraph, static shapes, no CUDA graphs.
 
@@ -335,16 +353,10 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     try:
         t0 = time.perf_counter()
         reason = ""
-        if compiled is None and regions == "auto" and repeated_blocks(model):
-            say("looking for host reads")
-            with torch.no_grad():
-                sites = host_read_sites(model, inputs)
+        if compiled is None:
+            say("choosing regions")
+            regions, reason = choose_regions(model, inputs, regions)
             restore()
-            if sites:
-                regions = "whole"
-                reason = (f"host reads in the eager forward ({len(sites)}, first at {sites[0]}): "
-                          "compiled as one graph instead of per block")
-                log.info("%s", reason)
         say("compiling")
         given = compiled
         if compiled is None:
@@ -404,4 +416,4 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
         restore()
 
 
-__all__ = ["capture_inductor", "compile_model", "repeated_blocks", "dense", "ptx_text", "triton_source", "unpack_text"]
+__all__ = ["capture_inductor", "choose_regions", "compile_model", "repeated_blocks", "dense", "ptx_text", "triton_source", "unpack_text"]
