@@ -27,6 +27,7 @@ analysis finds indirect are listed in ``graph.meta["indirect_kernels"]``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Callable
 
@@ -296,8 +297,11 @@ def _warm_up(compiled, inputs: dict[str, Any], warmup: int, device: torch.device
     except CaptureError:
         raise
     except Exception as e:
+        text = str(e)
+        frames = re.findall(r'File "([^"]+)", line (\d+)', text)  # dynamo names the user code it stopped at
+        where = f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else ""
         raise CaptureError(f"torch.compile (inductor) failed for {label}: "
-                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                           f"{type(e).__name__}: {text.splitlines()[0] if text else ''}{where}") from e
 
 
 def _sync(device: torch.device) -> None:
