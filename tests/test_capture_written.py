@@ -106,3 +106,26 @@ def test_host_reads_are_guards_checked_at_replay():
 def test_data_dependent_shapes_are_refused_with_the_op_and_line():
     with pytest.raises(CaptureError, match=r"aten::nonzero has a data-dependent output shape \(at .*test_capture_written.py:\d+"):
         capture(lambda x: torch.nonzero(x), {"x": torch.ones(3)})
+
+
+def test_host_reads_of_other_threads_are_not_part_of_the_capture():
+    import threading
+    other = torch.arange(4)
+    seen = []
+    started, release = threading.Event(), threading.Event()
+
+    def reader():
+        started.set()
+        release.wait(timeout=30)
+        seen.append(other.tolist())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    started.wait(timeout=30)
+
+    def fn(x):
+        release.set()
+        t.join(timeout=30)          # the other thread reads while this one captures
+        return x * 2
+    res = capture(fn, {"x": torch.ones(3)})
+    assert seen == [[0, 1, 2, 3]] and res.graph.meta["guards"] == []

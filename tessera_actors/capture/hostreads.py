@@ -20,6 +20,7 @@ always fails its guard).  ``graph.meta["guards"]`` lists every guard
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -72,16 +73,22 @@ def record_guard(dispatch: Callable, t: torch.Tensor, value: Any, site: str, gua
 @contextmanager
 def python_level_reads(on_tolist: Callable[[torch.Tensor, Any], None]) -> Iterator[None]:
     """During capture: ``Tensor.tolist`` (which reads memory without an aten
-    op) reports to ``on_tolist(tensor, result)``; ``Tensor.numpy`` is refused."""
+    op) reports to ``on_tolist(tensor, result)``; ``Tensor.numpy`` is refused.
+    Only calls from the capturing thread count (like the dispatch mode, which
+    is thread-local): other threads' calls behave as always."""
     from .aten import CaptureError
     orig_tolist, orig_numpy = torch.Tensor.tolist, torch.Tensor.numpy
+    me = threading.get_ident()
 
     def tolist(self: torch.Tensor):
         out = orig_tolist(self)
-        on_tolist(self, out)
+        if threading.get_ident() == me:
+            on_tolist(self, out)
         return out
 
     def numpy(self: torch.Tensor, *a, **k):
+        if threading.get_ident() != me:
+            return orig_numpy(self, *a, **k)
         raise CaptureError(f"host read Tensor.numpy() at {user_site()}: a captured program cannot hand "
                            "tensor memory to numpy (use tensor ops, or .tolist()/.item(), which are guarded)")
     torch.Tensor.tolist, torch.Tensor.numpy = tolist, numpy
