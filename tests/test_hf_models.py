@@ -118,3 +118,16 @@ def test_default_transformers_model_captured_by_inductor_with_default_regions(ar
     assert len(eager) == len(res.outputs)
     cos = torch.nn.functional.cosine_similarity(res.outputs[0].float().flatten(), eager[0].float().flatten(), dim=0)
     assert cos > 0.99
+
+
+def test_hf_folders_load_their_weights_or_a_seeded_random_init(tmp_path):
+    saved = hf.load("hf:tiny-qwen2", seed=3)
+    saved.model.save_pretrained(str(tmp_path))
+    again = hf.load(f"hf:{tmp_path}")                     # config.json + safetensors: from_pretrained
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert same(saved.model, again.model)
+    (tmp_path / "model.safetensors").unlink()
+    assert same(saved.model, hf.load(f"hf:{tmp_path}", seed=3).model)          # config only: random init, seeded
+    assert not same(saved.model, hf.load(f"hf:{tmp_path}", seed=4).model)
+    with pytest.raises(FileNotFoundError, match="hub is not used"):
+        hf.load("hf:no/such/model")
