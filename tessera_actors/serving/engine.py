@@ -263,13 +263,20 @@ class AsyncEngine:
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
 
-    def _emit(self, req: _Request, out: RequestOutput) -> None:
-        self._outbox.append((req, out))
+    def _emit(self, req: _Request, token: int, logprob: float, reason: str | None, text: str | None,
+              final: bool, eos: bool, generated: int) -> None:
+        """Queue a stream piece; ``text`` None: detokenize when delivered."""
+        self._outbox.append((req, token, logprob, reason, text, final, eos, generated))
 
     def _deliver(self) -> None:
+        """Detokenize and hand out the queued pieces (after the next steps
+        were sent: this host work overlaps the devices' work)."""
         box, self._outbox = self._outbox, []
-        for req, out in box:
-            req.out.put_nowait(out)
+        for req, token, logprob, reason, text, final, eos, generated in box:
+            if text is None:
+                text = req.detok.push([] if eos else [token], final=final) if req.detok is not None else ""
+            req.out.put_nowait(RequestOutput(req.seq.rid, text, [token], reason,
+                                             Usage(len(req.seq.prompt), generated), [logprob]))
 
     def _admit(self) -> None:
         while self._waiting and self.slots.free():
@@ -366,20 +373,19 @@ class AsyncEngine:
         is_eos = eos is not None and token == eos and not p.ignore_eos
         length = len(seq.generated) >= p.max_tokens or seq.position + 1 >= self.max_model_len
         final = is_eos or length
-        text = ""
-        if req.detok is not None:
+        text = None
+        if req.detok is not None and req.detok.stop:   # a stop string decides whether the row decodes on
             text = req.detok.push([] if is_eos else [token], final=final)
         stopped = req.detok is not None and req.detok.stopped
-        usage = Usage(len(seq.prompt), len(seq.generated))
         reason = "stop" if (is_eos or stopped) else ("length" if length else None)
+        token = int(token)
+        self._emit(req, token, logprob, reason, text, final, is_eos, len(seq.generated))
         if reason is None:
-            self._emit(req, RequestOutput(seq.rid, text, [int(token)], None, usage, [logprob]))
             return
         req.finished = reason
         seq.phase = "done"
         self.slots.release(seq.slot)
         self._requests.pop(seq.rid, None)
-        self._emit(req, RequestOutput(seq.rid, text, [int(token)], reason, usage, [logprob]))
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
 

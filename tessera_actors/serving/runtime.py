@@ -107,7 +107,7 @@ class Runtime:
                 if time.monotonic() > deadline:
                     raise EngineDead("node processes did not register within 60 s")
                 await asyncio.sleep(0.02)
-            for node in self.cluster.nodes:
+            for node in self.cluster.nodes if cfg.watch_processes else ():
                 self._watchers.append(asyncio.get_running_loop().create_task(self._watch_exit(node)))
         else:
             specs = parse_devices(cfg.devices)
