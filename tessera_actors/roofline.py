@@ -97,6 +97,8 @@ def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tu
     else:
         batch, seq = (cfg.batch, 1) if case == "decode" else (1, cfg.prompt)
         label = f"decode b{batch} c{cfg.cache}" if case == "decode" else f"prefill 1x{cfg.prompt}"
+        if name == "mamba2" and case == "decode":
+            label = f"decode b{batch}"  # an SSM state, no KV cache
         pos = cfg.cache - 2 if case == "decode" else 0
         kind = case
         if name == "vlm":
