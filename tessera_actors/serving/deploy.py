@@ -155,15 +155,23 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
     try:
-        key = tuple(sorted(kw.items()))
-        try:
-            hash(key)
-        except TypeError:   # an unhashable override (a dict): build it afresh
-            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+        if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
+            from ..models import hf
+            cfg.kv_windows = (cfg.max_model_len,)   # its attention reads the whole cache
+            real = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   **cfg.overrides)
+            meta = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   device="meta", **cfg.overrides)
         else:
-            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
-        meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
-    except (KeyError, TypeError) as e:
+            key = tuple(sorted(kw.items()))
+            try:
+                hash(key)
+            except TypeError:   # an unhashable override (a dict): build it afresh
+                real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+            else:
+                real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
+            meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
     params = inspect.signature(real.forward).parameters
     if not {"input_ids", "positions", "rows", "last"} <= set(params):
@@ -188,7 +196,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
                 raise EngineError(f"bucket {b.name}: {buf.name!r} is written but is not a state buffer")
         graphs[b.name], values[b.name], buckets[b.name] = cap.graph, vals, b
     meta_gguf = None
-    if cfg.model == "smollm2":
+    if cfg.model in ("smollm2", "hf:smollm2"):
         from ..models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
