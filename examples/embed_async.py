@@ -1,26 +1,52 @@
-"""The serving engine embedded in a plain asyncio program.
+"""Embedding tessera-actors in your own asyncio program: no HTTP server, an
+``AsyncEngine`` in this process (two CPU devices as actors, a split plan),
+replies streamed from a coroutine.
 
-    python examples/embed_async.py "What is the capital of France?"
+    python examples/embed_async.py "Write a haiku about GPUs"
+    python examples/embed_async.py --nodes 'cpu;cpu?threads=1' "Ça va ?"   # two node processes
 
-Streams the reply of SmolLM2-135M-Instruct (real weights, split over two
-CPU devices) as whole characters, then prints the placement and usage.
+Each ``out.text`` holds whole characters only (the engine detokenizes
+incrementally), so printing the pieces as they come never shows half of a
+multi-byte character.  Two requests run at once to show continuous batching:
+their pieces interleave, each tagged with its request id.
 """
+from __future__ import annotations
+
+import argparse
 import asyncio
-import sys
 
 from tessera_actors import AsyncEngine, SamplingParams
 
 
-async def main(question: str) -> None:
-    async with AsyncEngine(model="smollm2", devices="cpu,cpu", max_seqs=4, max_model_len=1024) as eng:
-        chat = [{"role": "user", "content": question}]
-        last = None
-        async for out in eng.generate(chat, SamplingParams(max_tokens=96, temperature=0.0)):
+async def ask(eng: AsyncEngine, rid: str, question: str, max_tokens: int) -> str:
+    chat = [{"role": "user", "content": question}]
+    reply = []
+    async for out in eng.generate(chat, SamplingParams(max_tokens=max_tokens), request_id=rid):
+        reply.append(out.text)
+        if out.finish_reason:
+            print(f"\n[{rid}] done: {out.finish_reason}, {out.usage.prompt_tokens} prompt + "
+                  f"{out.usage.completion_tokens} generated tokens", flush=True)
+    return "".join(reply)
+
+
+async def main(a: argparse.Namespace) -> None:
+    where = {"nodes": [n for n in a.nodes.split(";") if n]} if a.nodes else {"devices": a.devices}
+    async with AsyncEngine(model="smollm2", **where) as eng:
+        # one request streamed character by character as it is generated
+        async for out in eng.generate([{"role": "user", "content": a.question}],
+                                      SamplingParams(max_tokens=a.max_tokens), request_id="r1"):
             print(out.text, end="", flush=True)
-            last = out
-        print(f"\n[{last.finish_reason}; {last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} "
-              f"generated tokens; placement {eng.stats()['placement']}]")
+        print()
+        # two at once: the engine batches them into the same decode steps
+        first, second = await asyncio.gather(ask(eng, "r2", "What is the capital of France?", a.max_tokens),
+                                             ask(eng, "r3", "Comment ça va ?", a.max_tokens))
+        print(f"r2: {first}\nr3: {second}")
 
 
 if __name__ == "__main__":
-    asyncio.run(main(" ".join(sys.argv[1:]) or "Say something in French, please."))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("question", nargs="?", default="What is the capital of France?")
+    ap.add_argument("--devices", default="cpu,cpu")
+    ap.add_argument("--nodes", default=None, help="node processes instead, ';' between nodes")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    asyncio.run(main(ap.parse_args()))

@@ -34,6 +34,7 @@ class EngineConfig:
     max_queue: int = 256
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     prefill_buckets: tuple[int, ...] = (32, 128)
+    kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
     planner: str = "contiguous"
     mode: str = "auto"
     groups: int = 2
@@ -42,7 +43,9 @@ class EngineConfig:
     step_timeout: float = 60.0
     heartbeat_s: float = 0.25
     lost_after_s: float = 1.5
+    watch_processes: bool = True   # node processes the engine started: their exit is a loss at once
     seed: int = 0
+    profile: bool = False       # time the reference bucket's kernels on each in-process device for the planner
     trace_dir: str | None = None
     overrides: dict = field(default_factory=dict)   # extra model config fields
 
@@ -64,6 +67,10 @@ class EngineConfig:
         if any(b < 1 for b in self.prefill_buckets):
             raise bad(f"prefill_buckets must be positive sizes, got {self.prefill_buckets}")
         self.prefill_buckets = tuple(b for b in self.prefill_buckets if b < self.max_model_len)
+        if self.kv_windows is None:
+            self.kv_windows = (512,) if self.max_model_len > 512 else ()
+        self.kv_windows = tuple(sorted({int(w) for w in self.kv_windows if 0 < int(w) < self.max_model_len}
+                                       | {self.max_model_len}))
         if self.mode not in ("latency", "throughput", "auto"):
             raise bad(f"mode must be latency, throughput or auto, got {self.mode!r}")
         if self.groups < 1:

@@ -36,7 +36,7 @@ from typing import AsyncIterator
 from ..planning.monitor import Monitor
 from .batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
 from .config import EngineConfig
-from .deploy import decode_sizes, load_served_model
+from .deploy import bucket_name, decode_sizes, load_served_model, window_for
 from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from .runtime import Runtime, StepFailed
 from .text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
@@ -242,10 +242,11 @@ class AsyncEngine:
                 self._launch(inflight)
                 self._deliver()   # after the launch: the new steps' messages go out before the streams wake
                 self._wake.clear()
-                waits = set(inflight) | {asyncio.ensure_future(self._wake.wait())}
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for t in waits - set(inflight):
-                    t.cancel()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    done, _ = await asyncio.wait(set(inflight) | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
                 for t in done:
                     if t in inflight:
                         self._complete(t, inflight.pop(t))
@@ -262,13 +263,20 @@ class AsyncEngine:
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
 
-    def _emit(self, req: _Request, out: RequestOutput) -> None:
-        self._outbox.append((req, out))
+    def _emit(self, req: _Request, token: int, logprob: float, reason: str | None, text: str | None,
+              final: bool, eos: bool, generated: int) -> None:
+        """Queue a stream piece; ``text`` None: detokenize when delivered."""
+        self._outbox.append((req, token, logprob, reason, text, final, eos, generated))
 
     def _deliver(self) -> None:
+        """Detokenize and hand out the queued pieces (after the next steps
+        were sent: this host work overlaps the devices' work)."""
         box, self._outbox = self._outbox, []
-        for req, out in box:
-            req.out.put_nowait(out)
+        for req, token, logprob, reason, text, final, eos, generated in box:
+            if text is None:
+                text = req.detok.push([] if eos else [token], final=final) if req.detok is not None else ""
+            req.out.put_nowait(RequestOutput(req.seq.rid, text, [token], reason,
+                                             Usage(len(req.seq.prompt), generated), [logprob]))
 
     def _admit(self) -> None:
         while self._waiting and self.slots.free():
@@ -290,7 +298,7 @@ class AsyncEngine:
         if "prefill" not in busy and self._prefill:
             req = self._prefill[0]
             size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
-            bucket = f"prefill:{size}"
+            bucket = bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
             inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
@@ -300,7 +308,7 @@ class AsyncEngine:
             lo, hi = self.slots.bounds[g]
             size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
                                                  self.max_model_len)
-            bucket = f"decode:{size}@{lo}"
+            bucket = bucket_name("decode", size, lo, window_for(self.cfg, max(r.seq.position for r in reqs)))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
             inflight[task] = (key, reqs, 0, bucket)
 
@@ -365,20 +373,19 @@ class AsyncEngine:
         is_eos = eos is not None and token == eos and not p.ignore_eos
         length = len(seq.generated) >= p.max_tokens or seq.position + 1 >= self.max_model_len
         final = is_eos or length
-        text = ""
-        if req.detok is not None:
+        text = None
+        if req.detok is not None and req.detok.stop:   # a stop string decides whether the row decodes on
             text = req.detok.push([] if is_eos else [token], final=final)
         stopped = req.detok is not None and req.detok.stopped
-        usage = Usage(len(seq.prompt), len(seq.generated))
         reason = "stop" if (is_eos or stopped) else ("length" if length else None)
+        token = int(token)
+        self._emit(req, token, logprob, reason, text, final, is_eos, len(seq.generated))
         if reason is None:
-            self._emit(req, RequestOutput(seq.rid, text, [int(token)], None, usage, [logprob]))
             return
         req.finished = reason
         seq.phase = "done"
         self.slots.release(seq.slot)
         self._requests.pop(seq.rid, None)
-        self._emit(req, RequestOutput(seq.rid, text, [int(token)], reason, usage, [logprob]))
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
 
@@ -431,7 +438,7 @@ class AsyncEngine:
                          "kernels_per_device": ref.plan.kernels_per_device(),
                          "bytes_per_step": ref.plan.bytes_per_step()}
             elapsed = max(time.monotonic() - rt.since, 1e-9)
-            devices = [{"device": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
+            devices = [{"name": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
                         "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed)}
                        for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),

@@ -36,7 +36,7 @@ from ..actor import ActorRef
 from ..cluster import LocalCluster
 from ..devices import parse_devices
 from ..errors import ActorError
-from ..messages import GetStats, Ping, Place, Register, ReportLost, RunStep
+from ..messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
 from ..plan import Plan, plan_from_dict
 from ..planners import get_planner
 from ..planning.pinning import state_homes
@@ -93,7 +93,10 @@ class Runtime:
         self.system = ActorSystem("engine")
         address = await self.system.listen("tcp://127.0.0.1:0")
         await self.system.spawn(GraphActor(self.served.graphs), "graph")
-        await self.system.spawn(SchedulerActor(get_planner(cfg.planner), self.served.values,
+        costs = {}
+        if cfg.profile and not cfg.nodes:
+            costs = await asyncio.to_thread(self.profile_reference)
+        await self.system.spawn(SchedulerActor(get_planner(cfg.planner, costs=costs), self.served.values,
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
         if cfg.nodes:
@@ -104,7 +107,7 @@ class Runtime:
                 if time.monotonic() > deadline:
                     raise EngineDead("node processes did not register within 60 s")
                 await asyncio.sleep(0.02)
-            for node in self.cluster.nodes:
+            for node in self.cluster.nodes if cfg.watch_processes else ():
                 self._watchers.append(asyncio.get_running_loop().create_task(self._watch_exit(node)))
         else:
             specs = parse_devices(cfg.devices)
@@ -112,6 +115,8 @@ class Runtime:
             for i, spec in enumerate(specs):
                 await self.system.spawn(DeviceActor(spec), f"device{i}")
             await sched.ask(Register("local", address, [s.name for s in specs]))
+            # in-process devices live as long as this process: keep their registration fresh
+            self._watchers.append(asyncio.get_running_loop().create_task(self._beat_local(sched)))
         await self.place_all()
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
@@ -122,6 +127,25 @@ class Runtime:
             await self.cluster.stop()
         if self.system is not None:
             await self.system.shutdown()
+
+    def profile_reference(self) -> dict:
+        """Measured per-kernel times of the reference bucket on every
+        in-process device (and measured links between them), keyed for the
+        planner (``planners.graph_key``).  Blocking."""
+        from actors.backends.base import backend_for
+        from ..planners import graph_key
+        from ..planning.costs import CostTable
+        from ..profile import measured_links, profile_kernels
+        from .deploy import bucket_inputs
+        name = self.reference_bucket()
+        graph, values = self.served.graphs[name], self.served.values[name]
+        specs = [s.name for s in parse_devices(self.cfg.devices)]
+        backends = [backend_for(s) for s in specs]
+        profiles = [profile_kernels(graph, values, bucket_inputs(self.served.buckets[name], be.device), be)
+                    for be in backends]
+        self.profiles = profiles
+        links = measured_links(backends) if len(backends) > 1 else None
+        return {graph_key(graph): CostTable.from_profiles(graph, specs, profiles, links)}
 
     # -- placement ----------------------------------------------------------
     def reference_bucket(self) -> str:
@@ -219,6 +243,13 @@ class Runtime:
             dead = [ep for ep, ok in zip(eps, alive) if not ok and ep not in self.lost]
             if dead:
                 self.on_lost(dead)
+
+    async def _beat_local(self, sched: ActorRef) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            seq += 1
+            await sched.tell(Heartbeat("local", seq))
 
     async def _watch_exit(self, node) -> None:
         await node.proc.wait()
