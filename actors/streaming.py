@@ -84,6 +84,14 @@ class StreamingProgram(AtenProgram):
                     i = self.streamed.index(a.buffer)
                     if i not in self.index.get(k.id, []):
                         self.index.setdefault(k.id, []).append(i)
+        readers: dict[int, int] = {}
+        for idx in self.index.values():
+            for i in idx:
+                readers[i] = readers.get(i, 0) + 1
+        many = [self.streamed[i] for i, n in readers.items() if n > 1]
+        if many:
+            raise BackendError(f"streamed weights {many[:4]} have several reader kernels; a slot is freed after "
+                               "the one reader of its weight")
         self.copy_stream = backend.stream(priority=-1) if self.streamed else None
         self.copied: list[Any] = [None] * len(self.streamed)   # event behind copy i of this step
         self.freed: list[Any] = [None] * max(slots, 1)          # (event,) behind the last reader of a slot
