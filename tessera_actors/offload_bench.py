@@ -255,7 +255,9 @@ async def bench(cfg: OffloadConfig) -> dict:
         gspec = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads, budget, gpu.price, gpu.label)
         devices = [gspec.name, cpu.name]
         costs = estimate_rates(graph, devices, cfg.switch_s, rates["cpu_gemv_bps"])
-        o = Offload(graph, devices, costs, rates["pcie_bps"], reserve)
+        # transients beside the reserve: an output's op result and its snapshot (prefill logits: 2 x 131 MB)
+        outs = sum(b.nbytes for b in graph.buffers.values() if b.role == "output")
+        o = Offload(graph, devices, costs, rates["pcie_bps"], reserve + (2 * outs if reserve else 0))
         t0 = time.perf_counter()
         chosen = {"gpu_only": gpu_only(o), "layer_offload": layer_offload(o), "streaming": streaming(o),
                   "tessera": tessera(o)}
