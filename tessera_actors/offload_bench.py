@@ -11,8 +11,10 @@ device, which the streamed host homes do not join yet), and measures
 tokens/s, the GPU allocator's peak, bytes over PCIe per token and each
 device's busy fraction.  Batch-1 greedy tokens are checked against a
 GPU-only run of the same graph and weights without a budget (logits
-cosine).  Rates: the DESIGN.md numbers, or on a GPU measured first (CPU
-GEMV at the thread count beside a pinned copy stream, and that copy's rate).
+cosine).  Rates measured first: the cost of one activation hand-off between
+the two device actors (a tiny model split into many runs) and, on a GPU, CPU
+GEMV at the thread count beside a pinned copy stream and that copy's rate;
+``--no-measure``: the DESIGN.md numbers.
 
 Writes ``offload.json`` (git commit, command line, rates, every number) and
 ``offload.png`` to ``--out``; prints a table.  Runs on CPU only too
@@ -170,6 +172,40 @@ def measure_rates(threads: int | None, gpu_index: int, seconds: float = 1.5) -> 
     return res
 
 
+async def measure_switch(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:
+    """Seconds one activation hand-off between the two device actors costs:
+    a tiny model's decode step alone on each device and split into many
+    alternating runs; the extra time of the split over the kernel-weighted
+    mean of the two, per device change."""
+    from .plan import build_plan, legal_cuts
+    m = models.get(cfg.model, "tiny", dtype=DTYPES[cfg.dtype], seed=0, max_seq=64)
+    cap = capture_module(m, m.example_inputs("decode", batch=1))
+    g, values = cap.graph, cap.values
+    ok = legal_cuts(g)
+    assign, d, run = [], 0, 0
+    for k in range(len(g.kernels)):
+        if run >= 6 and ok[k]:
+            d, run = 1 - d, 0
+        assign.append(d)
+        run += 1
+    plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name
+    split = build_plan(g, [plain, cpu.name], assign, name="switch")
+    switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
+    times = []
+    for plan in (single_device_plan(g, plain), single_device_plan(g, cpu.name), split):
+        async with ActorSystem("offload-switch") as system:
+            dep = await deploy(system, g, plan, values)
+            for i in range(3 + steps):
+                if i == 3:
+                    dep.reset_counters()
+                await dep.step({"input_ids": torch.tensor([[1 + i % 7]]), "positions": torch.tensor([i])},
+                               outputs=False)
+            times.append(dep.wall_s / dep.counted)
+            await dep.close()
+    f = assign.count(1) / len(assign)
+    return max(times[2] - ((1 - f) * times[0] + f * times[1]), 0.0) / max(switches, 1)
+
+
 # -- one policy ---------------------------------------------------------------
 def step_inputs(kind: str, batch: int, seq: int, pos: int, tokens: list[int], vocab: int) -> dict:
     if kind == "decode":
@@ -248,13 +284,18 @@ async def bench(cfg: OffloadConfig) -> dict:
         rates.update(measure_rates(cpu.threads, gpu.index), source="measured")
         log(f"measured: CPU GEMV {rates['cpu_gemv_bps'] / 1e9:.1f} GB/s beside a pinned copy at "
             f"{rates['pcie_bps'] / 1e9:.1f} GB/s")
+    if cfg.measure:   # before any budget caps the GPU's allocator
+        rates["switch_s"] = await measure_switch(cfg, gpu, cpu)
+        log(f"measured: one CPU<->GPU hand-off between device actors {rates['switch_s'] * 1e6:.0f} us")
+    switch_s = max(rates["switch_s"], 20e-6) if cfg.measure else cfg.switch_s
+    rates["planned_switch_s"] = switch_s
     reserve = parse_bytes(cfg.reserve) if gpu.kind == "cuda" else 0
     results: dict = {}
     for name, (kind, batch, seq, graph, values) in graphs.items():
         budget = budget_bytes(cfg, graph)
         gspec = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads, budget, gpu.price, gpu.label)
         devices = [gspec.name, cpu.name]
-        costs = estimate_rates(graph, devices, cfg.switch_s, rates["cpu_gemv_bps"])
+        costs = estimate_rates(graph, devices, switch_s, rates["cpu_gemv_bps"])
         # transients beside the reserve: an output's op result and its snapshot (prefill logits: 2 x 131 MB)
         outs = sum(b.nbytes for b in graph.buffers.values() if b.role == "output")
         o = Offload(graph, devices, costs, rates["pcie_bps"], reserve + (2 * outs if reserve else 0))
@@ -374,8 +415,10 @@ def add_arguments(b) -> None:
     b.add_argument("--prefill-steps", type=int, default=3)
     b.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     b.add_argument("--reserve", default="320MiB", help="GPU bytes kept for transient op results")
-    b.add_argument("--switch-us", type=float, default=200.0, help="planned cost of one CPU<->GPU hand-off")
-    b.add_argument("--no-measure", action="store_true", help="DESIGN.md rates instead of measuring them")
+    b.add_argument("--switch-us", type=float, default=200.0,
+                   help="planned cost of one CPU<->GPU hand-off with --no-measure")
+    b.add_argument("--no-measure", action="store_true",
+                   help="DESIGN.md rates and --switch-us instead of measuring them")
     b.add_argument("--layers", type=int, default=0, help="only this many layers (a quick real-size check)")
     b.add_argument("--out", default="benchmarks/results/offload")
 
