@@ -28,7 +28,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +38,8 @@ from . import models
 from .capture import capture_module
 from .capture.aten import storage_bytes
 from .devices import DeviceSpec, parse_bytes
-from .offload_run import deploy
+from .offload_measure import measure_rates, measure_switch
+from .offload_run import adapt, deploy, predicted_busy
 from .plan import single_device_plan
 from .planning.offload import (Offload, estimate_rates, gpu_only, ideal, layer_offload, streaming, tessera,
                                to_plan)
@@ -66,6 +66,7 @@ class OffloadConfig:
     switch_s: float = 200e-6
     measure: bool = True              # measure CPU GEMV and PCIe rates on a GPU machine
     layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
+    adapt: bool = False               # re-plan Tessera once from the measured busy times and run that too
 
     def device_pair(self) -> tuple[DeviceSpec, DeviceSpec]:
         text = self.devices or ("cuda:0,cpu?threads=12" if torch.cuda.is_available() else "cpu?threads=1,cpu")
@@ -131,79 +132,6 @@ def budget_bytes(cfg: OffloadConfig, graph) -> int:
         return parse_bytes(text)
     held = sum(b.nbytes for b in graph.buffers.values() if b.role in ("weight", "state"))
     return int(frac * held)
-
-
-# -- rates --------------------------------------------------------------------
-def measure_rates(threads: int | None, gpu_index: int, seconds: float = 1.5) -> dict:
-    """CPU bf16 GEMV DRAM rate at ``threads`` while a pinned host-to-device
-    copy stream runs beside it, and that copy's rate (DESIGN.md's method:
-    matrices cycled so none stays in cache)."""
-    mats = [torch.full((4096, 4096), 0.01, dtype=torch.bfloat16) for _ in range(40)]   # 1.3 GB
-    x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
-    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(256 << 20, dtype=torch.uint8, device=f"cuda:{gpu_index}")
-    stop = time.perf_counter() + seconds
-    res = {}
-
-    def gemv() -> None:
-        if threads:
-            torch.set_num_threads(threads)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() < stop:
-            for m in mats:
-                x @ m
-            n += 1
-        res["cpu_gemv_bps"] = n * sum(m.numel() * 2 for m in mats) / (time.perf_counter() - t0)
-
-    def copy() -> None:
-        s = torch.cuda.Stream(gpu_index)
-        n, t0 = 0, time.perf_counter()
-        with torch.cuda.stream(s):
-            while time.perf_counter() < stop:
-                dev.copy_(host, non_blocking=True)
-                s.synchronize()
-                n += 1
-        res["pcie_bps"] = n * host.numel() / (time.perf_counter() - t0)
-    ts = [threading.Thread(target=gemv), threading.Thread(target=copy)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return res
-
-
-async def measure_switch(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:
-    """Seconds one activation hand-off between the two device actors costs:
-    a tiny model's decode step alone on each device and split into many
-    alternating runs; the extra time of the split over the kernel-weighted
-    mean of the two, per device change."""
-    from .plan import build_plan, legal_cuts
-    m = models.get(cfg.model, "tiny", dtype=DTYPES[cfg.dtype], seed=0, max_seq=64)
-    cap = capture_module(m, m.example_inputs("decode", batch=1))
-    g, values = cap.graph, cap.values
-    ok = legal_cuts(g)
-    assign, d, run = [], 0, 0
-    for k in range(len(g.kernels)):
-        if run >= 6 and ok[k]:
-            d, run = 1 - d, 0
-        assign.append(d)
-        run += 1
-    plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name
-    split = build_plan(g, [plain, cpu.name], assign, name="switch")
-    switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
-    times = []
-    for plan in (single_device_plan(g, plain), single_device_plan(g, cpu.name), split):
-        async with ActorSystem("offload-switch") as system:
-            dep = await deploy(system, g, plan, values)
-            for i in range(3 + steps):
-                if i == 3:
-                    dep.reset_counters()
-                await dep.step({"input_ids": torch.tensor([[1 + i % 7]]), "positions": torch.tensor([i])},
-                               outputs=False)
-            times.append(dep.wall_s / dep.counted)
-            await dep.close()
-    f = assign.count(1) / len(assign)
-    return max(times[2] - ((1 - f) * times[0] + f * times[1]), 0.0) / max(switches, 1)
 
 
 # -- one policy ---------------------------------------------------------------
@@ -285,7 +213,7 @@ async def bench(cfg: OffloadConfig) -> dict:
         log(f"measured: CPU GEMV {rates['cpu_gemv_bps'] / 1e9:.1f} GB/s beside a pinned copy at "
             f"{rates['pcie_bps'] / 1e9:.1f} GB/s")
     if cfg.measure:   # before any budget caps the GPU's allocator
-        rates["switch_s"] = await measure_switch(cfg, gpu, cpu)
+        rates["switch_s"] = await measure_switch(cfg.model, DTYPES[cfg.dtype], gpu, cpu)
         log(f"measured: one CPU<->GPU hand-off between device actors {rates['switch_s'] * 1e6:.0f} us")
     switch_s = max(rates["switch_s"], 20e-6) if cfg.measure else cfg.switch_s
     rates["planned_switch_s"] = switch_s
@@ -316,7 +244,8 @@ async def bench(cfg: OffloadConfig) -> dict:
             row["reference_device"] = ref_dev
             log(f"{name} reference on {ref_dev} (no budget): {ref['tok_s']:.1f} tok/s, "
                 f"peak {ref['gpu_peak_bytes']} B")
-        for pol, got in chosen.items():
+        queue = list(chosen.items())
+        for pol, got in queue:
             if got is None:
                 row[f"{pol}_tok_s"] = None
                 continue
@@ -344,9 +273,19 @@ async def bench(cfg: OffloadConfig) -> dict:
                                                 default=None)
             row["policies"][pol] = info
             row[f"{pol}_tok_s"] = r["tok_s"]
+            if pol == "tessera" and cfg.adapt:   # re-plan once on what the devices measured
+                busy = [b * r["step_s"] for b in r["busy"]]
+                costs2, factors = adapt(o.costs, predicted_busy(o, plan), busy)
+                p2, st2 = tessera(Offload(graph, devices, costs2, rates["pcie_bps"], o.reserve))
+                info["adapt_factors"] = factors
+                if (p2.assignment, p2.streamed) != (p.assignment, p.streamed):
+                    queue.append(("tessera_adapted", (p2, st2)))
+            if pol == "tessera_adapted" and r["tok_s"] > (row.get("tessera_tok_s") or 0):
+                row["tessera_tok_s"] = r["tok_s"]   # Tessera's next re-plan, from this run's measurements
+                row["tessera_from"] = "tessera_adapted"
             log(f"{name} {pol}: {r['tok_s']:.1f} tok/s (step {r['step_s'] * 1e3:.1f} ms, predicted "
                 f"{st.step_s * 1e3:.1f}), peak {info['gpu_peak_bytes'] or info['gpu_arena_bytes']} B")
-        t = row["policies"].get("tessera", {})
+        t = row["policies"].get(row.get("tessera_from", "tessera"), {})
         row["gpu_peak_bytes"] = t.get("gpu_peak_bytes") if t.get("gpu_peak_bytes") is not None else t.get("gpu_arena_bytes")
         results[name] = row
     return {"rates": rates, **results}
@@ -420,6 +359,8 @@ def add_arguments(b) -> None:
     b.add_argument("--no-measure", action="store_true",
                    help="DESIGN.md rates and --switch-us instead of measuring them")
     b.add_argument("--layers", type=int, default=0, help="only this many layers (a quick real-size check)")
+    b.add_argument("--adapt", action="store_true",
+                   help="re-plan Tessera once from the devices' measured busy times and run that plan too")
     b.add_argument("--out", default="benchmarks/results/offload")
 
 
@@ -427,7 +368,7 @@ def main(args) -> int:
     # batch 1 first: its unbudgeted GPU-only reference must run before a budget caps the allocator
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
-                        args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers)
+                        args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers, args.adapt)
     run_offload_bench(cfg)
     return 0
 
