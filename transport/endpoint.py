@@ -121,7 +121,7 @@ class Server:
                 raise CodecError("shared memory is off on this side")
             if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
                 raise CodecError(f"malformed shared-memory hello {probe!r}")
-            nonce = self._shm.read_probe(probe[0])
+            nonce = self._shm.read_probe(getattr(identity, "bytes", identity), probe[0])
         except (CodecError, OSError, ValueError) as exc:
             self._send_answer(identity, request_id, OP_FAILED, ErrorReply("ShmUnavailable", str(exc)))
             return
