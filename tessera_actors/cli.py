@@ -4,6 +4,7 @@
   tessera capture    record a model's forward pass as a kernel graph file
   tessera plan       place a graph file on devices and compare with the baselines
   tessera node       run a node daemon (same as python -m tessera_actors.node)
+  tessera keys       create a cluster key directory (CURVE keys; clients allowed by public key)
 """
 from __future__ import annotations
 
@@ -101,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--measure-links", action="store_true",
                    help="time the L<->R copies for the cost table (default: 25 us + 385 GB/s, DESIGN.md)")
     b.set_defaults(fn=_arena)
+
+    from transport import keys_cli
+    p = sub.add_parser("keys", help="create a cluster key directory (authentication; see README)")
+    keys_cli.add_arguments(p)
+    p.set_defaults(fn=keys_cli.main)
 
     p = sub.add_parser("node", help="run a node daemon", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -28,6 +28,8 @@ from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
 from tessera_actors.errors import ActorError
 from tessera_actors.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
 from tessera_actors.system import ActorSystem
+from transport import auth
+from transport.auth import AuthError, ClusterKeys
 
 log = logging.getLogger("tessera_actors.node")
 
@@ -42,6 +44,8 @@ class NodeConfig:
     register_timeout_s: float = 30.0
     transfer: TransferConfig = field(default_factory=TransferConfig)
     recv_timeout_s: float = 60.0   # a device fails its step when a transfer's bytes stop coming this long
+    keys: ClusterKeys | None = None   # None: this process's keys (transport.auth.process_keys)
+    insecure: bool = False            # authentication off (--insecure)
 
     def __post_init__(self) -> None:
         if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
@@ -97,7 +101,10 @@ async def serve(cfg: NodeConfig, ready=None) -> int:
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     status = 0
-    async with ActorSystem(cfg.name) as system:
+    if cfg.insecure:
+        log.warning("node %s runs with --insecure: authentication is off, any local process can control it",
+                    cfg.name)
+    async with ActorSystem(cfg.name, keys=cfg.keys, insecure=cfg.insecure) as system:
         await system.spawn(TransferActor(cfg.transfer), TransferActor.NAME)
         for i, spec in enumerate(cfg.devices):
             await system.spawn(DeviceActor(spec, TransferActor.NAME, cfg.recv_timeout_s), f"device{i}")
@@ -150,15 +157,26 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
                     help="seconds to connect a data-plane link and for each operation on it")
     ap.add_argument("--recv-timeout", type=float, default=60.0,
                     help="seconds a device waits for the next bytes of a transfer before failing its step")
+    ap.add_argument("--keys", default="", help="cluster key directory (from `tessera keys DIR`; or $TESSERA_KEYS)")
+    ap.add_argument("--secret", default="", help="a shared secret file all cluster members read (>= 16 bytes)")
+    ap.add_argument("--insecure", action="store_true", help="turn authentication off (any local process can "
+                                                            "control the node); logged as a warning")
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        keys = None
+        if a.keys or a.secret:
+            keys = ClusterKeys.from_dir(a.keys) if a.keys else ClusterKeys.from_secret_file(a.secret)
+            auth.use_keys(keys)
+        elif not a.insecure and auth.generated_here:
+            raise ValueError("no cluster keys: pass --keys DIR (create it with `tessera keys DIR`) or --secret FILE, "
+                             "set TESSERA_KEYS, or turn authentication off with --insecure")
         transfer = TransferConfig(a.data_plane, parse_bytes(a.chunk_bytes), a.dist_host or listen_host(a.listen),
                                   a.link_timeout)
         return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.register_timeout,
-                          transfer, a.recv_timeout)
-    except ValueError as e:
+                          transfer, a.recv_timeout, keys, a.insecure)
+    except (ValueError, AuthError) as e:
         ap.error(str(e))
         raise
 

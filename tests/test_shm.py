@@ -19,7 +19,7 @@ import zmq.asyncio
 from tessera_actors.actor import Actor, handler
 from tessera_actors.messages import ErrorReply, Ping, Pong, message
 from tessera_actors.system import ActorSystem
-from transport import codec, shm
+from transport import auth, codec, shm
 from transport.codec import OP_ASK, OP_FAILED, OP_RELEASE, OP_REPLY, Envelope
 from transport.shm import ShmConfig
 
@@ -169,6 +169,7 @@ async def test_malformed_descriptors_get_an_error_reply(shm_pair):
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(sock, auth.process_keys())   # a raw but authenticated client
     sock.connect(server.address)
     header = bytes([*codec.MAGIC, codec.PROTOCOL_VERSION, 1 | shm.FLAG_SHM])
     probe, nonce = pool.probe()   # the handshake: segments of this pool only, from this connection

@@ -31,7 +31,7 @@ from tessera_actors.actor import ActorRef, LocalRef
 from tessera_actors.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
 from tessera_actors.messages import ErrorReply, Ok
-from transport import codec, shm
+from transport import auth, codec, shm
 from transport.channel import Channel
 from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,
                              Envelope)
@@ -55,8 +55,12 @@ class Server:
 
     def __init__(self, ctx: zmq.Context, resolve: Callable[[str], LocalRef | None], *,
                  max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
-                 shm_config: ShmConfig | None = None):
+                 shm_config: ShmConfig | None = None, keys: auth.ClusterKeys | None = None):
+        """``keys``: serve only clients the cluster keys allow (None: anyone;
+        then shared memory is off, as it is only for authenticated peers)."""
         self._sock = _socket(ctx, zmq.ROUTER)
+        if keys is not None:
+            auth.secure_server(self._sock, keys)
         self._resolve = resolve
         self._max_frame, self._max_body = max_frame, max_body
         self._chan: Channel | None = None
@@ -65,7 +69,7 @@ class Server:
         shm_config = shm_config or ShmConfig()
         # tensors that local peers put in shared memory; answers use ZeroMQ frames
         self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
-                     if shm_config.enabled and shm.shm_available() else None)
+                     if shm_config.enabled and keys is not None and shm.shm_available() else None)
 
     def bind(self, endpoint: str) -> str:
         """Bind (non-blocking) and start serving; returns the resolved address."""
@@ -232,9 +236,11 @@ class Peer:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, *,
                  max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
-                 shm_config: ShmConfig | None = None):
+                 shm_config: ShmConfig | None = None, keys: auth.ClusterKeys | None = None):
         self.endpoint = endpoint
         sock = _socket(ctx, zmq.DEALER)
+        if keys is not None:
+            auth.secure_client(sock, keys)
         sock.connect(endpoint)
         self._max_frame, self._max_body = max_frame, max_body
         self._pending: dict[int, asyncio.Future] = {}
