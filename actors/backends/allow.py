@@ -12,9 +12,9 @@ with one bad kernel fails as a whole with a ``KernelRefused`` naming it:
   (``_reshape_alias``), data-dependent output sizes that the sender controls
   (``bincount``, ``repeat_interleave``);
 * allocations bounded before they happen: size-like integer arguments
-  (``size``, ``repeats``, ``pad``, ``output_size``, ... and every integer of
-  a factory op such as ``arange``/``eye``) may not ask for more elements
-  than the plan's memory cap has bytes.
+  (``size``, ``repeats``, ``pad``, ``output_size``, ..., every integer of a
+  factory op such as ``eye``, the bounds of ``arange``/``linspace``) may not
+  ask for more elements than the plan's memory cap has bytes.
 
 The cap is the device's ``mem=`` budget, or else ``default_cap(device)``:
 the memory the device has (host RAM for CPUs, the GPU's memory for CUDA).
@@ -36,6 +36,7 @@ DENIED = frozenset({
 })
 _FILE_ARGS = frozenset({"filename", "path", "file", "f"})
 _SIZE_LISTS = frozenset({"size", "sizes", "repeats", "pad", "output_size", "shape"})
+_RANGES = frozenset({"arange", "range", "linspace", "logspace"})   # their number arguments set the length
 _SIZE_SCALARS = frozenset({"minlength", "num_samples", "output_size", "bins", "steps", "n", "m", "row", "col"})
 
 
@@ -88,7 +89,8 @@ def check_allocation(name: str, fn, args: list, kwargs: dict, cap: int) -> None:
         v, kind = values[arg.name], str(arg.type)
         if "List[int]" in kind and (factory or arg.name in _SIZE_LISTS):
             elements = _product(v)
-        elif ("int" in kind or kind == "number") and "List" not in kind and (factory or arg.name in _SIZE_SCALARS):
+        elif ("int" in kind and "List" not in kind and (factory or arg.name in _SIZE_SCALARS)) or (
+                kind == "number" and name.split(".")[1] in _RANGES):
             elements = abs(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
         else:
             continue
