@@ -1,9 +1,12 @@
 """The scheduler actor: knows the nodes and their devices, plans placements
 and sends them out as placement messages.
 
-* Nodes ``Register`` (reply ``Registered``) and ``Heartbeat``; a node silent
-  for ``heartbeat_timeout`` seconds is considered lost (reported in
-  ``Stats``; plans that used it must be re-placed).
+* Nodes ``Register`` (reply ``Registered``) and heartbeat to the
+  scheduler's ``LeaseActor`` (``actors/lease.py``); a node silent for
+  ``heartbeat_timeout`` seconds is considered lost (reported in ``Stats``;
+  plans that used it must be re-placed).  A node registering under the
+  name of a lost one (restarted) takes its place: same devices, same
+  inventory slots; a name held by a live node is refused.
 * The device inventory is the registered devices in registration order; a
   plan's device ``i`` is inventory entry ``i``.
 * ``Place`` asks the graph actor for the graph, runs the planner (in a
@@ -22,7 +25,9 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
 from tessera_actors.actor import Actor, ActorRef, handler
+from tessera_actors.errors import ActorDead
 from tessera_actors.graph import KernelGraph
 from tessera_actors.messages import (Deploy, Deployment, GetGraph, GetStats, Heartbeat, InstallPlan, LoadValues,
                                      Ok, Place, Register, Registered, ReportLost, Routes, Stats, Uninstall)
@@ -53,31 +58,52 @@ class SchedulerActor(Actor):
         self.plans: dict[str, Plan] = {}
         self.routes: dict[str, list] = {}
         self.reported_lost: set[str] = set()   # node names reported dead by an engine
+        self.leases = Leases()   # renewed by this scheduler's LeaseActor
+
+    async def on_start(self) -> None:
+        await self.system.spawn(LeaseActor(self.leases), self.name + LEASE_SUFFIX)
+
+    async def on_stop(self) -> None:
+        try:
+            await self.system.ref(self.name + LEASE_SUFFIX).stop()
+        except ActorDead:
+            pass
 
     @handler(Register)
     def register(self, msg: Register) -> Registered:
         old = self.nodes.get(msg.node)
-        if old is not None and (old.endpoint, old.devices) == (msg.endpoint, list(msg.devices)):
-            old.last_seen = time.monotonic()
+        devices = list(msg.devices)
+        if old is not None and (old.endpoint, old.devices) == (msg.endpoint, devices):
+            self.leases.grant(msg.node)
             return Registered(msg.node, old.first)
         if old is not None:
-            raise ValueError(f"node {msg.node!r} is already registered at {old.endpoint}")
-        node = _Node(msg.node, msg.endpoint, list(msg.devices), len(self.inventory), time.monotonic())
+            if msg.node not in self.lost_nodes():
+                raise ValueError(f"node {msg.node!r} is already registered at {old.endpoint} and alive")
+            if old.devices != devices:
+                raise ValueError(f"node {msg.node!r} rejoins with devices {devices}, it had {old.devices}: "
+                                 f"use another name")
+            log.warning("node %s rejoins at %s (was %s, lost)", msg.node, msg.endpoint, old.endpoint)
+            old.endpoint, old.last_seen = msg.endpoint, time.monotonic()
+            self.reported_lost.discard(msg.node)
+            self.leases.grant(msg.node)
+            return Registered(msg.node, old.first)
+        node = _Node(msg.node, msg.endpoint, devices, len(self.inventory), time.monotonic())
         self.nodes[msg.node] = node
         self.inventory += [(msg.node, i, d) for i, d in enumerate(msg.devices)]
+        self.leases.grant(msg.node)
         log.info("node %s at %s registered devices %s", msg.node, msg.endpoint, msg.devices)
         return Registered(msg.node, node.first)
 
     @handler(Heartbeat)
-    def heartbeat(self, msg: Heartbeat) -> None:
-        node = self.nodes.get(msg.node)
-        if node is not None:
-            node.last_seen = time.monotonic()
+    def heartbeat(self, msg: Heartbeat) -> Ok:
+        """Heartbeats of nodes that send them here (see ``LeaseActor``)."""
+        if not self.leases.renew(msg.node):
+            raise LookupError(f"node {msg.node!r} is not registered with this scheduler")
+        return Ok("renewed")
 
     def lost_nodes(self) -> list[str]:
-        now = time.monotonic()
         return [n.name for n in self.nodes.values()
-                if n.name in self.reported_lost or now - n.last_seen > self.heartbeat_timeout]
+                if n.name in self.reported_lost or self.leases.age(n.name) > self.heartbeat_timeout]
 
     @handler(ReportLost)
     async def report_lost(self, msg: ReportLost) -> Ok:
