@@ -6,7 +6,8 @@ and sends them out as placement messages.
   ``heartbeat_timeout`` seconds is considered lost (reported in ``Stats``;
   plans that used it must be re-placed).  A node registering under the
   name of a lost one (restarted) takes its place: same devices, same
-  inventory slots; a name held by a live node is refused.
+  inventory slots; a name held by a live node (one that still answers
+  ``Describe`` at its endpoint within 1 s) is refused.
 * The device inventory is the registered devices in registration order; a
   plan's device ``i`` is inventory entry ``i``.
 * ``Place`` asks the graph actor for the graph, runs the planner (in a
@@ -27,10 +28,11 @@ import torch
 
 from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
 from tessera_actors.actor import Actor, ActorRef, handler
-from tessera_actors.errors import ActorDead
+from tessera_actors.errors import ActorDead, ActorError
 from tessera_actors.graph import KernelGraph
-from tessera_actors.messages import (Deploy, Deployment, GetGraph, GetStats, Heartbeat, InstallPlan, LoadValues,
-                                     Ok, Place, Register, Registered, ReportLost, Routes, Stats, Uninstall)
+from tessera_actors.messages import (Deploy, Deployment, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
+                                     LoadValues, Ok, Place, Register, Registered, ReportLost, Routes, Stats,
+                                     Uninstall)
 from tessera_actors.plan import Plan, Planner, PlanError, plan_from_dict, plan_to_dict
 
 log = logging.getLogger("tessera_actors.scheduler")
@@ -70,14 +72,14 @@ class SchedulerActor(Actor):
             pass
 
     @handler(Register)
-    def register(self, msg: Register) -> Registered:
+    async def register(self, msg: Register) -> Registered:
         old = self.nodes.get(msg.node)
         devices = list(msg.devices)
         if old is not None and (old.endpoint, old.devices) == (msg.endpoint, devices):
             self.leases.grant(msg.node)
             return Registered(msg.node, old.first)
         if old is not None:
-            if msg.node not in self.lost_nodes():
+            if msg.node not in self.lost_nodes() and await self._answers(old.endpoint, msg.pid):
                 raise ValueError(f"node {msg.node!r} is already registered at {old.endpoint} and alive")
             if old.devices != devices:
                 raise ValueError(f"node {msg.node!r} rejoins with devices {devices}, it had {old.devices}: "
@@ -100,6 +102,14 @@ class SchedulerActor(Actor):
         if not self.leases.renew(msg.node):
             raise LookupError(f"node {msg.node!r} is not registered with this scheduler")
         return Ok("renewed")
+
+    async def _answers(self, endpoint: str, new_pid: int, timeout: float = 1.0) -> bool:
+        """Whether another process than ``new_pid`` still serves a node at ``endpoint``."""
+        try:
+            info = await (await self._ref(endpoint, "node")).ask(Describe(), timeout=timeout)
+        except ActorError:
+            return False
+        return getattr(info, "pid", None) != new_pid
 
     def lost_nodes(self) -> list[str]:
         return [n.name for n in self.nodes.values()

@@ -23,8 +23,8 @@ class WatchedScheduler(SchedulerActor):
         super().__init__(ContiguousPlanner())
         self.registered = asyncio.Event()
 
-    def register(self, msg):
-        reply = super().register(msg)
+    async def register(self, msg):
+        reply = await super().register(msg)
         self.registered.set()
         return reply
 
@@ -36,8 +36,6 @@ async def test_restarted_node_rejoins_under_its_name():
         assert await sched.ask(Register("n1", "tcp://127.0.0.1:1", ["cpu"], 10)) == Registered("n1", 0)
         assert await sched.ask(Register("n2", "tcp://127.0.0.1:2", ["cpu"], 11)) == Registered("n2", 1)
         assert await lease.ask(Heartbeat("n1", 1)) == Ok("renewed")
-        with pytest.raises(RemoteError, match="already registered .* and alive"):
-            await sched.ask(Register("n1", "tcp://127.0.0.1:3", ["cpu"], 12))   # the live n1 keeps its name
         await sched.ask(ReportLost("tcp://127.0.0.1:1", "killed"))
         assert (await sched.ask(GetStats())).values["lost"] == ["n1"]
         with pytest.raises(RemoteError, match="rejoins with devices"):
@@ -58,6 +56,8 @@ async def test_node_exits_within_its_lease_when_the_scheduler_is_gone():
         address = await system.listen()
         async with LocalCluster(["cpu"], scheduler=address, node_args=["--lease", "2", "--heartbeat", "0.25"]) as c:
             await asyncio.wait_for(sched.registered.wait(), 30)
+            with pytest.raises(RemoteError, match="already registered .* and alive"):   # the live node keeps its name
+                await system.ref("scheduler").ask(Register("node0", "tcp://127.0.0.1:3", ["cpu"], 12))
             loop = asyncio.get_running_loop()
             await system.shutdown()   # the scheduler's process is gone as far as the node can tell
             gone = loop.time()
