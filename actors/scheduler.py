@@ -137,7 +137,8 @@ class SchedulerActor(Actor):
 
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:
-        return Stats({"nodes": list(self.nodes), "devices": [d for _, _, d in self.inventory],
+        return Stats({"nodes": list(self.nodes), "endpoints": {n.name: n.endpoint for n in self.nodes.values()},
+                      "devices": [d for _, _, d in self.inventory],
                       "lost": self.lost_nodes(), "plans": list(self.plans)})
 
     @handler(Place)

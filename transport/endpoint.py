@@ -66,6 +66,7 @@ class Server:
         self._chan: Channel | None = None
         self._tasks: set[asyncio.Task] = set()
         self.address = ""
+        self.undecodable = 0   # requests that did not decode (logged: the first 20, then every 1000th)
         shm_config = shm_config or ShmConfig()
         # tensors that local peers put in shared memory; answers use ZeroMQ frames
         self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
@@ -89,7 +90,10 @@ class Server:
         except CodecError as exc:
             payload = frames[1:]
             env = codec.decode_envelope(payload)
-            log.warning("undecodable request on %s (%s): %s", self.address, env, exc)
+            self.undecodable += 1
+            if self.undecodable <= 20 or self.undecodable % 1000 == 0:   # a flood must not flood the log
+                log.warning("undecodable request on %s (%s): %s (%d so far)", self.address, env, exc,
+                            self.undecodable)
             if env is not None and env.op in (OP_ASK, OP_STOP) and env.request_id:
                 self._send_answer(identity, env.request_id, OP_FAILED, ErrorReply("CodecError", str(exc)))
             return
