@@ -45,6 +45,8 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from tessera_actors.errors import ActorError
+
 log = logging.getLogger("tessera_actors.auth")
 
 ENV_KEYS, ENV_SECRET_FILE, ENV_SECRET, ENV_INSECURE = ("TESSERA_KEYS", "TESSERA_SECRET_FILE", "TESSERA_SECRET",
@@ -272,3 +274,57 @@ class Authenticator:
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+class HandshakeFailed(ActorError):
+    """The security handshake with a server failed (keys not allowed, wrong
+    server key, or one side insecure): asks fail at once with this."""
+
+
+_FAILURES = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "the server refused this process's client key (not allowed there)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "security handshake failed (protocol error: is one side --insecure?)",
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "security handshake failed (a wrong server key, or the server "
+                                               "does not authenticate)",
+}
+
+
+class HandshakeWatch:
+    """Watches the security handshakes of one client socket (a ZeroMQ
+    monitor read on the event loop).  ``failure`` is the reason of the last
+    failed handshake, None once one succeeded; ``on_failure(reason, first)``
+    is called at each failure (``first``: the first since the last success).
+    Loop thread only."""
+
+    def __init__(self, sock: zmq.Socket, on_failure):
+        from transport.channel import Channel
+        events = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        for event in _FAILURES:
+            events |= event
+        self._sock = sock
+        self._on_failure = on_failure
+        self.failure: str | None = None
+        self._chan = Channel(sock.get_monitor_socket(events), self._on_event)
+
+    def _on_event(self, frames: list) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+        try:
+            event = parse_monitor_message([getattr(f, "bytes", f) for f in frames])["event"]
+        except (ValueError, IndexError, KeyError):
+            return
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.failure = None
+        elif int(event) in _FAILURES:
+            first = self.failure is None
+            self.failure = _FAILURES[int(event)]
+            self._on_failure(self.failure, first)
+
+    def close(self) -> None:
+        """Stop watching (before the watched socket closes); idempotent."""
+        if self._chan.closed:
+            return
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._chan.close()

@@ -245,6 +245,7 @@ class Peer:
         sock = _socket(ctx, zmq.DEALER)
         if keys is not None:
             auth.secure_client(sock, keys)
+        self._watch = auth.HandshakeWatch(sock, self._handshake_failed)
         sock.connect(endpoint)
         self._max_frame, self._max_body = max_frame, max_body
         self._pending: dict[int, asyncio.Future] = {}
@@ -257,6 +258,14 @@ class Peer:
         self._hello_rid = 0
         if shm_config.enabled and shm.is_local_endpoint(endpoint) and shm.shm_available():
             self._shm_handshake = self._loop.create_task(self._handshake())
+
+    def _handshake_failed(self, reason: str, first: bool) -> None:
+        """The server refused us: fail the pending asks now instead of at their timeouts."""
+        if first:   # ZeroMQ retries every 100 ms: log once per refusal streak
+            log.warning("connection to %s: %s", self.endpoint, reason)
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(auth.HandshakeFailed(f"{self.endpoint}: {reason}"))
 
     async def _handshake(self, timeout: float = 10.0) -> None:
         """Prove the server sees our segments: it must read back a nonce we
@@ -320,6 +329,8 @@ class Peer:
         chan = self._chan
         if chan.closed:
             raise ActorDead(f"connection to {self.endpoint} is closed")
+        if self._watch.failure is not None:
+            raise auth.HandshakeFailed(f"{self.endpoint}: {self._watch.failure}")
         rid = rid or next(self._ids)
         frames = codec.encode(msg, _envelope((op, rid, target)))
         tokens = ()
@@ -409,6 +420,7 @@ class Peer:
         the shared-memory segments; idempotent."""
         if self._chan.closed:
             return
+        self._watch.close()
         self._chan.close()
         if self._shm_handshake is not None:
             self._shm_handshake.cancel()
