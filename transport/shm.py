@@ -61,6 +61,7 @@ NONCE_BYTES = 16
 _NAME = re.compile(r"tessera-(\d+)-[0-9a-f]+-\d+\Z")
 _GRAIN = 1 << 20   # segment sizes are multiples of this
 _READER_CACHE = 64   # open segment descriptors a reader keeps
+_MAX_PEERS = 4096    # handshakes a reader remembers (one per connection)
 _PAGE = 4096
 
 
@@ -325,7 +326,10 @@ class SegmentReader:
             nonce = os.pread(fd, NONCE_BYTES, 0)
         finally:
             self._forget(name)
+        self._pools.pop(owner, None)
         self._pools[owner] = name.rsplit("-", 1)[0]
+        while len(self._pools) > _MAX_PEERS:   # connections come and go: forget the oldest handshakes
+            self._pools.pop(next(iter(self._pools)))
         return nonce
 
     def read(self, owner, name: str, generation: int, nbytes: int):
@@ -355,10 +359,6 @@ class SegmentReader:
             raise
         finally:
             self._released(owner, (name, generation))   # the sender may reuse it now
-
-    def forget_owner(self, owner) -> None:
-        """The peer ``owner`` is gone (not required; bounded by connection count)."""
-        self._pools.pop(owner, None)
 
     def _released(self, owner, token) -> None:
         self._freed.append((owner, token))
