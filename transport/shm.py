@@ -7,9 +7,10 @@ bytes.  The receiver's ``SegmentReader`` copies the bytes out into memory of
 its own and reports the segment released at once, so the sender reuses it.
 
 Safety (the segments live in a directory every local user can write):
-neither side maps a segment, both use ``pwrite``/``preadv`` on a file
-descriptor, so a peer that truncates a segment makes a read come up short
-(a ``CodecError``), never a SIGBUS.  The reader opens with ``O_NOFOLLOW``
+the receiver never maps a peer's segment, it copies the bytes out with
+``preadv`` on a descriptor, so a peer that truncates a segment makes a read
+come up short (a ``CodecError``), never a SIGBUS; only the sender maps its
+own segments.  The reader opens with ``O_NOFOLLOW``
 (a symlink is refused), requires a regular file with one link owned by this
 user (``st_uid``) and at least the described size, accepts only names of the
 pool that proved itself in this connection's handshake, and is only set up
@@ -39,6 +40,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -62,6 +64,7 @@ _NAME = re.compile(r"tessera-(\d+)-[0-9a-f]+-\d+\Z")
 _GRAIN = 1 << 20   # segment sizes are multiples of this
 _READER_CACHE = 64   # open segment descriptors a reader keeps
 _MAX_PEERS = 4096    # handshakes a reader remembers (one per connection)
+_SPARE_BYTES = 1 << 30   # idle receive buffers a reader keeps for reuse
 _PAGE = 4096
 
 
@@ -131,21 +134,28 @@ def _alive(pid: int) -> bool:
 
 
 class _Segment:
-    """One segment file of a pool, kept open (``fd``), never mapped."""
+    """One segment file of a pool: its descriptor and the sender's own
+    mapping of it (only the receiver must never map a peer's segment)."""
 
-    __slots__ = ("name", "size", "fd", "generation", "busy")
+    __slots__ = ("name", "size", "fd", "mm", "generation", "busy")
 
     def __init__(self, name: str, size: int, fd: int):
         self.name, self.size, self.fd = name, size, fd
+        self.mm = mmap.mmap(fd, size)
         self.generation = 0
         self.busy = False
 
     def write(self, data, offset: int = 0) -> None:
         """Copy ``data`` (a buffer) into the segment at ``offset``."""
         view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
+        self.mm[offset:offset + len(view)] = view
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass   # a write in progress on another thread holds an export; the mapping goes with it
+        os.close(self.fd)
 
 
 class SegmentPool:
@@ -177,11 +187,12 @@ class SegmentPool:
                      os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
+            seg = _Segment(name, size, fd)
         except BaseException:
             os.close(fd)
             os.unlink(os.path.join(SHM_DIR, name))
             raise
-        seg = self._segments[name] = _Segment(name, size, fd)
+        self._segments[name] = seg
         self._bytes += size
         return seg
 
@@ -189,7 +200,7 @@ class SegmentPool:
         del self._segments[seg.name]
         self._bytes -= seg.size
         _unlink(seg.name)
-        os.close(seg.fd)
+        seg.close()
 
     def probe(self) -> tuple[str, bytes]:
         """A fresh segment holding a random nonce, for the handshake."""
@@ -242,7 +253,7 @@ class SegmentPool:
         _live_pools.discard(self)
         for seg in list(self._segments.values()):
             _unlink(seg.name)
-            os.close(seg.fd)
+            seg.close()
         self._segments.clear()
         self._bytes = 0
 
@@ -280,6 +291,8 @@ class SegmentReader:
         self._freed: deque = deque()
         self._flush_scheduled = False
         self._lock = threading.Lock()
+        self._spare: dict[int, list[mmap.mmap]] = {}   # free receive buffers by size
+        self._spare_bytes = 0
         self.closed = False
 
     def _open(self, name: str, nbytes: int) -> int:
@@ -316,6 +329,26 @@ class SegmentReader:
         if fd is not None:
             os.close(fd)
 
+    def _receive_buffer(self, nbytes: int) -> mmap.mmap:
+        """Private memory for received bytes: a recycled buffer of the size
+        class when one is free (no page faults), else a new populated one."""
+        size = -(-nbytes // _GRAIN) * _GRAIN
+        with self._lock:
+            free = self._spare.get(size)
+            if free:
+                self._spare_bytes -= size
+                return free.pop()
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+
+    def _recycle(self, mm: mmap.mmap) -> None:
+        """A receive buffer nobody uses any more (any thread)."""
+        with self._lock:
+            if not self.closed and self._spare_bytes + len(mm) <= _SPARE_BYTES:
+                self._spare.setdefault(len(mm), []).append(mm)
+                self._spare_bytes += len(mm)
+                return
+        mm.close()
+
     def read_probe(self, owner, name: str) -> bytes:
         """The nonce of a handshake probe segment; from then on ``owner`` may
         describe segments of that probe's pool only."""
@@ -343,13 +376,17 @@ class SegmentReader:
             if tag is None or not name.startswith(tag + "-"):
                 raise CodecError(f"segment {name!r} is not from this peer's shared-memory pool")
             fd = self._open(name, nbytes)
-            out = np.empty(nbytes, dtype=np.uint8)
+            mm = self._receive_buffer(nbytes)
             got = 0
-            while got < nbytes:
-                n = os.preadv(fd, [memoryview(out)[got:]], got)
-                if n <= 0:
-                    raise CodecError(f"shared-memory segment {name!r} shrank to {got} bytes while being read")
-                got += n
+            with memoryview(mm) as dst:
+                while got < nbytes:
+                    n = os.preadv(fd, [dst[got:nbytes]], got)
+                    if n <= 0:
+                        self._recycle(mm)
+                        raise CodecError(f"shared-memory segment {name!r} shrank to {got} bytes while being read")
+                    got += n
+            out = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+            weakref.finalize(out, self._recycle, mm)   # derived views keep ``out`` (their base) alive
             return out
         except OSError as exc:
             self._forget(name)
@@ -389,7 +426,12 @@ class SegmentReader:
 
     def close(self) -> None:
         """Close the cached segment descriptors; idempotent."""
-        self.closed = True
+        with self._lock:
+            self.closed = True
+            spare, self._spare, self._spare_bytes = self._spare, {}, 0
+        for buffers in spare.values():
+            for mm in buffers:
+                mm.close()
         while self._fds:
             os.close(self._fds.popitem()[1])
 
