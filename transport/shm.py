@@ -346,8 +346,7 @@ class SegmentReader:
             if not self.closed and self._spare_bytes + len(mm) <= _SPARE_BYTES:
                 self._spare.setdefault(len(mm), []).append(mm)
                 self._spare_bytes += len(mm)
-                return
-        mm.close()
+        # else dropped: unmapped once the dying array released its export (closing now would raise)
 
     def read_probe(self, owner, name: str) -> bytes:
         """The nonce of a handshake probe segment; from then on ``owner`` may
@@ -431,7 +430,10 @@ class SegmentReader:
             spare, self._spare, self._spare_bytes = self._spare, {}, 0
         for buffers in spare.values():
             for mm in buffers:
-                mm.close()
+                try:
+                    mm.close()
+                except BufferError:
+                    pass   # an array being freed still holds it; it goes with the array
         while self._fds:
             os.close(self._fds.popitem()[1])
 
