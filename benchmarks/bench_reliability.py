@@ -10,7 +10,7 @@ by default):
   from an authenticated peer to a live node; the node must stay alive and
   answer, its RSS must grow < 5 %;
 * scheduler killed: a scheduler process (kill -9) with two registered
-  nodes; each node must leave after its lease (``--lease``, default 8 s)
+  nodes; each node must leave after its lease (``--lease``, default 7 s)
   and its process be gone within 10 s of the kill;
 * node restarted: a registered node killed (kill -9) and started again
   under its name must rejoin the scheduler;
@@ -232,7 +232,7 @@ def git_commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--malformed", type=int, default=20000)
-    ap.add_argument("--lease", type=float, default=8.0, help="node lease (--lease of the nodes), <= 10 s")
+    ap.add_argument("--lease", type=float, default=7.0, help="node lease (--lease of the nodes), <= 10 s")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "reliability.json"))
     args = ap.parse_args()
     results = {}

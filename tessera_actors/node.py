@@ -44,7 +44,7 @@ class NodeConfig:
     scheduler: str = ""
     name: str = ""
     heartbeat_s: float = 1.0
-    lease_s: float = 8.0   # no heartbeat answered this long: the scheduler is gone, the node exits (status 3)
+    lease_s: float = 7.0   # no heartbeat answered this long: the scheduler is gone, the node exits (status 3)
     register_timeout_s: float = 30.0
     transfer: TransferConfig = field(default_factory=TransferConfig)
     recv_timeout_s: float = 60.0   # a device fails its step when a transfer's bytes stop coming this long
@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     ap.add_argument("--scheduler", default="", help="scheduler endpoint to register with (optional)")
     ap.add_argument("--name", default="", help="node name (default: host-pid)")
     ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    ap.add_argument("--lease", type=float, default=8.0,
+    ap.add_argument("--lease", type=float, default=7.0,
                     help="seconds without an answered heartbeat after which the scheduler counts as gone and "
                          "the node exits with status 3")
     ap.add_argument("--register-timeout", type=float, default=30.0,
