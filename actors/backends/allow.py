@@ -16,6 +16,9 @@ with one bad kernel fails as a whole with a ``KernelRefused`` naming it:
   factory op such as ``eye``, the bounds of ``arange``/``linspace``) may not
   ask for more elements than the plan's memory cap has bytes.
 
+Triton kernels (``check_triton_record``) load only modules from inductor's
+cache directory or the source the graph carries.
+
 The cap is the device's ``mem=`` budget, or else ``default_cap(device)``:
 the memory the device has (host RAM for CPUs, the GPU's memory for CUDA).
 Pure checks on the schema and argument values; no torch work is run.
@@ -108,3 +111,22 @@ def _product(v: Any) -> float:
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) < 60 else text[:57] + "..."
+
+
+def check_triton_record(payload: dict) -> None:
+    """A Triton launch record may name its generated module only inside
+    inductor's cache directory (else a plan could make the node import any
+    Python file on its disk); the kernel name must be an identifier.  The
+    module source carried in the graph is code of the installing capture:
+    only authenticated peers can install (``transport.auth``)."""
+    name = payload.get("triton")
+    if not isinstance(name, str) or not name.isidentifier():
+        raise KernelRefused(f"Triton kernel name {name!r} is not an identifier")
+    file = payload.get("file") or ""
+    if not file:
+        return
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    root = os.path.realpath(cache_dir())
+    real = os.path.realpath(file)
+    if not (isinstance(file, str) and real.endswith(".py") and real.startswith(root + os.sep)):
+        raise KernelRefused(f"Triton module {file!r} is outside inductor's cache directory {root}")

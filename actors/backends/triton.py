@@ -18,6 +18,7 @@ import torch
 from tessera_actors.capture import inductor_hooks as hooks
 from tessera_actors.capture.inductor_match import triton_source
 
+from .allow import check_triton_record
 from .aten import AtenProgram, BackendError
 
 
@@ -26,12 +27,13 @@ class TritonProgram(AtenProgram):
         k = self.graph.kernels[kid]
         if k.kind != "ptx":
             return super()._bind(kid)
-        if self.device.type != "cuda":
-            raise BackendError(f"kernel {kid} ({k.name}) is a Triton kernel: it needs a CUDA device, "
-                               f"not {self.device}")
         p = k.payload
         if not isinstance(p, dict) or "triton" not in p:
             raise BackendError(f"kernel {kid} ({k.name}): payload is not a Triton launch record")
+        check_triton_record(p)
+        if self.device.type != "cuda":
+            raise BackendError(f"kernel {kid} ({k.name}) is a Triton kernel: it needs a CUDA device, "
+                               f"not {self.device}")
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         source = triton_source(self.graph, p.get("key", ""))
         args = [self._arg(a) for a in p["args"]]

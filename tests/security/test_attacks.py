@@ -164,3 +164,17 @@ async def test_forged_symlinked_foreign_and_shrunk_segments_are_refused(target, 
     assert node.proc.returncode is None
     ref = await system.remote_ref(node.endpoint, "node")
     assert await ref.ask(Ping(b"alive"), timeout=10) == Pong(b"alive")
+
+
+async def test_triton_kernel_naming_a_module_outside_inductors_cache_is_refused(target):
+    system, _, node = target
+    out = {"ref": {"t": [0, 0, [64], [1], "uint8"]}, "alias": False}
+    graph = KernelGraph([Kernel(0, "k", "ptx", (Access(0, 0, 64, "w"),),
+                                payload={"triton": "evil", "file": "/etc/hostname.py", "args": [], "outs": [out]})],
+                        {0: Buffer(0, 64, "output")}, outputs=[0])
+    g = msgpack.packb(graph.to_dict(), use_bin_type=True)
+    p = msgpack.packb(plan_to_dict(single_device_plan(graph, "cpu")), use_bin_type=True)
+    device = await system.remote_ref(node.endpoint, "device0")
+    with pytest.raises(RemoteError, match="outside inductor's cache directory") as info:
+        await device.ask(InstallPlan("evil-triton", 0, g, p, [[0, "", "device0"]]), timeout=30)
+    assert info.value.kind == "KernelRefused"
