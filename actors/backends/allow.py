@@ -113,20 +113,25 @@ def _short(v: Any) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
-def check_triton_record(payload: dict) -> None:
-    """A Triton launch record may name its generated module only inside
-    inductor's cache directory (else a plan could make the node import any
-    Python file on its disk); the kernel name must be an identifier.  The
-    module source carried in the graph is code of the installing capture:
-    only authenticated peers can install (``transport.auth``)."""
+def check_triton_record(payload: dict, has_source: bool) -> str:
+    """The module file a Triton launch record may be loaded from: only one
+    inside inductor's cache directory (else a plan could make the node
+    import any Python file on its disk); any other is ignored in favour of
+    the source the graph carries ("" = use that source), and without one the
+    kernel is refused.  The kernel name must be an identifier.  The source
+    in the graph is code of the installing capture: only authenticated
+    peers can install (``transport.auth``)."""
     name = payload.get("triton")
     if not isinstance(name, str) or not name.isidentifier():
         raise KernelRefused(f"Triton kernel name {name!r} is not an identifier")
     file = payload.get("file") or ""
-    if not file:
-        return
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    root = os.path.realpath(cache_dir())
-    real = os.path.realpath(file)
-    if not (isinstance(file, str) and real.endswith(".py") and real.startswith(root + os.sep)):
-        raise KernelRefused(f"Triton module {file!r} is outside inductor's cache directory {root}")
+    if file:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        root = os.path.realpath(cache_dir())
+        real = os.path.realpath(file) if isinstance(file, str) else ""
+        if real.endswith(".py") and real.startswith(root + os.sep):
+            return file
+    if not has_source:
+        raise KernelRefused(f"Triton kernel {name!r}: module {file!r} is outside inductor's cache directory and "
+                            f"the graph carries no source for it")
+    return ""

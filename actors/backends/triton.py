@@ -30,12 +30,12 @@ class TritonProgram(AtenProgram):
         p = k.payload
         if not isinstance(p, dict) or "triton" not in p:
             raise BackendError(f"kernel {kid} ({k.name}): payload is not a Triton launch record")
-        check_triton_record(p)
+        source = triton_source(self.graph, p.get("key", ""))
+        file = check_triton_record(p, bool(source))
         if self.device.type != "cuda":
             raise BackendError(f"kernel {kid} ({k.name}) is a Triton kernel: it needs a CUDA device, "
                                f"not {self.device}")
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        source = triton_source(self.graph, p.get("key", ""))
         args = [self._arg(a) for a in p["args"]]
         kwargs = {n: self._arg(v) for n, v in (p.get("kwargs") or {}).items()}
         loaded: list = []
@@ -45,7 +45,7 @@ class TritonProgram(AtenProgram):
             from .cuda import current_green
             green = current_green()
             try:
-                loaded.append(hooks.load_autotuner(p.get("file", ""), p["triton"], source, p.get("config") or {},
+                loaded.append(hooks.load_autotuner(file, p["triton"], source, p.get("config") or {},
                                                    device=index, context=green))
             except Exception as e:
                 raise BackendError(f"kernel {kid} ({k.name}): cannot load the Triton kernel: {e}") from e
