@@ -32,3 +32,26 @@ def test_the_724_byte_nested_ext_message_is_a_codec_error():
         with pytest.raises(CodecError, match="nested deeper"):
             codec.decode([codec.HEADER_BYTES, envelope(nest_ext(depth))])
     assert codec.decode([codec.HEADER_BYTES, envelope(nest_ext(8))])[1] is not None
+
+
+def test_large_bodies_are_bounds_checked_before_unpacking():
+    import struct
+
+    import msgpack
+    import pytest
+    from tessera_actors.errors import CodecError
+    from tessera_actors.messages import Stats
+    from transport import codec
+    sys.path.insert(0, os.path.dirname(PROGRAM))
+    from fuzz_codec_main import envelope
+    many = b"\xdd" + struct.pack("!I", codec.MAX_ITEMS + 1) + b"\xc0" * (codec.MAX_ITEMS + 1)
+    with pytest.raises(CodecError, match="more than"):   # 1 MiB of nils would be 8 MiB of pointers
+        codec.decode([codec.HEADER_BYTES, envelope(many)])
+    with pytest.raises(CodecError, match="declares"):
+        codec.decode([codec.HEADER_BYTES, envelope(b"\xdd\xff\xff\xff\xff" + b"\x00" * 4000)])
+    with pytest.raises(CodecError, match="nesting deeper"):
+        codec.decode([codec.HEADER_BYTES, envelope(b"\x91" * 3000 + b"\x00")])
+    big = Stats({"names": [f"node{i}" for i in range(1000)]})
+    frames = codec.encode(big)
+    assert len(frames[1]) > codec.SCAN_ABOVE and codec.decode(frames)[1] == big
+    assert msgpack.unpackb(frames[1])[3] == "Stats"
