@@ -231,6 +231,7 @@ def secure_server(sock: zmq.Socket, keys: ClusterKeys) -> None:
     sock.curve_publickey = keys.server_public
     sock.curve_server = True
     sock.zap_domain = b"tessera"
+    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)   # no ZAP handler in the context: refuse everyone, never accept all
 
 
 def secure_client(sock: zmq.Socket, keys: ClusterKeys) -> None:
