@@ -97,11 +97,10 @@ class SchedulerActor(Actor):
         return Registered(msg.node, node.first)
 
     @handler(Heartbeat)
-    def heartbeat(self, msg: Heartbeat) -> Ok:
-        """Heartbeats of nodes that send them here (see ``LeaseActor``)."""
-        if not self.leases.renew(msg.node):
-            raise LookupError(f"node {msg.node!r} is not registered with this scheduler")
-        return Ok("renewed")
+    def heartbeat(self, msg: Heartbeat) -> None:
+        """Heartbeats told here (older nodes, in-process devices) renew a
+        registered node's lease; others are ignored (nodes ask ``LeaseActor``)."""
+        self.leases.renew(msg.node)
 
     async def _answers(self, endpoint: str, new_pid: int, timeout: float = 1.0) -> bool:
         """Whether another process than ``new_pid`` still serves a node at ``endpoint``."""
