@@ -22,6 +22,14 @@ Contract:
   ``graphs=False`` (or ``TESSERA_CUDA_GRAPHS=0``) keeps every run eager.
   ``busy_s`` is therefore host time on the worker (queueing work, waiting
   for bytes to send), not device time.
+* Share groups (``InstallPlan.share``): the bucket graphs of one served
+  model name the same weights and state (KV cache); the device keeps one
+  tensor per (group, buffer name) and every plan of the group runs on it, so
+  a prefill plan fills the KV rows a decode plan then reads.  The tensors
+  live as long as the device actor (a re-placed deployment reuses them).
+* Sampling (``RunStep.sample``): the device holding the step's logits draws
+  the tokens there, on the worker (``tessera_actors.serving.sampling``), and
+  answers ``StepDone.tokens``; the logits never leave the device.
 """
 from __future__ import annotations
 
@@ -59,6 +67,7 @@ class _Installed:
     steps: asyncio.Queue = field(default_factory=asyncio.Queue)
     inbox: Inbox = field(default_factory=Inbox)   # transfer bytes, possibly ahead of their step
     runner: asyncio.Task | None = None
+    share_keys: dict = field(default_factory=dict)   # buffer id -> (share group, name)
 
 
 class DeviceActor(Actor):
@@ -71,6 +80,8 @@ class DeviceActor(Actor):
         self.recv_timeout = recv_timeout
         self.transfer_name = transfer
         self.plans: dict[str, _Installed] = {}
+        self.shared: dict[tuple[str, str], torch.Tensor] = {}   # (group, buffer name) -> bytes
+        self.loaded: set[tuple[str, str]] = set()                # ... whose values were loaded
         self.steps_run = 0
         self.busy_s = 0.0
 
@@ -113,23 +124,52 @@ class DeviceActor(Actor):
         if self.runner is None:
             raise BackendError(f"{self.spec.name}: device could not be opened: {self.open_error}")
         cls = program_class(graph)
+        keys = self._share_keys(graph, plan.resident[d], msg.share)
 
         def build() -> AtenProgram:
-            prog = cls(graph, self.runner.device, plan.resident[d], memory_limit=self.spec.mem)
+            shared = {}
+            for b, key in keys.items():
+                t = self.shared.get(key)
+                if t is None:
+                    t = self.shared[key] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8,
+                                                       device=self.runner.device)
+                shared[b] = t
+            prog = cls(graph, self.runner.device, plan.resident[d], memory_limit=self.spec.mem, shared=shared)
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)
             return prog
         prog = await self._on_worker(build)
         inst = _Installed(graph, plan, d, prog)
+        inst.share_keys = keys
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
-        return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine))
+        need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
+                and keys.get(b) not in self.loaded]
+        return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine), need)
+
+    def _share_keys(self, graph: KernelGraph, resident, share: str) -> dict[int, tuple[str, str]]:
+        """Buffer id -> share key for the named weights/state of a share group;
+        a name already held with another size is refused (not the same tensor)."""
+        if not share:
+            return {}
+        keys = {}
+        for b in resident:
+            buf = graph.buffers[b]
+            if buf.role in ("weight", "state") and buf.name:
+                key = (share, buf.name)
+                held = self.shared.get(key)
+                if held is not None and held.numel() != max(buf.nbytes, 1):
+                    raise ValueError(f"{self.spec.name}: buffer {buf.name!r} of share group {share!r} holds "
+                                     f"{held.numel()} bytes, this plan's has {buf.nbytes}")
+                keys[b] = key
+        return keys
 
     @handler(LoadValues)
     async def load(self, msg: LoadValues) -> Ok:
         inst = self._plan(msg.plan_id)
         await self._on_worker(inst.prog.load, dict(zip(msg.buffers, msg.data)))
+        self.loaded.update(inst.share_keys[b] for b in msg.buffers if b in inst.share_keys)
         return Ok(f"{len(msg.buffers)} buffers offered")
 
     @handler(Uninstall)
@@ -201,6 +241,7 @@ class DeviceActor(Actor):
         runner = self.runner
         transfers = {t.tag: t for t in plan.transfers}
         busy = wait = 0.0
+        spans: list | None = [] if msg.trace else None
         feed = plan.inputs[d]
         if feed:
             await self._on_worker(write_inputs, prog, graph, msg.inputs, feed)
@@ -215,7 +256,10 @@ class DeviceActor(Actor):
                     ranges = sub_ranges(t.ranges, offset, data.numel() * data.element_size())
                     await self._on_worker(prog.write, t.buffer, ranges, data)
                 what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
+                started = time.time()
                 wait += await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
+                if spans is not None:
+                    spans.append([f"recv {t.tag} ({t.nbytes} B from device {t.src})", started, time.time()])
                 i += 1
                 continue
             # a run step and the sends that follow it go to the worker together
@@ -231,23 +275,41 @@ class DeviceActor(Actor):
                     sends.append(program[j].ref)
                 j += 1
 
-            def work(chunk=i, kernels=kernels, sends=sends) -> tuple[list[Any], float]:
+            def work(chunk=i, kernels=kernels, sends=sends) -> tuple[list[Any], float, float]:
+                started = time.time()
                 t0 = time.perf_counter()
                 if kernels:
                     runner.run((plan_id, chunk), prog, kernels)
                 pieces = [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
                 out = runner.read(prog, pieces) if sends else []   # settled: the peer may read them at once
-                return out, time.perf_counter() - t0
-            payloads, spent = await self._on_worker(work)
+                return out, time.perf_counter() - t0, started
+            payloads, spent, started = await self._on_worker(work)
             busy += spent
+            if spans is not None:
+                label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
+                sent = sum(transfers[tag].nbytes for tag in sends)
+                spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), started, started + spent])
             for tag, data in zip(sends, payloads):
                 await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
             i = j
         mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        logits_view = graph.meta["output_views"][0] if msg.sample else None
+        if logits_view is not None and any(b == logits_view[0] for b, _, _ in mine):
+            from tessera_actors.serving.sampling import sample_with_logprobs
+            started = time.time()
+            tokens, logprobs = await self._on_worker(
+                lambda: sample_with_logprobs(prog.view(logits_view), msg.sample))
+            if spans is not None:
+                spans.append([f"sample {len(tokens)} rows", started, time.time()])
+        if not msg.outputs:
+            mine = []
 
         def outputs() -> list[Any]:
             return runner.read(prog, [(b, [(s, e)]) for b, s, e in mine], copy_stream=False)
         data = await self._on_worker(outputs) if mine else []
         self.steps_run += 1
         self.busy_s += busy
-        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait)
+        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs,
+                        spans or [])

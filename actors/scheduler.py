@@ -14,7 +14,12 @@ and sends them out as placement messages.
   thread: planning may take seconds) on the live inventory and deploys;
   ``Deploy`` deploys a given plan.  Deploying = ``InstallPlan`` to every
   plan device, ``Routes`` to every node's transfer actor, ``LoadValues``
-  with the weights/state each device holds.  Reply: ``Deployment``.
+  with the weights/state each device still needs (``Installed.need``: a
+  device holding a share group's buffers already is not sent them again).
+  Reply: ``Deployment``.
+* Several graphs (the buckets of a served model): ``Place.graph`` names one,
+  ``values`` may map graph names to their values, and ``Place.pins`` keeps
+  state buffers on the devices they already live on (``planning.pinning``).
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.messages import (Deploy, Deployment, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
                                      LoadValues, Ok, Place, Register, Registered, ReportLost, Routes, Stats,
                                      Uninstall)
-from tessera_actors.plan import Plan, Planner, PlanError, plan_from_dict, plan_to_dict
+from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_from_dict, plan_to_dict
+from tessera_actors.planning.pinning import pinned_assignment, respects
 
 log = logging.getLogger("tessera_actors.scheduler")
 
@@ -48,10 +54,16 @@ class _Node:
 
 
 class SchedulerActor(Actor):
-    def __init__(self, planner: Planner, values: dict[int, torch.Tensor] | None = None,
+    def __init__(self, planner: Planner, values: dict | None = None,
                  graph_actor: str = "graph", heartbeat_timeout: float = 5.0, install_timeout: float = 60.0) -> None:
+        """``values``: initial bytes of weight/state buffers by buffer id (one
+        graph), or by graph name then buffer id (several graphs)."""
         self.planner = planner
-        self.values = values or {}
+        values = values or {}
+        if values and all(isinstance(k, str) for k in values):
+            self.values_by_graph = dict(values)
+        else:
+            self.values_by_graph = {"": values}
         self.graph_actor = graph_actor
         self.heartbeat_timeout = heartbeat_timeout
         self.install_timeout = install_timeout
@@ -140,17 +152,32 @@ class SchedulerActor(Actor):
                       "devices": [d for _, _, d in self.inventory],
                       "lost": self.lost_nodes(), "plans": list(self.plans)})
 
+    def _values(self, graph: str) -> dict:
+        if graph in self.values_by_graph:
+            return self.values_by_graph[graph]
+        if not graph and len(self.values_by_graph) >= 1:
+            return next(iter(self.values_by_graph.values()))
+        return {}
+
     @handler(Place)
     async def place(self, msg: Place) -> Deployment:
-        blob = await self.system.ref(self.graph_actor).ask(GetGraph())
+        blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph))
         graph = KernelGraph.from_dict(msgpack.unpackb(blob.data, strict_map_key=False))
         lost = set(self.lost_nodes())
         live = [d for d, (node, _, _) in enumerate(self.inventory) if node not in lost]
+        if msg.devices:
+            live = [d for d in live if d in set(msg.devices)]
         if not live:
             raise PlanError("no live devices registered")
         specs = [self.inventory[d][2] for d in live]
         plan = await asyncio.to_thread(self.planner.plan, graph, specs, msg.mode)
-        return await self._deploy(msg.plan_id, graph, plan, live, blob.data)
+        where = {(self.nodes[self.inventory[d][0]].endpoint, f"device{self.inventory[d][1]}"): i
+                 for i, d in enumerate(live)}
+        pins = {name: where[tuple(r)] for name, r in msg.pins.items() if tuple(r) in where}
+        if pins and not respects(graph, plan.assignment, pins):
+            assignment = pinned_assignment(graph, pins)
+            plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)
+        return await self._deploy(msg.plan_id, graph, plan, live, blob.data, msg.graph, msg.share)
 
     @handler(Deploy)
     async def deploy(self, msg: Deploy) -> Deployment:
@@ -160,25 +187,27 @@ class SchedulerActor(Actor):
         if len(plan.devices) > len(self.inventory):
             raise PlanError(f"plan needs {len(plan.devices)} devices, {len(self.inventory)} registered")
         if msg.buffers:
-            self.values = dict(zip(msg.buffers, msg.data))
+            self.values_by_graph = {"": dict(zip(msg.buffers, msg.data))}
         return await self._deploy(msg.plan_id, graph, plan, list(range(len(plan.devices))), blob.data)
 
     async def _deploy(self, plan_id: str, graph: KernelGraph, plan: Plan, devs: list[int],
-                      graph_bytes: bytes) -> Deployment:
+                      graph_bytes: bytes, graph_name: str = "", share: str = "") -> Deployment:
         routes = []
         for i, d in enumerate(devs):
             node, local, _ = self.inventory[d]
             routes.append([i, self.nodes[node].endpoint, f"device{local}"])
         plan_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
         refs: list[ActorRef] = [await self._ref(ep, name) for _, ep, name in routes]
-        await asyncio.gather(*(ref.ask(InstallPlan(plan_id, i, graph_bytes, plan_bytes, routes),
-                                       timeout=self.install_timeout) for i, ref in enumerate(refs)))
+        installed = await asyncio.gather(*(ref.ask(InstallPlan(plan_id, i, graph_bytes, plan_bytes, routes, share),
+                                                   timeout=self.install_timeout) for i, ref in enumerate(refs)))
         for node in {self.inventory[d][0] for d in devs}:
             ref = await self._ref(self.nodes[node].endpoint, "transfer")
             await ref.ask(Routes(plan_id, routes, list(plan.devices)))
+        values = self._values(graph_name)
         for i, ref in enumerate(refs):
-            held = [b for b in plan.resident[i] if b in self.values]
-            await ref.ask(LoadValues(plan_id, held, [self.values[b] for b in held]), timeout=self.install_timeout)
+            need = set(installed[i].need) if share else set(plan.resident[i])
+            held = [b for b in plan.resident[i] if b in values and b in need]
+            await ref.ask(LoadValues(plan_id, held, [values[b] for b in held]), timeout=self.install_timeout)
         self.plans[plan_id] = plan
         self.routes[plan_id] = routes
         log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])

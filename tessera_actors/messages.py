@@ -136,21 +136,28 @@ class InstallPlan:
     """Install device ``device``'s part of a plan. ``graph`` and ``plan`` are
     msgpack bytes (KernelGraph.to_dict / plan_to_dict); ``routes`` lists
     ``[device, endpoint, actor]`` for every plan device (endpoint "" = this
-    process). Reply: ``Installed``."""
+    process). Reply: ``Installed``.  ``share`` (non-empty) names a group of
+    plans whose named weight and state buffers are one set of tensors on the
+    device (the bucket graphs of one served model share weights and the KV
+    cache): a buffer of the same name and size is allocated once per group."""
     plan_id: str
     device: int
     graph: bytes
     plan: bytes
     routes: list = dataclasses.field(default_factory=list)
+    share: str = ""
 
 
 @message
 class Installed:
+    """``need``: the weight/state buffers of the plan whose values the device
+    does not hold yet (those of a share group it loaded before are held)."""
     plan_id: str
     device: int
     resident_bytes: int = 0
     kernels: int = 0
     segments: int = 0
+    need: list = dataclasses.field(default_factory=list)
 
 
 @message
@@ -166,15 +173,31 @@ class LoadValues:
 class RunStep:
     """Run one step of an installed plan. ``inputs`` maps step-input names to
     tensors (only those this device reads are needed). Reply: ``StepDone``
-    once the device finished its program for this step."""
+    once the device finished its program for this step.
+
+    ``sample`` (serving): rows of the first output (logits ``[B, T, V]``) to
+    sample on the device that holds them, each ``[row, col, temperature,
+    top_p, top_k, seed, index]`` (``index``: the position of the token in
+    the request's output, so a seed gives the same draw in any batch); that
+    device answers with ``tokens``.  ``outputs=False``: no output bytes in
+    the reply (the engine needs only the tokens).  ``trace``: answer with
+    ``StepDone.spans`` (what the device did when, for a trace file)."""
     plan_id: str
     step: int
     inputs: dict = dataclasses.field(default_factory=dict)
+    sample: list = dataclasses.field(default_factory=list)
+    outputs: bool = True
+    trace: bool = False
 
 
 @message
 class StepDone:
-    """``ranges[i] = [buffer, start, end]`` of final output bytes in ``data[i]``."""
+    """``ranges[i] = [buffer, start, end]`` of final output bytes in ``data[i]``;
+    ``tokens``: one sampled id per ``RunStep.sample`` entry, from the device
+    holding the logits (empty elsewhere), with its log probability in
+    ``logprobs``.  ``spans`` (when traced): ``[what, start, end]`` in wall-clock
+    seconds (``time.time()``) for each run of kernels, transfer wait and
+    sampling, in order."""
     plan_id: str
     step: int
     device: int
@@ -182,6 +205,9 @@ class StepDone:
     data: list = dataclasses.field(default_factory=list)
     busy_s: float = 0.0
     wait_s: float = 0.0
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    spans: list = dataclasses.field(default_factory=list)
 
 
 @message
@@ -257,7 +283,8 @@ class Uninstall:
 
 @message
 class GetGraph:
-    """Ask the graph actor for its graph; reply: ``GraphBlob``."""
+    """Ask the graph actor for graph ``name`` ("" = its first); reply: ``GraphBlob``."""
+    name: str = ""
 
 
 @message
@@ -280,9 +307,20 @@ class Deploy:
 @message
 class Place:
     """To the scheduler: plan the graph on the registered devices with its
-    planner (``mode`` latency | throughput) and deploy it. Reply: ``Deployment``."""
+    planner (``mode`` latency | throughput) and deploy it. Reply: ``Deployment``.
+    ``graph`` names the graph (a bucket of a served model; "" = the first);
+    ``pins`` maps state-buffer names to inventory device indices: kernels
+    touching that state run there (the KV cache stays where it lives), and
+    the rest follow their state (``planning.pinning``); a pin is the
+    ``[endpoint, actor]`` of the device actor holding the state.  ``share``
+    is passed on to ``InstallPlan``.  ``devices`` (inventory indices)
+    restricts the placement to those devices."""
     plan_id: str
     mode: str = "latency"
+    graph: str = ""
+    pins: dict = dataclasses.field(default_factory=dict)
+    share: str = ""
+    devices: list = dataclasses.field(default_factory=list)
 
 
 @message

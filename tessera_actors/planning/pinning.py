@@ -1,0 +1,68 @@
+"""Plans of several graphs that share state: keep each state buffer on one device.
+
+A served model is captured once per shape bucket (decode batch sizes,
+prefill chunk sizes); every bucket's graph touches the same KV cache, which
+lives on one device per layer for the whole deployment.  So the plan of a
+bucket must run the kernels touching a state buffer where that buffer lives.
+
+* :func:`state_homes` reads those homes off a placed graph (by buffer name).
+* :func:`pinned_assignment` places another graph under such homes: kernels
+  touching a pinned state buffer go to its device, every other kernel
+  follows the nearest pinned kernel before it (after it, for a prefix that
+  precedes all of them) - a split that moves only activations.
+* :func:`respects` says whether a plan already keeps the homes (the
+  planner's own choice is used then).
+
+Pure functions over the graph model (no torch).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from ..graph import KernelGraph
+from ..plan import PlanError
+
+
+def _state_names(graph: KernelGraph, kernel) -> set[str]:
+    return {graph.buffers[a.buffer].name for a in kernel.accesses
+            if graph.buffers[a.buffer].role == "state" and graph.buffers[a.buffer].name}
+
+
+def state_homes(graph: KernelGraph, assignment: Sequence[int]) -> dict[str, int]:
+    """State-buffer name -> the device its kernels run on.  Raises
+    :class:`PlanError` when one state buffer is touched on two devices."""
+    homes: dict[str, int] = {}
+    for k in graph.kernels:
+        for name in _state_names(graph, k):
+            d = assignment[k.id]
+            if homes.setdefault(name, d) != d:
+                raise PlanError(f"state {name!r} is touched on devices {homes[name]} and {d}")
+    return homes
+
+
+def respects(graph: KernelGraph, assignment: Sequence[int], pins: Mapping[str, int]) -> bool:
+    """True when every kernel touching a pinned state runs on its pin."""
+    return all(assignment[k.id] == pins[n] for k in graph.kernels for n in _state_names(graph, k) if n in pins)
+
+
+def pinned_assignment(graph: KernelGraph, pins: Mapping[str, int]) -> list[int]:
+    """Kernel -> device under ``pins`` (state name -> device); see the module
+    docstring.  With no pinned kernel at all every kernel goes to the
+    device of the smallest pin (or 0).  Raises :class:`PlanError` when one
+    kernel touches states pinned to two devices."""
+    fixed: dict[int, int] = {}
+    for k in graph.kernels:
+        devs = {pins[n] for n in _state_names(graph, k) if n in pins}
+        if len(devs) > 1:
+            raise PlanError(f"kernel {k.id} ({k.name}) touches states pinned to devices {sorted(devs)}")
+        if devs:
+            fixed[k.id] = devs.pop()
+    if not fixed:
+        return [min(pins.values(), default=0)] * len(graph.kernels)
+    first = min(fixed)
+    current = fixed[first]
+    out = []
+    for k in range(len(graph.kernels)):
+        current = fixed.get(k, current)
+        out.append(current)
+    return out

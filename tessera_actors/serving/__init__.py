@@ -1,0 +1,15 @@
+"""Serving: the continuous-batching engine and what it needs (sampling,
+tokenizer and chat template, bucket deployment)."""
+from .config import EngineConfig
+from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
+
+
+def __getattr__(name):   # the engine pulls in torch and the actors: load it on first use
+    if name == "AsyncEngine":
+        from .engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(name)
+
+
+__all__ = ["AsyncEngine", "EngineBusy", "EngineConfig", "EngineDead", "EngineError", "InvalidRequest",
+           "RequestOutput", "SamplingParams", "Usage"]

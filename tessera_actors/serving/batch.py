@@ -1,0 +1,117 @@
+"""Continuous batching, as pure logic over request records (no I/O).
+
+* :class:`Sequence` is one request's serving state: its KV slot (row), the
+  context still to prefill, the tokens produced so far.
+* :class:`SlotAllocator` hands out KV rows; with several micro-batch groups
+  it fills the emptiest group first (lowest row within it), so groups stay
+  balanced and a decode bucket stays small.
+* :func:`decode_inputs` forms one decode step of a group: the active rows
+  padded to the smallest bucket that covers them (padding rows write a
+  throw-away KV entry at the last position, which a sequence always writes
+  itself before it reads it); :func:`prefill_inputs` forms one prompt chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+
+@dataclass
+class Sequence:
+    rid: str
+    prompt: list[int]
+    params: object                     # SamplingParams (validated)
+    seed: int
+    slot: int = -1
+    generated: list[int] = field(default_factory=list)
+    prefilled: int = 0                 # tokens of ``context`` already in the KV cache
+    context: list[int] = field(default_factory=list)   # what prefill must feed (prompt [+ tokens so far])
+    phase: str = "waiting"             # waiting | prefill | decode | done
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    exec_s: float = 0.0
+    steps: int = 0
+
+    def sample_entry(self, row: int, col: int) -> list:
+        p = self.params
+        return [row, col, float(p.temperature), float(p.top_p), int(p.top_k), int(self.seed), len(self.generated)]
+
+    @property
+    def position(self) -> int:
+        """Position of the last produced token, the next decode input."""
+        return len(self.prompt) + len(self.generated) - 1
+
+
+class SlotAllocator:
+    def __init__(self, bounds: Seq[tuple[int, int]]) -> None:
+        self.set_groups(bounds)
+        self.used: set[int] = set()
+
+    def set_groups(self, bounds: Seq[tuple[int, int]]) -> None:
+        self.bounds = list(bounds)
+        self.total = self.bounds[-1][1]
+
+    def free(self) -> int:
+        return self.total - len(self.used)
+
+    def take(self) -> int | None:
+        best = None
+        for lo, hi in self.bounds:
+            free = [r for r in range(lo, hi) if r not in self.used]
+            if free and (best is None or len(free) > best[0]):
+                best = (len(free), free[0])
+        if best is None:
+            return None
+        self.used.add(best[1])
+        return best[1]
+
+    def release(self, slot: int) -> None:
+        self.used.discard(slot)
+
+    def group_of(self, slot: int) -> int:
+        return next(g for g, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+
+
+def smallest_bucket(sizes: Seq[int], need: int) -> int:
+    for s in sorted(sizes):
+        if s >= need:
+            return s
+    raise ValueError(f"no bucket holds {need} (buckets {list(sizes)})")
+
+
+def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int
+                  ) -> tuple[int, dict[str, torch.Tensor], list]:
+    """(bucket size, inputs, sample entries) of one decode step of ``seqs``
+    (all in the group whose first row is ``lo``)."""
+    size = smallest_bucket(sizes, max(s.slot for s in seqs) - lo + 1)
+    ids = [0] * size
+    pos = [max_len - 1] * size
+    sample = []
+    for s in seqs:
+        r = s.slot - lo
+        ids[r] = s.generated[-1]
+        pos[r] = s.position
+        sample.append(s.sample_entry(r, 0))
+    return size, {"input_ids": torch.tensor(ids, dtype=torch.int64).view(size, 1),
+                  "positions": torch.tensor(pos, dtype=torch.int64)}, sample
+
+
+def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int
+                   ) -> tuple[int, int, dict[str, torch.Tensor], list]:
+    """(bucket size, real tokens, inputs, sample entries) of the next chunk of
+    ``seq``'s context: the largest bucket while more than it remains, then
+    the smallest bucket that holds the rest; the last chunk samples."""
+    left = len(seq.context) - seq.prefilled
+    biggest = max(sizes)
+    size = biggest if left >= biggest else smallest_bucket(sizes, left)
+    n = min(size, left)
+    start = seq.prefilled
+    ids = torch.zeros(1, size, dtype=torch.int64)
+    ids[0, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)
+    pos = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)[None]
+    inputs = {"input_ids": ids, "positions": pos, "rows": torch.tensor([seq.slot], dtype=torch.int64),
+              "last": torch.tensor([n - 1], dtype=torch.int64)}
+    final = start + n == len(seq.context)
+    return size, n, inputs, [seq.sample_entry(0, 0)] if final else []

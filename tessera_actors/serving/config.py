@@ -1,0 +1,83 @@
+"""The serving engine's configuration: one dataclass, validated with real
+errors; ``tessera serve`` flags map onto its fields."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineConfig:
+    """``devices``: in-process device specs (comma-separated) used when
+    ``nodes`` is empty; ``nodes``: one node process per entry, each with its
+    device specs (``cpu``, ``cpu?threads=1``, ``cuda:0;...``).
+
+    KV cache: ``max_seqs`` rows (sequences in flight) of ``max_model_len``
+    positions (prompt + output).  Decode runs at ``decode_buckets`` batch
+    sizes (rows padded up), prompts are prefilled in chunks of
+    ``prefill_buckets`` tokens.  ``mode``: ``latency`` (one decode step of
+    all rows at a time), ``throughput`` (the rows in ``groups`` micro-batch
+    groups, one step of each in flight, so the devices of a split
+    pipeline), or ``auto`` (the online monitor switches: window
+    ``monitor_window_s``, ratio ``monitor_beta``).  ``max_queue`` bounds the
+    requests waiting for a KV slot; beyond it ``EngineBusy``.  Faults: a node
+    that misses pings for ``lost_after_s`` is lost; the deployment is
+    re-placed on the survivors and requests continue there."""
+
+    model: str = "smollm2"
+    size: str = "real"
+    devices: str = "cpu,cpu"
+    nodes: tuple[str, ...] = ()
+    node_args: tuple[str, ...] = ()
+    dtype: str = "float32"
+    max_seqs: int = 16
+    max_model_len: int = 2048
+    max_queue: int = 256
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
+    prefill_buckets: tuple[int, ...] = (32, 128)
+    planner: str = "contiguous"
+    mode: str = "auto"
+    groups: int = 2
+    monitor_window_s: float = 0.3
+    monitor_beta: float = 1.5
+    step_timeout: float = 60.0
+    heartbeat_s: float = 0.25
+    lost_after_s: float = 1.5
+    watch_processes: bool = True   # node processes the engine started: their exit is a loss at once
+    seed: int = 0
+    profile: bool = False       # time the reference bucket's kernels on each in-process device for the planner
+    trace_dir: str | None = None
+    overrides: dict = field(default_factory=dict)   # extra model config fields
+
+    def __post_init__(self) -> None:
+        def bad(why: str) -> ValueError:
+            return ValueError(f"EngineConfig: {why}")
+        self.nodes = tuple(self.nodes)
+        self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
+        self.prefill_buckets = tuple(sorted(set(int(b) for b in self.prefill_buckets)))
+        if self.max_seqs < 1:
+            raise bad(f"max_seqs must be >= 1, got {self.max_seqs}")
+        if self.max_model_len < 2:
+            raise bad(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_queue < 0:
+            raise bad(f"max_queue must be >= 0, got {self.max_queue}")
+        if not self.decode_buckets or self.decode_buckets[0] < 1:
+            raise bad(f"decode_buckets must be positive sizes, got {self.decode_buckets}")
+        self.decode_buckets = tuple(b for b in self.decode_buckets if b < self.max_seqs) + (self.max_seqs,)
+        if any(b < 1 for b in self.prefill_buckets):
+            raise bad(f"prefill_buckets must be positive sizes, got {self.prefill_buckets}")
+        self.prefill_buckets = tuple(b for b in self.prefill_buckets if b < self.max_model_len)
+        if self.mode not in ("latency", "throughput", "auto"):
+            raise bad(f"mode must be latency, throughput or auto, got {self.mode!r}")
+        if self.groups < 1:
+            raise bad(f"groups must be >= 1, got {self.groups}")
+        self.groups = min(self.groups, self.max_seqs)   # a group needs at least one row
+        for name in ("step_timeout", "heartbeat_s", "lost_after_s", "monitor_window_s", "monitor_beta"):
+            if getattr(self, name) <= 0:
+                raise bad(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def group_bounds(self, groups: int) -> list[tuple[int, int]]:
+        """KV rows ``[lo, hi)`` of each of ``groups`` micro-batch groups."""
+        size = -(-self.max_seqs // groups)
+        return [(lo, min(lo + size, self.max_seqs)) for lo in range(0, self.max_seqs, size)]

@@ -1,0 +1,168 @@
+"""From a model name to the bucket graphs the engine serves.
+
+A *bucket* is one captured shape of the model's forward:
+
+* ``decode:B@R`` - one new token for each of ``B`` KV rows ``R .. R+B-1``
+  (inputs ``input_ids`` [B, 1], ``positions`` [B]);
+* ``prefill:C`` - a chunk of ``C`` prompt tokens of one sequence into its
+  own KV row (inputs ``input_ids`` [1, C], ``positions`` [1, C], ``rows``
+  [1], ``last`` [1]: only the logits of the chunk's last real token are
+  computed).
+
+Every bucket is captured on the meta device (no arithmetic, so capturing a
+real-size model takes well under a second per bucket), and its weight and
+state buffers are named as in the model, so the device actors of one
+deployment hold one copy of the weights and one KV cache for all buckets
+(``InstallPlan.share``).  Values come from the real model by name; the KV
+cache starts as zeros and is never shipped.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from ..capture import capture_module
+from ..capture.aten import storage_bytes
+from ..graph import KernelGraph
+from .config import EngineConfig
+from .params import EngineError
+
+
+@dataclass(frozen=True)
+class Bucket:
+    kind: str          # "decode" | "prefill"
+    size: int          # rows (decode) or tokens (prefill)
+    base: int = 0      # first KV row (decode)
+
+    @property
+    def name(self) -> str:
+        return f"decode:{self.size}@{self.base}" if self.kind == "decode" else f"prefill:{self.size}"
+
+
+def decode_sizes(cfg: EngineConfig, limit: int) -> list[int]:
+    """The decode bucket sizes usable by a group of ``limit`` rows."""
+    return [b for b in cfg.decode_buckets if b < limit] + [limit]
+
+
+def buckets_for(cfg: EngineConfig) -> list[Bucket]:
+    """Every bucket the engine may run: decode sizes for the one group of
+    latency mode and for each group of throughput mode, and the prefill
+    chunk sizes; always the decode bucket of every row (``decode:max_seqs@0``),
+    the reference the planner places first."""
+    ref = Bucket("decode", cfg.max_seqs, 0)
+    seen: dict[str, Bucket] = {ref.name: ref}
+    layouts = [1] if cfg.mode == "latency" else ([cfg.groups] if cfg.mode == "throughput" else [1, cfg.groups])
+    for groups in layouts:
+        for lo, hi in cfg.group_bounds(groups):
+            for size in decode_sizes(cfg, hi - lo):
+                b = Bucket("decode", size, lo)
+                seen.setdefault(b.name, b)
+    for size in cfg.prefill_buckets:
+        b = Bucket("prefill", size)
+        seen.setdefault(b.name, b)
+    return list(seen.values())
+
+
+def bucket_inputs(bucket: Bucket, device: str | torch.device = "meta") -> dict[str, torch.Tensor]:
+    if bucket.kind == "decode":
+        return {"input_ids": torch.zeros(bucket.size, 1, dtype=torch.int64, device=device),
+                "positions": torch.zeros(bucket.size, dtype=torch.int64, device=device)}
+    return {"input_ids": torch.zeros(1, bucket.size, dtype=torch.int64, device=device),
+            "positions": torch.arange(bucket.size, dtype=torch.int64, device=device)[None],
+            "rows": torch.zeros(1, dtype=torch.int64, device=device),
+            "last": torch.zeros(1, dtype=torch.int64, device=device)}
+
+
+@contextlib.contextmanager
+def row_base(model: torch.nn.Module, base: int):
+    """Decode into KV rows ``base ..`` while capturing (attention ``row_base``)."""
+    mods = [m for m in model.modules() if hasattr(m, "row_base")]
+    old = [m.row_base for m in mods]
+    for m in mods:
+        m.row_base = base
+    try:
+        yield
+    finally:
+        for m, b in zip(mods, old):
+            m.row_base = b
+
+
+@dataclass
+class ServedModel:
+    """The real model (values), its tokenizer/template metadata and the
+    captured bucket graphs with their values by buffer id."""
+
+    name: str
+    model: torch.nn.Module
+    vocab_size: int
+    graphs: dict[str, KernelGraph]
+    values: dict[str, dict[int, torch.Tensor]]
+    buckets: dict[str, Bucket]
+    gguf_meta: dict | None
+
+
+@functools.lru_cache(maxsize=2)
+def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple) -> torch.nn.Module:
+    """The real model, built once per configuration in a process (engines of
+    one benchmark share its weights: they are only ever read)."""
+    from .. import models
+    return models.get(model, size, dtype=dtype, seed=seed, **dict(kw))
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_served_model(cfg: EngineConfig) -> ServedModel:
+    """Build the model (real weights for ``smollm2``), check it takes the
+    serving inputs, capture every bucket.  Blocking (call in a thread)."""
+    from .. import models
+    dtype = _dtype(cfg.dtype)
+    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+    if cfg.model == "smollm2":
+        limit = 8192   # SmolLM2-135M-Instruct's own context (GGUF llama.context_length)
+        if cfg.max_model_len > limit:
+            raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
+    try:
+        key = tuple(sorted(kw.items()))
+        try:
+            hash(key)
+        except TypeError:   # an unhashable override (a dict): build it afresh
+            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+        else:
+            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
+        meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+    except (KeyError, TypeError) as e:
+        raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
+    params = inspect.signature(real.forward).parameters
+    if not {"input_ids", "positions", "rows", "last"} <= set(params):
+        raise EngineError(f"model {cfg.model!r} cannot be served: its forward takes {list(params)}, the engine "
+                          "needs input_ids, positions, rows and last (a Llama-family decoder)")
+    named = {n: t for n, t in real.named_parameters()}
+    named.update(dict(real.named_buffers()))
+    state = set(real.state_names())
+    graphs, values, buckets = {}, {}, {}
+    for b in buckets_for(cfg):
+        with row_base(meta, b.base):
+            cap = capture_module(meta, bucket_inputs(b))
+        vals = {}
+        for buf in cap.graph.buffers.values():
+            if buf.role == "weight":
+                t = named.get(buf.name)
+                if t is None:
+                    raise EngineError(f"bucket {b.name}: weight buffer {buf.id} ({buf.name!r}) has no tensor "
+                                      "of that name in the model")
+                vals[buf.id] = storage_bytes(t)
+            elif buf.role == "state" and buf.name not in state:
+                raise EngineError(f"bucket {b.name}: {buf.name!r} is written but is not a state buffer")
+        graphs[b.name], values[b.name], buckets[b.name] = cap.graph, vals, b
+    meta_gguf = None
+    if cfg.model == "smollm2":
+        from ..models.smollm2 import _reader
+        meta_gguf = _reader().metadata
+    vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
+    return ServedModel(cfg.model, real, vocab, graphs, values, buckets, meta_gguf)

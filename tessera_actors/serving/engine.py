@@ -1,0 +1,451 @@
+"""``AsyncEngine``: continuous batching through the actor system.
+
+Embed it in an asyncio program::
+
+    async with AsyncEngine(model="smollm2", devices="cpu,cpu") as eng:
+        async for out in eng.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+            print(out.text, end="")
+
+How prefill and decode share steps: one engine loop keeps at most one
+prompt-chunk step and one decode step per micro-batch group in flight.  A
+request waits (bounded queue) for a free KV slot; its prompt is then fed
+chunk by chunk (``prefill_buckets``), never token by token, the last chunk
+sampling its first token; from then on it joins its group's decode steps,
+which run all the group's decoding rows at once, padded to a decode bucket.
+The chunk step and the decode steps are independent plans on the same
+devices, so on a split deployment one device computes a chunk while another
+computes a decode step.  In ``throughput`` mode the rows form ``groups``
+groups each with its own step in flight (a pipeline over the devices); in
+``latency`` mode one step carries every row; ``auto`` lets the online
+monitor (window W, ratio beta) choose between them at step boundaries.
+
+Faults: when the failure detector reports a node lost, the steps in flight
+are dropped, the buckets are re-placed on the survivors, and every running
+request is prefilled again from its prompt plus the tokens it already
+produced, then continues; nothing already streamed is repeated or lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from typing import AsyncIterator
+
+from ..planning.monitor import Monitor
+from .batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
+from .config import EngineConfig
+from .deploy import decode_sizes, load_served_model
+from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
+from .runtime import Runtime, StepFailed
+from .text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
+
+log = logging.getLogger("tessera_actors.serving")
+
+
+class _Request:
+    def __init__(self, seq: Sequence, detok: Detokenizer | None) -> None:
+        self.seq, self.detok = seq, detok
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.finished: str | None = None
+
+
+class AsyncEngine:
+    def __init__(self, model: str = "smollm2", devices: str = "cpu,cpu", nodes=None,
+                 config: EngineConfig | None = None, **fields) -> None:
+        """``config`` or its fields as keywords (``max_seqs=8``, ...);
+        ``nodes`` starts one node process per entry instead of in-process
+        devices."""
+        if config is None:
+            config = EngineConfig(model=model, devices=devices, nodes=tuple(nodes or ()), **fields)
+        self.cfg = config
+        self.model_name = config.model
+        self.max_model_len = config.max_model_len
+        self.runtime: Runtime | None = None
+        self._requests: dict[str, _Request] = {}
+        self._waiting: list[_Request] = []
+        self._prefill: list[_Request] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._lost: list[str] = []
+        self._dead: str | None = None
+        self._ids = itertools.count()
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
+                         "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "plan_switches": 0}
+        self.groups = 1 if config.mode != "throughput" else config.groups
+        self.monitor = Monitor(config.monitor_window_s, config.monitor_beta,
+                               initial="throughput" if config.mode == "throughput" else "latency")
+        self.tokenizer = None
+        self.template = None
+        self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
+        self._outbox: list[tuple[_Request, RequestOutput]] = []   # delivered after the next steps are sent
+
+    # -- lifecycle ------------------------------------------------------------
+    async def __aenter__(self) -> "AsyncEngine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        served = await asyncio.to_thread(load_served_model, self.cfg)
+        self.served = served
+        if served.gguf_meta is not None:
+            self.tokenizer = gguf_tokenizer(served.gguf_meta)
+            tpl = served.gguf_meta.get("tokenizer.chat_template")
+            if tpl:
+                self.template = ChatTemplate(tpl, self.tokenizer.bos_token, self.tokenizer.eos_token)
+        self.slots = SlotAllocator(self.cfg.group_bounds(self.groups))
+        self.trace = None
+        if self.cfg.trace_dir:
+            from .trace import StepTrace
+            self.trace = StepTrace()
+        self.runtime = Runtime(self.cfg, served, self._on_lost, self.trace)
+        try:
+            await self.runtime.start()
+        except BaseException:
+            await self.runtime.stop()
+            raise
+        self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._deliver()
+        for req in list(self._requests.values()):
+            self._finish(req, "abort")
+        if self.runtime is not None:
+            await self.runtime.stop()
+        self.write_trace()
+
+    def write_trace(self) -> str | None:
+        """Write the trace of the steps so far to ``trace_dir/trace.json``
+        (also done at stop); returns the path, None when not tracing."""
+        if self.trace is None:
+            return None
+        import os
+        return self.trace.write(os.path.join(self.cfg.trace_dir, "trace.json"))
+
+    # -- requests -----------------------------------------------------------------
+    def encode_prompt(self, prompt) -> list[int]:
+        """Token ids of ``prompt``: a string as it is, a list of chat messages
+        through the model's chat template."""
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            check_messages(prompt)
+            if self.template is None:
+                raise InvalidRequest(f"model {self.model_name!r} has no chat template", "messages")
+            text = self.template.render(prompt)
+        if self.tokenizer is None:   # a model without a tokenizer: bytes as ids
+            ids = [b % max(self.served.vocab_size, 1) for b in text.encode()]
+        else:
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        return ids
+
+    def count_tokens(self, prompt) -> int:
+        return len(self.encode_prompt(prompt))
+
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the reply to ``prompt`` (str or chat messages).  Raises
+        ``InvalidRequest`` before any work for a bad request, ``EngineBusy``
+        when the waiting queue is full, ``EngineDead`` when no device is left.
+        Leaving the iteration early aborts the request and frees its slot."""
+        if self._dead:
+            raise EngineDead(self._dead)
+        params = (params or SamplingParams()).validate()
+        ids = [int(t) for t in prompt] if _is_id_list(prompt) else self.encode_prompt(prompt)
+        vocab = self.served.vocab_size
+        if vocab and any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", "prompt")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                                 f"context of {self.max_model_len} tokens", "max_tokens")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequest(f"request id {rid!r} is already in flight", "request_id")
+        if len(self._waiting) >= self.cfg.max_queue:
+            raise EngineBusy(f"{len(self._waiting)} requests already wait for a KV slot")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        seq = Sequence(rid, ids, params, seed, arrival=time.monotonic(), context=list(ids))
+        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        req = _Request(seq, detok)
+        self._requests[rid] = req
+        self._waiting.append(req)
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(ids)
+        self._wake.set()
+        try:
+            while True:
+                out = await req.out.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finish_reason is not None:
+                    return
+        finally:
+            if req.finished is None:
+                self._abort(req)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request (its stream ends with finish_reason "abort");
+        False when it is not in flight."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._abort(req)
+        return True
+
+    def _abort(self, req: _Request) -> None:
+        if req.finished is None:
+            self._finish(req, "abort")
+
+    def _finish(self, req: _Request, reason: str, final_text: str = "") -> None:
+        seq = req.seq
+        req.finished = reason
+        seq.phase = "done"
+        if seq.slot >= 0:
+            self.slots.release(seq.slot)
+        for lst in (self._waiting, self._prefill):
+            if req in lst:
+                lst.remove(req)
+        self._requests.pop(seq.rid, None)
+        req.out.put_nowait(RequestOutput(seq.rid, final_text, [], reason,
+                                         Usage(len(seq.prompt), len(seq.generated))))
+        if reason in ("stop", "length"):
+            self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
+        self._wake.set()
+
+    # -- the loop -------------------------------------------------------------------
+    def _on_lost(self, endpoints: list[str]) -> None:
+        self._lost.extend(e for e in endpoints if e not in self._lost)
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        inflight: dict[asyncio.Task, tuple] = {}
+        try:
+            while True:
+                if self._lost:
+                    await self._recover(inflight)
+                    continue
+                self._maybe_switch(inflight)
+                self._admit()
+                self._launch(inflight)
+                self._deliver()   # after the launch: the new steps' messages go out before the streams wake
+                self._wake.clear()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    done, _ = await asyncio.wait(set(inflight) | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                for t in done:
+                    if t in inflight:
+                        self._complete(t, inflight.pop(t))
+        except asyncio.CancelledError:
+            for t in inflight:
+                t.cancel()
+            raise
+        except Exception as e:   # the engine cannot go on: every request gets the error
+            log.exception("engine loop failed")
+            self._deliver()
+            self._dead = f"engine failed: {type(e).__name__}: {e}"
+            for req in list(self._requests.values()):
+                req.finished = "error"
+                req.out.put_nowait(EngineDead(self._dead))
+            self._requests.clear()
+
+    def _emit(self, req: _Request, out: RequestOutput) -> None:
+        self._outbox.append((req, out))
+
+    def _deliver(self) -> None:
+        box, self._outbox = self._outbox, []
+        for req, out in box:
+            req.out.put_nowait(out)
+
+    def _admit(self) -> None:
+        while self._waiting and self.slots.free():
+            req = self._waiting.pop(0)
+            req.seq.slot = self.slots.take()
+            req.seq.phase = "prefill"
+            self._prefill.append(req)
+
+    def _group_rows(self) -> list[list[_Request]]:
+        rows = [[] for _ in self.slots.bounds]
+        for req in self._requests.values():
+            if req.seq.phase == "decode":
+                rows[self.slots.group_of(req.seq.slot)].append(req)
+        return rows
+
+    def _launch(self, inflight: dict) -> None:
+        busy = {key for key, *_ in inflight.values()}
+        loop = asyncio.get_running_loop()
+        if "prefill" not in busy and self._prefill:
+            req = self._prefill[0]
+            size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
+            bucket = f"prefill:{size}"
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
+            inflight[task] = ("prefill", [req], n, bucket)
+        for g, reqs in enumerate(self._group_rows()):
+            key = f"decode{g}"
+            if key in busy or not reqs:
+                continue
+            lo, hi = self.slots.bounds[g]
+            size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
+                                                 self.max_model_len)
+            bucket = f"decode:{size}@{lo}"
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            inflight[task] = (key, reqs, 0, bucket)
+
+    def _complete(self, task: asyncio.Task, info: tuple) -> None:
+        key, reqs, n, bucket = info
+        try:
+            result = task.result()
+        except StepFailed as e:
+            if self.runtime.lost or self._lost:
+                return   # recovery will redo the work
+            log.warning("%s", e)
+            self._lost_or_fail(reqs, e)
+            return
+        self.counters["steps"] += 1
+        acc = self.step_time.setdefault(bucket, [0, 0.0])
+        acc[0] += 1
+        acc[1] += result.seconds
+        self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
+        live = [r for r in reqs if r.finished is None]
+        if key == "prefill":
+            req = reqs[0]
+            if req.finished is not None:
+                return
+            req.seq.prefilled += n
+            req.seq.exec_s += result.seconds
+            if req.seq.prefilled < len(req.seq.context):
+                return
+            self._prefill.remove(req)
+            req.seq.phase = "decode"
+            self._accept(req, result.tokens[0], result.logprobs[0])
+            return
+        for req, tok, lp in zip(reqs, result.tokens, result.logprobs):
+            if req.finished is None:
+                req.seq.exec_s += result.seconds
+                self._accept(req, tok, lp)
+        del live
+
+    def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
+        for req in reqs:
+            if req.finished is None:
+                req.finished = "error"
+                self._finish_error(req, EngineError(str(err)))
+
+    def _finish_error(self, req: _Request, err: Exception) -> None:
+        seq = req.seq
+        if seq.slot >= 0:
+            self.slots.release(seq.slot)
+        for lst in (self._waiting, self._prefill):
+            if req in lst:
+                lst.remove(req)
+        self._requests.pop(seq.rid, None)
+        req.out.put_nowait(err)
+
+    def _accept(self, req: _Request, token: int, logprob: float) -> None:
+        """A new token of ``req``: stream it, and finish the request when done."""
+        seq, p = req.seq, req.seq.params
+        if seq.first_token_at is None:
+            seq.first_token_at = time.monotonic()
+        seq.generated.append(int(token))
+        self.counters["generated_tokens"] += 1
+        eos = self.tokenizer.eos_id if self.tokenizer is not None else None
+        is_eos = eos is not None and token == eos and not p.ignore_eos
+        length = len(seq.generated) >= p.max_tokens or seq.position + 1 >= self.max_model_len
+        final = is_eos or length
+        text = ""
+        if req.detok is not None:
+            text = req.detok.push([] if is_eos else [token], final=final)
+        stopped = req.detok is not None and req.detok.stopped
+        usage = Usage(len(seq.prompt), len(seq.generated))
+        reason = "stop" if (is_eos or stopped) else ("length" if length else None)
+        if reason is None:
+            self._emit(req, RequestOutput(seq.rid, text, [int(token)], None, usage, [logprob]))
+            return
+        req.finished = reason
+        seq.phase = "done"
+        self.slots.release(seq.slot)
+        self._requests.pop(seq.rid, None)
+        self._emit(req, RequestOutput(seq.rid, text, [int(token)], reason, usage, [logprob]))
+        self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
+        self._wake.set()
+
+    async def _recover(self, inflight: dict) -> None:
+        lost, self._lost = list(self._lost), []
+        for t in inflight:
+            t.cancel()
+        await asyncio.gather(*inflight, return_exceptions=True)
+        inflight.clear()
+        self.counters["recoveries"] += 1
+        log.warning("lost %s: re-placing on the survivors", lost)
+        t0 = time.monotonic()
+        try:
+            await self.runtime.replace(lost)
+        except Exception as e:
+            raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
+        for req in list(self._requests.values()):
+            seq = req.seq
+            if seq.phase in ("prefill", "decode"):
+                seq.context = list(seq.prompt) + list(seq.generated)
+                seq.prefilled = 0
+                if seq.phase == "decode":
+                    seq.phase = "prefill"
+                    self._prefill.append(req)
+        self._prefill.sort(key=lambda r: r.seq.arrival)
+        log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
+
+    def _maybe_switch(self, inflight: dict) -> None:
+        if self.cfg.mode != "auto":
+            return
+        want = self.cfg.groups if self.monitor.mode() == "throughput" else 1
+        if want == self.groups:
+            return
+        if any(key.startswith("decode") for key, *_ in inflight.values()):
+            return   # switch at a step boundary: wait for the decode steps to land
+        self.groups = want
+        self.slots.set_groups(self.cfg.group_bounds(want))
+        self.counters["plan_switches"] += 1
+
+    # -- introspection -------------------------------------------------------------
+    def plan_in_use(self) -> str:
+        return "throughput" if self.groups > 1 else "latency"
+
+    def stats(self) -> dict:
+        rt = self.runtime
+        ref = rt.placed.get(rt.reference_bucket()) if rt else None
+        placement, devices = {}, []
+        if ref is not None:
+            placement = {"plan": ref.plan.name, "devices": list(ref.plan.devices),
+                         "kernels_per_device": ref.plan.kernels_per_device(),
+                         "bytes_per_step": ref.plan.bytes_per_step()}
+            elapsed = max(time.monotonic() - rt.since, 1e-9)
+            devices = [{"name": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
+                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed)}
+                       for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
+        return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
+                "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
+                "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
+                "lost": sorted(rt.lost) if rt else [],
+                "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n}, **self.counters}
+
+    def health(self) -> dict:
+        ok = self._dead is None and not self._lost and self.runtime is not None and bool(self.runtime.placed)
+        return {"ok": ok, "lost": sorted(self.runtime.lost) if self.runtime else [], "error": self._dead}
+
+
+def _is_id_list(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                       for t in prompt)

@@ -1,0 +1,41 @@
+"""Command-line flags that build an ``AsyncEngine``, shared by ``tessera serve``
+and ``tessera bench serve``; each maps onto an ``EngineConfig`` field, and a
+flag left out keeps the engine's default."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
+    """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``)."""
+    p.add_argument("--model", default="smollm2", help="model name (default smollm2)")
+    p.add_argument("--size", default=None, help="model size, e.g. tiny | real (engine default: real)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--devices", default=None, help="in-process devices, e.g. cpu,cpu")
+    where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
+    for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
+                             ("--max-model-len", int, "context length"),
+                             ("--max-queue", int, "waiting requests before 429"),
+                             ("--planner", str, "placement planner"),
+                             ("--mode", str, "latency | throughput | auto (plan switching under load)"),
+                             ("--dtype", str, "float32 | bfloat16 | float16")):
+        p.add_argument(flag, type=kind, default=None, help=what + " (engine default)")
+    p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, help="engine seed (engine default)")
+
+
+def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
+    """AsyncEngine keyword arguments from the parsed flags (unset flags keep the engine's defaults)."""
+    kw: dict[str, Any] = {"model": a.model}
+    if a.nodes:
+        kw["nodes"] = [n for n in a.nodes.split(";") if n]
+    elif a.devices:
+        kw["devices"] = a.devices
+    if trace_dir:
+        kw["trace_dir"] = trace_dir
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype"):
+        if getattr(a, name) is not None:
+            kw[name] = getattr(a, name)
+    if a.engine_seed is not None:
+        kw["seed"] = a.engine_seed
+    return kw

@@ -1,0 +1,272 @@
+"""The engine's hold on the devices: an actor system with the graph and
+scheduler actors, the devices (in-process actors or node processes), the
+placed bucket plans, one-message-per-device steps, and a failure detector.
+
+Contract:
+* :meth:`Runtime.start` spawns everything and places every bucket graph:
+  the reference bucket (the largest decode bucket) with the planner, the
+  others with their state pinned where the reference put it
+  (``Place.pins``), all in one share group, so one copy of the weights and
+  one KV cache per device serve every bucket.
+* :meth:`Runtime.step` sends one ``RunStep`` to every device of a bucket's
+  plan (inputs only to the devices that read them) and returns the sampled
+  tokens; a failure raises :class:`StepFailed` naming the device.
+* The detector pings every node every ``heartbeat_s`` and watches the node
+  processes it started; a node silent for ``lost_after_s`` (or exited) is
+  reported through ``on_lost`` at once - the stall is bounded by the
+  detector, not by a step timeout.  :meth:`Runtime.replace` then reports
+  it to the scheduler (which uninstalls the old plans, failing their
+  pending steps) and places every bucket again on the survivors.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import msgpack
+
+from actors.device import DeviceActor
+from actors.graph import GraphActor
+from actors.scheduler import SchedulerActor
+from actors.transfer import TransferActor
+from ..actor import ActorRef
+from ..cluster import LocalCluster
+from ..devices import parse_devices
+from ..errors import ActorError
+from ..messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
+from ..plan import Plan, plan_from_dict
+from ..planners import get_planner
+from ..planning.pinning import state_homes
+from ..system import ActorSystem
+from .config import EngineConfig
+from .deploy import ServedModel
+from .params import EngineDead
+
+log = logging.getLogger("tessera_actors.serving")
+
+
+class StepFailed(RuntimeError):
+    """A step could not be completed; the message names the device and why."""
+
+
+@dataclass
+class Placed:
+    """A bucket's deployed plan: its id, the plan, a ref per plan device."""
+    plan_id: str
+    plan: Plan
+    refs: list[ActorRef]
+    routes: list
+    steps: int = 0
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]
+    seconds: float
+    logprobs: list[float] = field(default_factory=list)
+    busy_s: list[float] = field(default_factory=list)
+    spans: list = field(default_factory=list)
+
+
+class Runtime:
+    def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
+                 trace=None) -> None:
+        """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
+        records every step (None: no tracing)."""
+        self.cfg, self.served, self.on_lost = cfg, served, on_lost
+        self.trace = trace
+        self.generation = 0
+        self.placed: dict[str, Placed] = {}
+        self.lost: set[str] = set()
+        self.cluster: LocalCluster | None = None
+        self.system: ActorSystem | None = None
+        self._watchers: list[asyncio.Task] = []
+        self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
+        self.since = time.monotonic()          # when the current placement started
+
+    # -- lifecycle --------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.system = ActorSystem("engine")
+        address = await self.system.listen("tcp://127.0.0.1:0")
+        await self.system.spawn(GraphActor(self.served.graphs), "graph")
+        costs = {}
+        if cfg.profile and not cfg.nodes:
+            costs = await asyncio.to_thread(self.profile_reference)
+        await self.system.spawn(SchedulerActor(get_planner(cfg.planner, costs=costs), self.served.values,
+                                               heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
+        sched = self.system.ref("scheduler")
+        if cfg.nodes:
+            self.cluster = LocalCluster(cfg.nodes, scheduler=address, node_args=cfg.node_args)
+            await self.cluster.start()
+            deadline = time.monotonic() + 60
+            while len((await sched.ask(GetStats())).values["nodes"]) < len(cfg.nodes):
+                if time.monotonic() > deadline:
+                    raise EngineDead("node processes did not register within 60 s")
+                await asyncio.sleep(0.02)
+            for node in self.cluster.nodes if cfg.watch_processes else ():
+                self._watchers.append(asyncio.get_running_loop().create_task(self._watch_exit(node)))
+        else:
+            specs = parse_devices(cfg.devices)
+            await self.system.spawn(TransferActor(), "transfer")
+            for i, spec in enumerate(specs):
+                await self.system.spawn(DeviceActor(spec), f"device{i}")
+            await sched.ask(Register("local", address, [s.name for s in specs]))
+            # in-process devices live as long as this process: keep their registration fresh
+            self._watchers.append(asyncio.get_running_loop().create_task(self._beat_local(sched)))
+        await self.place_all()
+        self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
+
+    async def stop(self) -> None:
+        for t in self._watchers:
+            t.cancel()
+        if self.cluster is not None:
+            await self.cluster.stop()
+        if self.system is not None:
+            await self.system.shutdown()
+
+    def profile_reference(self) -> dict:
+        """Measured per-kernel times of the reference bucket on every
+        in-process device (and measured links between them), keyed for the
+        planner (``planners.graph_key``).  Blocking."""
+        from actors.backends.base import backend_for
+        from ..planners import graph_key
+        from ..planning.costs import CostTable
+        from ..profile import measured_links, profile_kernels
+        from .deploy import bucket_inputs
+        name = self.reference_bucket()
+        graph, values = self.served.graphs[name], self.served.values[name]
+        specs = [s.name for s in parse_devices(self.cfg.devices)]
+        backends = [backend_for(s) for s in specs]
+        profiles = [profile_kernels(graph, values, bucket_inputs(self.served.buckets[name], be.device), be)
+                    for be in backends]
+        self.profiles = profiles
+        links = measured_links(backends) if len(backends) > 1 else None
+        return {graph_key(graph): CostTable.from_profiles(graph, specs, profiles, links)}
+
+    # -- placement ----------------------------------------------------------
+    def reference_bucket(self) -> str:
+        return f"decode:{self.cfg.max_seqs}@0"
+
+    async def _place(self, bucket: str, pins: dict) -> Placed:
+        sched = self.system.ref("scheduler")
+        plan_id = f"g{self.generation}:{bucket}"
+        dep = await sched.ask(Place(plan_id, "throughput", graph=bucket, pins=pins, share=self.served.name),
+                              timeout=600)
+        plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
+        refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
+        return Placed(plan_id, plan, refs, dep.routes)
+
+    async def place_all(self) -> None:
+        """Place every bucket (see the module docstring)."""
+        ref_name = self.reference_bucket()
+        ref = await self._place(ref_name, {})
+        homes = state_homes(self.served.graphs[ref_name], ref.plan.assignment)
+        pins = {name: ref.routes[d][1:] for name, d in homes.items()}
+        placed = {ref_name: ref}
+        for name in self.served.graphs:
+            if name != ref_name:
+                placed[name] = await self._place(name, pins)
+        self.placed = placed
+        self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
+        self.since = time.monotonic()
+        log.info("placed %d buckets (generation %d): %s", len(placed), self.generation, ref.plan.name)
+
+    async def replace(self, lost: list[str]) -> None:
+        """Report ``lost`` node endpoints and place everything on the survivors."""
+        sched = self.system.ref("scheduler")
+        for ep in lost:
+            self.lost.add(ep)
+            await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=30)
+        self.generation += 1
+        self.placed = {}
+        await self.place_all()
+
+    async def _ref(self, endpoint: str, name: str) -> ActorRef:
+        if not endpoint or endpoint == self.system.address:
+            return self.system.ref(name)
+        return await self.system.remote_ref(endpoint, name)
+
+    # -- steps ----------------------------------------------------------------
+    async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = ()) -> StepResult:
+        p = self.placed.get(bucket)
+        if p is None:
+            raise StepFailed(f"bucket {bucket} is not placed (re-placement in progress)")
+        step = p.steps
+        p.steps += 1
+        t0 = time.perf_counter()
+        wall = time.time()
+        traced = self.trace is not None
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False, traced),
+                        timeout=self.cfg.step_timeout)
+                for d, ref in enumerate(p.refs)]
+        results = await asyncio.gather(*asks, return_exceptions=True)
+        for d, r in enumerate(results):
+            if isinstance(r, BaseException):
+                raise StepFailed(f"{bucket} step {step}: device {d} ({p.plan.devices[d]}) failed: "
+                                 f"{type(r).__name__}: {r}") from r
+        if traced:
+            self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
+                            [r.spans for r in results])
+        for d, r in enumerate(results):
+            self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
+        holder = next((r for r in results if r.tokens), None)
+        tokens = holder.tokens if holder else []
+        if sample and len(tokens) != len(sample):
+            raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {len(sample)} sampled rows")
+        return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
+                          [r.busy_s for r in results])
+
+    # -- failure detection -----------------------------------------------------
+    def node_endpoints(self) -> list[str]:
+        eps = {ep for p in self.placed.values() for _, ep, _ in p.routes}
+        return sorted(ep for ep in eps if ep and ep != self.system.address and ep not in self.lost)
+
+    async def _ping(self, ep: str) -> bool:
+        try:
+            ref = await self.system.remote_ref(ep, "node")
+            await ref.ask(Ping(), timeout=self.cfg.lost_after_s)
+            return True
+        except ActorError:
+            return False
+
+    async def _ping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            eps = self.node_endpoints()
+            if not eps:
+                continue
+            alive = await asyncio.gather(*(self._ping(ep) for ep in eps))
+            dead = [ep for ep, ok in zip(eps, alive) if not ok and ep not in self.lost]
+            if dead:
+                self.on_lost(dead)
+
+    async def _beat_local(self, sched: ActorRef) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            seq += 1
+            await sched.tell(Heartbeat("local", seq))
+
+    async def _watch_exit(self, node) -> None:
+        await node.proc.wait()
+        if node.endpoint and node.endpoint not in self.lost:
+            log.warning("node %s exited with %s", node.name, node.proc.returncode)
+            self.on_lost([node.endpoint])
+
+    async def device_stats(self) -> list[dict]:
+        ref_name = self.reference_bucket()
+        p = self.placed.get(ref_name)
+        if p is None:
+            return []
+        out = []
+        for d, ref in enumerate(p.refs):
+            try:
+                st = (await ref.ask(GetStats(), timeout=2)).values
+            except ActorError:
+                st = {}
+            out.append({"device": p.plan.devices[d], "busy_s": st.get("busy_s", 0.0), "steps": st.get("steps", 0)})
+        return out

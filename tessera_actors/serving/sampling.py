@@ -1,0 +1,82 @@
+"""Token sampling on the device that holds the logits, batched.
+
+``sample_rows(logits, rows)`` draws one token per entry of ``rows``, each
+``[row, col, temperature, top_p, top_k, seed, index]``: the logits
+``logits[row, col]`` (``[B, T, V]``, any device and float dtype) are read in
+float32; ``temperature == 0`` is greedy (argmax, lowest id on ties);
+otherwise the distribution is ``softmax(logits / temperature)`` restricted
+to the ``top_k`` most likely ids (0: all) and to the smallest set whose
+probability reaches ``top_p``, and the token is the inverse-CDF draw of one
+uniform number.  That number depends only on ``(seed, index)`` - ``index``
+is the token's position in the request's output - so a seeded request gets
+the same tokens whatever else shares its batch and whichever device
+samples.  :func:`sample_with_logprobs` also gives each drawn token's log
+probability under the unmodified distribution (``log_softmax`` of the
+logits), the number a client can compare bitwise across placements.  One
+host read for the whole batch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def uniform(seed: int, index: int) -> float:
+    """A uniform number in [0, 1) from ``(seed, index)`` alone (splitmix64)."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(index) + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def _draw(x: torch.Tensor, temperature: float, top_p: float, top_k: int, u: float) -> torch.Tensor:
+    probs = torch.softmax(x / temperature, dim=-1)
+    sorted_p, order = torch.sort(probs, descending=True, stable=True)
+    if 0 < top_k < sorted_p.numel():
+        sorted_p = sorted_p[:top_k]
+        order = order[:top_k]
+    if top_p < 1.0:
+        before = torch.cumsum(sorted_p, 0) - sorted_p   # mass of the more likely ids
+        keep = before < top_p                             # always keeps the first
+        sorted_p = sorted_p[keep]
+        order = order[keep]
+    cdf = torch.cumsum(sorted_p, 0)
+    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
+    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.numel() - 1)
+    return order[pick[0]]
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[Sequence]) -> list[int]:
+    """One token id per entry of ``rows`` (module docstring)."""
+    return sample_with_logprobs(logits, rows)[0]
+
+
+def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[list[int], list[float]]:
+    """(token ids, their log probabilities), one per entry of ``rows``."""
+    if not rows:
+        return [], []
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
+    picks = []
+    greedy = [i for i, r in enumerate(rows) if float(r[2]) <= 0.0]
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    if greedy:
+        idx_r = torch.tensor([int(rows[i][0]) for i in greedy], device=logits.device)
+        idx_c = torch.tensor([int(rows[i][1]) for i in greedy], device=logits.device)
+        best = logits[idx_r, idx_c].float().argmax(dim=-1)
+        for j, i in enumerate(greedy):
+            out[i] = best[j]
+    for i, (row, col, temperature, top_p, top_k, seed, index) in enumerate(rows):
+        if out[i] is None:
+            x = logits[int(row), int(col)].float()
+            out[i] = _draw(x, float(temperature), float(top_p), int(top_k), uniform(int(seed), int(index)))
+    ids = torch.stack([t.reshape(()) for t in out])
+    idx_r = torch.tensor([int(r[0]) for r in rows], device=logits.device)
+    idx_c = torch.tensor([int(r[1]) for r in rows], device=logits.device)
+    chosen = torch.log_softmax(logits[idx_r, idx_c].float(), dim=-1).gather(1, ids.view(-1, 1)).view(-1)
+    both = torch.stack([ids.to(torch.float64), chosen.to(torch.float64)]).cpu()   # the one host read
+    return [int(t) for t in both[0].tolist()], both[1].tolist()

@@ -1,0 +1,187 @@
+"""The serving engine end to end, on CPU devices: continuous batching through
+the actor system (in-process devices and node processes), seeded sampling,
+abort, chunked prefill, busy queue, bad requests and a killed node."""
+import asyncio
+import math
+import os
+import signal
+
+import pytest
+
+from tessera_actors import AsyncEngine, SamplingParams
+from tessera_actors.serving import EngineBusy, InvalidRequest
+
+SMALL = dict(model="smollm2", size="tiny", max_model_len=512, decode_buckets=(1, 2, 4, 8, 16),
+             prefill_buckets=(16, 64))
+NODES = ["cpu?threads=1", "cpu?threads=1"]
+PROMPTS = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(16)]
+
+
+async def _tokens(eng, prompt, params, rid=None):
+    toks, text, last = [], [], None
+    async for out in eng.generate(prompt, params, request_id=rid):
+        toks += out.token_ids
+        text.append(out.text)
+        last = out
+    return toks, "".join(text), last
+
+
+async def test_sixteen_concurrent_requests_on_two_node_processes_match_each_alone_and_one_device():
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    async with AsyncEngine(devices="cpu", max_seqs=16, **SMALL) as single:
+        reference = [(await _tokens(single, p, greedy))[0] for p in PROMPTS]
+    async with AsyncEngine(nodes=NODES, max_seqs=16, **SMALL) as eng:
+        alone = [(await _tokens(eng, p, greedy))[0] for p in PROMPTS[:4]]
+        together = await asyncio.gather(*(_tokens(eng, p, greedy) for p in PROMPTS))
+        stats = eng.stats()
+    assert [t for t, _, _ in together] == reference
+    assert alone == reference[:4]
+    assert all(last.finish_reason == "length" and last.usage.completion_tokens == 16 for _, _, last in together)
+    assert stats["placement"]["devices"] == NODES and min(stats["placement"]["kernels_per_device"]) > 0
+    assert stats["slots_in_use"] == 0 and stats["generated_tokens"] == 16 * 20
+    assert [d["name"] for d in stats["devices"]] == NODES and all(0 < d["busy_fraction"] <= 1
+                                                                     for d in stats["devices"])
+
+
+@pytest.fixture
+async def engine():
+    async with AsyncEngine(devices="cpu,cpu", max_seqs=4, decode_buckets=(1, 2, 4), **{
+            k: v for k, v in SMALL.items() if k != "decode_buckets"}) as eng:
+        yield eng
+
+
+async def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(engine):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = (await _tokens(engine, "The weather today is", params))[0]
+    others = [SamplingParams(max_tokens=20, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    mixed = await asyncio.gather(_tokens(engine, "The weather today is", params),
+                                 *(_tokens(engine, f"Other prompt {i}", p) for i, p in enumerate(others)))
+    assert mixed[0][0] == alone
+    other_seed = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=99)
+    assert (await _tokens(engine, "The weather today is", other_seed))[0] != alone
+
+
+async def test_abort_and_early_exit_free_the_slot_for_a_waiting_request():
+    async with AsyncEngine(devices="cpu", max_seqs=1, decode_buckets=(1,), max_queue=4,
+                           **{k: v for k, v in SMALL.items() if k != "decode_buckets"}) as eng:
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        first = eng.generate("A long story:", long, request_id="a")
+        assert (await first.__anext__()).finish_reason is None
+        waiting = asyncio.ensure_future(_tokens(eng, "short one", SamplingParams(max_tokens=3), "b"))
+        await asyncio.sleep(0)   # let it queue (no timing involved: it needs the only slot)
+        assert eng.stats()["queue_depth"] == 1
+        assert await eng.abort("a")
+        rest = [o async for o in first]
+        assert rest[-1].finish_reason == "abort"
+        toks, _, last = await asyncio.wait_for(waiting, 60)
+        assert last.finish_reason == "length" and len(toks) == 3
+        # leaving the iteration early aborts too
+        gen = eng.generate("Another long story:", long, request_id="c")
+        await gen.__anext__()
+        await gen.aclose()
+        assert eng.stats()["slots_in_use"] == 0
+        assert (await _tokens(eng, "after", SamplingParams(max_tokens=2)))[2].finish_reason == "length"
+
+
+async def test_a_300_token_prompt_is_prefilled_in_chunks_not_token_by_token(engine):
+    ids = engine.tokenizer.encode(" ".join(["word"] * 400))[:300]
+    assert len(ids) == 300
+    before = engine.stats()["prefill_steps"]
+    toks, _, last = await _tokens(engine, ids, SamplingParams(max_tokens=2))
+    assert engine.stats()["prefill_steps"] - before <= math.ceil(300 / 64) + 1
+    assert last.usage.prompt_tokens == 300
+
+
+async def test_bad_requests_are_refused_before_any_work_and_a_full_queue_is_busy(engine):
+    steps = engine.stats()["steps"]
+    with pytest.raises(InvalidRequest, match="context"):
+        await _tokens(engine, [1] * 500, SamplingParams(max_tokens=20))
+    with pytest.raises(InvalidRequest, match="token ids"):
+        await _tokens(engine, [10 ** 9], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequest):
+        await _tokens(engine, [{"role": "user"}], SamplingParams())
+    with pytest.raises(InvalidRequest):
+        await _tokens(engine, "hi", SamplingParams(temperature=-1))
+    assert engine.stats()["steps"] == steps
+    engine.cfg.max_queue = 0
+    with pytest.raises(EngineBusy):
+        gens = [engine.generate("x", SamplingParams(max_tokens=50, ignore_eos=True)) for _ in range(6)]
+        await asyncio.gather(*(g.__anext__() for g in gens))
+    for g in gens:
+        await g.aclose()
+
+
+async def test_chat_messages_use_the_models_template_and_stop_strings_end_the_reply(engine):
+    chat = [{"role": "user", "content": "Say hello"}]
+    n = engine.count_tokens(chat)
+    toks, text, last = await _tokens(engine, chat, SamplingParams(max_tokens=8))
+    assert last.usage.prompt_tokens == n > 10
+    full = (await _tokens(engine, "Once upon a time", SamplingParams(max_tokens=12, ignore_eos=True)))[1]
+    cut = full[3:8]
+    if cut.strip():
+        stopped = await _tokens(engine, "Once upon a time", SamplingParams(max_tokens=12, stop=[cut]))
+        assert stopped[2].finish_reason == "stop" and stopped[1] == full[:full.index(cut)]
+
+
+async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token():
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:8]
+    async with AsyncEngine(devices="cpu", max_seqs=8, **SMALL) as single:
+        reference = [(await _tokens(single, p, greedy))[0] for p in prompts]
+    async with AsyncEngine(nodes=NODES, max_seqs=8, **SMALL) as eng:
+        started = asyncio.Event()
+        counts = [0] * len(prompts)
+
+        async def stream(i):
+            toks = []
+            async for out in eng.generate(prompts[i], greedy):
+                toks += out.token_ids
+                counts[i] = len(toks)
+                if min(counts) >= 4:
+                    started.set()
+            return toks
+        tasks = [asyncio.ensure_future(stream(i)) for i in range(len(prompts))]
+        await asyncio.wait_for(started.wait(), 120)
+        victim = eng.runtime.cluster.nodes[1].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        stats = eng.stats()
+    assert results == reference
+    assert stats["recoveries"] == 1 and stats["generation"] == 1
+    assert stats["placement"]["devices"] == [NODES[0]]
+
+
+async def test_served_tokens_are_the_eager_pytorch_models_tokens():
+    import torch
+    from tessera_actors import models
+    prompt, n = [5, 6, 7, 8, 9], 8
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
+    want = []
+    with torch.no_grad():
+        logits = m(input_ids=torch.tensor([prompt]), positions=torch.arange(len(prompt))[None])
+        for pos in range(len(prompt), len(prompt) + n):
+            want.append(int(logits[0, -1].argmax()))
+            logits = m(input_ids=torch.tensor([[want[-1]]]), positions=torch.tensor([pos]))
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu,cpu", max_seqs=2, max_model_len=64,
+                           prefill_buckets=(4, 16)) as eng:
+        got, _, last = await _tokens(eng, prompt, SamplingParams(max_tokens=n))
+        assert len(eng.stats()["placement"]["kernels_per_device"]) == 2
+    assert got == want and last.finish_reason == "length"
+
+
+async def test_a_trace_of_served_steps_is_valid_trace_event_json_with_spans_per_device(tmp_path):
+    import json
+    async with AsyncEngine(nodes=NODES, max_seqs=2, trace_dir=str(tmp_path), **SMALL) as eng:
+        await asyncio.gather(*(_tokens(eng, p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS[:2]))
+        steps = eng.stats()["steps"]
+        path = eng.write_trace()
+    events = json.loads(open(path).read())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X"]
+    engine_spans = [e for e in spans if tracks[e["tid"]] == "engine"]
+    assert steps >= 20 and len(engine_spans) == steps
+    assert any(e["name"].startswith("prefill:") for e in engine_spans)
+    for d, spec in enumerate(NODES):
+        mine = [e for e in spans if tracks[e["tid"]] == f"device {d}: {spec}"]
+        assert len(mine) >= steps and all(e["dur"] >= 0 and e["ts"] > 0 for e in mine)
+    assert any(e["name"].startswith("recv") for e in spans) and any(e["name"].startswith("sample") for e in spans)

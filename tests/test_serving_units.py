@@ -1,0 +1,113 @@
+"""The serving engine's pure parts: sampling, text, batch formation, pinning."""
+import math
+
+import pytest
+import torch
+
+from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
+from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes
+from tessera_actors.serving import InvalidRequest, SamplingParams
+from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
+from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.sampling import sample_rows, uniform
+
+
+def test_greedy_rows_take_the_argmax_of_their_own_row_and_column():
+    logits = torch.randn(3, 2, 50)
+    got = sample_rows(logits, [[2, 1, 0.0, 1.0, 0, 0, 0], [0, 0, 0.0, 1.0, 0, 0, 5]])
+    assert got == [int(logits[2, 1].argmax()), int(logits[0, 0].argmax())]
+
+
+def test_top_k_one_is_greedy_and_a_seed_draws_the_same_token_anywhere():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1, 1000)
+    assert sample_rows(logits, [[1, 0, 0.7, 1.0, 1, 123, 0]]) == [int(logits[1, 0].argmax())]
+    row = [1, 0, 1.0, 0.95, 40, 77, 3]
+    one = sample_rows(logits[1:2], [[0] + row[1:]])
+    mixed = sample_rows(logits, [[0, 0, 0.0, 1.0, 0, 0, 0], row, [3, 0, 0.5, 1.0, 0, 9, 1]])
+    assert mixed[1] == one[0]
+    # different draw indices of one seed give different uniforms
+    assert len({uniform(77, i) for i in range(100)}) == 100
+
+
+def test_sampling_follows_the_distribution_and_respects_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None, None]
+    counts = [0] * 4
+    for i in range(4000):
+        counts[sample_rows(logits, [[0, 0, 1.0, 1.0, 0, 5, i]])[0]] += 1
+    assert all(abs(c / 4000 - p) < 0.03 for c, p in zip(counts, [0.5, 0.3, 0.15, 0.05]))
+    picks = {sample_rows(logits, [[0, 0, 1.0, 0.7, 0, 5, i]])[0] for i in range(500)}
+    assert picks == {0, 1}     # 0.5 + 0.3 reaches top_p 0.7; the tail is never drawn
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1),
+                                         ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("seed", "x"),
+                                         ("stop", [""]), ("temperature", math.nan), ("max_tokens", True)])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**{field: value}).validate()
+    assert e.value.param == field
+
+
+def test_slots_balance_groups_and_release():
+    a = SlotAllocator([(0, 2), (2, 4)])
+    got = [a.take() for _ in range(4)]
+    assert got == [0, 2, 1, 3] and a.take() is None
+    a.release(2)
+    assert a.take() == 2 and a.group_of(3) == 1
+
+
+def test_decode_step_pads_to_a_bucket_and_samples_only_live_rows():
+    p = SamplingParams().validate()
+    s1 = Sequence("a", [1, 2, 3], p, 0, slot=5, generated=[9])
+    s2 = Sequence("b", [4], p, 0, slot=4, generated=[7, 8])
+    size, inp, sample = decode_inputs([s1, s2], 4, [1, 2, 4], max_len=64)
+    assert size == 2
+    assert inp["input_ids"].tolist() == [[8], [9]] and inp["positions"].tolist() == [2, 3]
+    assert [e[0] for e in sample] == [1, 0] and [e[6] for e in sample] == [1, 2]
+    s3 = Sequence("c", [1], p, 0, slot=6, generated=[3])
+    size, inp, _ = decode_inputs([s3], 4, [1, 2, 4], max_len=64)
+    assert size == 4 and inp["positions"].tolist() == [63, 63, 1, 63]
+
+
+def test_prefill_chunks_use_big_buckets_then_the_smallest_that_fits():
+    p = SamplingParams().validate()
+    s = Sequence("a", list(range(300)), p, 0, slot=3, context=list(range(300)))
+    sizes, samples = [], []
+    while s.prefilled < len(s.context):
+        size, n, inp, sample = prefill_inputs(s, [32, 128], max_len=512)
+        assert inp["rows"].tolist() == [3] and inp["last"].tolist() == [n - 1]
+        assert inp["input_ids"][0, :n].tolist() == s.context[s.prefilled:s.prefilled + n]
+        sizes.append(size)
+        samples.append(bool(sample))
+        s.prefilled += n
+    assert sizes == [128, 128, 128] and samples == [False, False, True]
+    assert len(sizes) <= math.ceil(300 / 128) + 1
+
+
+def _graph() -> KernelGraph:
+    bufs = {0: Buffer(0, 64, "input", "x"), 1: Buffer(1, 64, "state", "kv0"), 2: Buffer(2, 64, "state", "kv1"),
+            3: Buffer(3, 64, "temp"), 4: Buffer(4, 64, "output", "y")}
+    ks = [Kernel(0, "a", "library", (Access(0, 0, 64, "r"), Access(3, 0, 64, "w"))),
+          Kernel(1, "b", "library", (Access(3, 0, 64, "r"), Access(1, 0, 64, "rw"))),
+          Kernel(2, "c", "library", (Access(1, 0, 64, "r"), Access(3, 0, 64, "w"))),
+          Kernel(3, "d", "library", (Access(3, 0, 64, "r"), Access(2, 0, 64, "rw"))),
+          Kernel(4, "e", "library", (Access(2, 0, 64, "r"), Access(4, 0, 64, "w")))]
+    return KernelGraph(ks, bufs, {"x": 0}, [4])
+
+
+def test_state_pinning_keeps_every_state_on_its_home():
+    g = _graph()
+    homes = state_homes(g, [0, 0, 0, 1, 1])
+    assert homes == {"kv0": 0, "kv1": 1}
+    flipped = pinned_assignment(g, {"kv0": 1, "kv1": 0})
+    assert flipped == [1, 1, 1, 0, 0] and respects(g, flipped, {"kv0": 1, "kv1": 0})
+    assert not respects(g, [0, 0, 0, 1, 1], {"kv0": 1})
+
+
+def test_engine_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="max_seqs"):
+        EngineConfig(max_seqs=0)
+    with pytest.raises(ValueError, match="mode"):
+        EngineConfig(mode="fast")
+    assert EngineConfig(max_seqs=6, decode_buckets=(1, 4, 8)).decode_buckets == (1, 4, 6)
