@@ -123,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     roofline.add_arguments(b)
     b.set_defaults(fn=roofline.main)
 
+    from . import offload_bench
+    b = bsub.add_parser("offload", help="a model over the GPU budget: kernel-level CPU+GPU placement vs offloading")
+    offload_bench.add_arguments(b)
+    b.set_defaults(fn=offload_bench.main)
+
     from transport import keys_cli
     p = sub.add_parser("keys", help="create a cluster key directory (authentication; see README)")
     keys_cli.add_arguments(p)
