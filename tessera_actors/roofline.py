@@ -233,8 +233,8 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
     del model, graph
     gc.collect()
     torch.cuda.empty_cache()
-    import torch._dynamo
-    torch._dynamo.reset()
+    import torch._dynamo as dynamo   # (a bare "import torch._dynamo" would make torch local to this function)
+    dynamo.reset()
     model, inputs = make()
     t_compile = compiled_baseline(model, inputs, cfg.steps)
     del model
