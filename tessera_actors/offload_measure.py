@@ -62,9 +62,16 @@ async def measure_switch(model: str, dtype: torch.dtype, gpu: DeviceSpec, cpu: D
     alternating runs; the extra time of the split over the kernel-weighted
     mean of the two, per device change."""
     from .plan import build_plan, legal_cuts
+    from .capture.aten import storage_bytes
+    # captured on the meta device: device-neutral kernels (a CPU capture would record CPU-only fused ops)
     m = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64)
-    cap = capture_module(m, m.example_inputs("decode", batch=1))
-    g, values = cap.graph, cap.values
+    meta = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64, device="meta")
+    cap = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()})
+    named = dict(m.named_parameters())
+    named.update(dict(m.named_buffers()))
+    g = cap.graph
+    values = {b.id: storage_bytes(named[b.name]) for b in g.buffers.values()
+              if b.role in ("weight", "state") and b.name in named}
     ok = legal_cuts(g)
     assign, d, run = [], 0, 0
     for k in range(len(g.kernels)):
