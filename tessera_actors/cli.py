@@ -2,6 +2,7 @@
 
   tessera demo       split a Llama-style decoder over node processes, check tokens
   tessera capture    record a model's forward pass as a kernel graph file
+  tessera check      capture a model, replay it in random orders and splits, print a verdict
   tessera plan       place a graph file on devices and compare with the baselines
   tessera advise     predict tokens/s and tokens/$ of every policy on GPU types we do not have
   tessera node       run a node daemon (same as python -m tessera_actors.node)
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=demo.main)
 
     p = sub.add_parser("capture", help="capture a model's kernel graph to a file")
-    p.add_argument("--model", default="llama", help="reference model name (llama, moe, mamba2, vlm, dit, smollm2)")
+    p.add_argument("--model", default="llama", help="reference model name (llama, moe, mamba2, vlm, dit, smollm2) "
+                   "or hf:<dir | config.json | file.gguf | smollm2 | tiny-ARCH> (transformers)")
     p.add_argument("--size", default="tiny", help="tiny | real | a named config")
     p.add_argument("--bucket", default="decode:1", help="decode:B | prefill:B:T | denoise:B")
     p.add_argument("--dtype", default="float32")
@@ -69,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time every kernel and link on these comma-separated devices and write the "
                         "cost table next to the graph (read by tessera plan)")
     p.set_defaults(fn=_capture)
+
+    from . import check_cli
+    p = sub.add_parser("check", help="capture a model and check random orders and splits against one device and eager")
+    check_cli.add_arguments(p)
+    p.set_defaults(fn=check_cli.main)
 
     p = sub.add_parser("plan", help="place a graph on devices and compare with the baselines")
     p.add_argument("graph")
@@ -110,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page")
     server.add_arguments(p)
     p.set_defaults(fn=server.run_command)
+
+    from . import roofline
+    b = bsub.add_parser("roofline", help="one GPU: tessera step vs torch.compile(reduce-overhead) vs the HBM/GEMM floor")
+    roofline.add_arguments(b)
+    b.set_defaults(fn=roofline.main)
+
+    from . import offload_bench
+    b = bsub.add_parser("offload", help="a model over the GPU budget: kernel-level CPU+GPU placement vs offloading")
+    offload_bench.add_arguments(b)
+    b.set_defaults(fn=offload_bench.main)
 
     from transport import keys_cli
     p = sub.add_parser("keys", help="create a cluster key directory (authentication; see README)")

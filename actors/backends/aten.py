@@ -29,6 +29,8 @@ def resolve_op(name: str):
 
 
 class AtenProgram:
+    capturable = True   # its runs may be captured as CUDA graphs (see actors/streaming.py)
+
     def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
                  memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None) -> None:
         """Allocate the buffers ``buffer_ids`` on ``device``; those found in

@@ -36,7 +36,7 @@ from typing import AsyncIterator
 from ..planning.monitor import Monitor
 from .batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
 from .config import EngineConfig
-from .deploy import decode_sizes, load_served_model
+from .deploy import bucket_name, decode_sizes, load_served_model, window_for
 from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from .runtime import Runtime, StepFailed
 from .text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
@@ -263,13 +263,20 @@ class AsyncEngine:
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
 
-    def _emit(self, req: _Request, out: RequestOutput) -> None:
-        self._outbox.append((req, out))
+    def _emit(self, req: _Request, token: int, logprob: float, reason: str | None, text: str | None,
+              final: bool, eos: bool, generated: int) -> None:
+        """Queue a stream piece; ``text`` None: detokenize when delivered."""
+        self._outbox.append((req, token, logprob, reason, text, final, eos, generated))
 
     def _deliver(self) -> None:
+        """Detokenize and hand out the queued pieces (after the next steps
+        were sent: this host work overlaps the devices' work)."""
         box, self._outbox = self._outbox, []
-        for req, out in box:
-            req.out.put_nowait(out)
+        for req, token, logprob, reason, text, final, eos, generated in box:
+            if text is None:
+                text = req.detok.push([] if eos else [token], final=final) if req.detok is not None else ""
+            req.out.put_nowait(RequestOutput(req.seq.rid, text, [token], reason,
+                                             Usage(len(req.seq.prompt), generated), [logprob]))
 
     def _admit(self) -> None:
         while self._waiting and self.slots.free():
@@ -291,7 +298,7 @@ class AsyncEngine:
         if "prefill" not in busy and self._prefill:
             req = self._prefill[0]
             size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
-            bucket = f"prefill:{size}"
+            bucket = bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
             inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
@@ -301,7 +308,7 @@ class AsyncEngine:
             lo, hi = self.slots.bounds[g]
             size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
                                                  self.max_model_len)
-            bucket = f"decode:{size}@{lo}"
+            bucket = bucket_name("decode", size, lo, window_for(self.cfg, max(r.seq.position for r in reqs)))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
             inflight[task] = (key, reqs, 0, bucket)
 
@@ -366,20 +373,19 @@ class AsyncEngine:
         is_eos = eos is not None and token == eos and not p.ignore_eos
         length = len(seq.generated) >= p.max_tokens or seq.position + 1 >= self.max_model_len
         final = is_eos or length
-        text = ""
-        if req.detok is not None:
+        text = None
+        if req.detok is not None and req.detok.stop:   # a stop string decides whether the row decodes on
             text = req.detok.push([] if is_eos else [token], final=final)
         stopped = req.detok is not None and req.detok.stopped
-        usage = Usage(len(seq.prompt), len(seq.generated))
         reason = "stop" if (is_eos or stopped) else ("length" if length else None)
+        token = int(token)
+        self._emit(req, token, logprob, reason, text, final, is_eos, len(seq.generated))
         if reason is None:
-            self._emit(req, RequestOutput(seq.rid, text, [int(token)], None, usage, [logprob]))
             return
         req.finished = reason
         seq.phase = "done"
         self.slots.release(seq.slot)
         self._requests.pop(seq.rid, None)
-        self._emit(req, RequestOutput(seq.rid, text, [int(token)], reason, usage, [logprob]))
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
 
