@@ -190,9 +190,9 @@ async def device_actor_step(graph, values, inputs, device: str, steps: int) -> f
     from actors.device import DeviceActor
     from actors.transfer import TransferActor
     from .devices import DeviceSpec
-    from .messages import InstallPlan, LoadValues, RunStep
+    from tessera_actors.runtime.messages import InstallPlan, LoadValues, RunStep
     from .plan import plan_to_dict, single_device_plan
-    from .system import ActorSystem
+    from tessera_actors.runtime.system import ActorSystem
     plan = single_device_plan(graph, device)
     feed = {k: v.cpu() for k, v in inputs.items()}
     async with ActorSystem("roofline") as system:
