@@ -7,8 +7,10 @@ count and the same kernel signatures in the same order) each kernel's time
 at each SM count is the minimum over those runs (best of N: interference and
 clock dips only ever add time; a single run shows per-run offsets of a few
 microseconds on the ~2.5 us kernels).  A graph that changed between runs
-keeps the last run's times alone.  Each merged ``profile.json`` records
-``runs`` (how many runs were merged) and ``merged_from``.
+keeps the last run's times alone, and the earlier run's graph is kept too,
+as ``MODEL-BUCKET-RUN`` (another program of the same model: more kernels to
+fit on).  Each merged ``profile.json`` records ``runs`` (how many runs were
+merged) and ``merged_from``.
 
     python scripts/merge_profile_runs.py RUN_DIR [RUN_DIR ...] --out DIR
 """
@@ -42,7 +44,14 @@ def merge(runs: list[Path], out: Path) -> dict[str, int]:
         used = [last.name]
         for other in runs[:-1]:
             opj = other / pj.name
-            if not opj.exists() or signatures(other / f"{tag}.tgraph") != sig:
+            if not opj.exists():
+                continue
+            if signatures(other / f"{tag}.tgraph") != sig:
+                odoc = json.loads(opj.read_text())
+                odoc["runs"], odoc["merged_from"] = 1, [other.name]
+                (out / f"{tag}-{other.name}.profile.json").write_text(json.dumps(odoc))
+                shutil.copyfile(other / f"{tag}.tgraph", out / f"{tag}-{other.name}.tgraph")
+                merged[f"{tag}-{other.name}"] = 1
                 continue
             odoc = json.loads(opj.read_text())
             for s, times in doc["times"].items():
