@@ -265,6 +265,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _git_commit() -> str:
+    """``TESSERA_GIT_COMMIT`` when set (a work tree copied to a GPU machine may
+    carry a stale ``.git``), else ``git rev-parse HEAD``."""
+    import os
+    if os.environ.get("TESSERA_GIT_COMMIT"):
+        return os.environ["TESSERA_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
