@@ -147,7 +147,8 @@ def provenance() -> dict:
     return {"git_commit": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain")),
             "command": " ".join(["tessera" if sys.argv[0].endswith("cli.py") else sys.argv[0]] + sys.argv[1:]),
             "machine": {"node": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version()},
+                        "python": platform.python_version(),
+                        "load_avg_1m": os.getloadavg()[0]},      # a busy shared box skews every number
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
