@@ -241,6 +241,7 @@ class DeviceActor(Actor):
         runner = self.runner
         transfers = {t.tag: t for t in plan.transfers}
         busy = wait = 0.0
+        spans: list | None = [] if msg.trace else None
         feed = plan.inputs[d]
         if feed:
             await self._on_worker(write_inputs, prog, graph, msg.inputs, feed)
@@ -255,7 +256,10 @@ class DeviceActor(Actor):
                     ranges = sub_ranges(t.ranges, offset, data.numel() * data.element_size())
                     await self._on_worker(prog.write, t.buffer, ranges, data)
                 what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
+                started = time.time()
                 wait += await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
+                if spans is not None:
+                    spans.append([f"recv {t.tag} ({t.nbytes} B from device {t.src})", started, time.time()])
                 i += 1
                 continue
             # a run step and the sends that follow it go to the worker together
@@ -271,24 +275,34 @@ class DeviceActor(Actor):
                     sends.append(program[j].ref)
                 j += 1
 
-            def work(chunk=i, kernels=kernels, sends=sends) -> tuple[list[Any], float]:
+            def work(chunk=i, kernels=kernels, sends=sends) -> tuple[list[Any], float, float]:
+                started = time.time()
                 t0 = time.perf_counter()
                 if kernels:
                     runner.run((plan_id, chunk), prog, kernels)
                 pieces = [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
                 out = runner.read(prog, pieces) if sends else []   # settled: the peer may read them at once
-                return out, time.perf_counter() - t0
-            payloads, spent = await self._on_worker(work)
+                return out, time.perf_counter() - t0, started
+            payloads, spent, started = await self._on_worker(work)
             busy += spent
+            if spans is not None:
+                label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
+                sent = sum(transfers[tag].nbytes for tag in sends)
+                spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), started, started + spent])
             for tag, data in zip(sends, payloads):
                 await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
             i = j
         mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
         tokens: list[int] = []
+        logprobs: list[float] = []
         logits_view = graph.meta["output_views"][0] if msg.sample else None
         if logits_view is not None and any(b == logits_view[0] for b, _, _ in mine):
-            from tessera_actors.serving.sampling import sample_rows
-            tokens = await self._on_worker(lambda: sample_rows(prog.view(logits_view), msg.sample))
+            from tessera_actors.serving.sampling import sample_with_logprobs
+            started = time.time()
+            tokens, logprobs = await self._on_worker(
+                lambda: sample_with_logprobs(prog.view(logits_view), msg.sample))
+            if spans is not None:
+                spans.append([f"sample {len(tokens)} rows", started, time.time()])
         if not msg.outputs:
             mine = []
 
@@ -297,4 +311,5 @@ class DeviceActor(Actor):
         data = await self._on_worker(outputs) if mine else []
         self.steps_run += 1
         self.busy_s += busy
-        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens)
+        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs,
+                        spans or [])

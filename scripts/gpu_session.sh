@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine (device tool), from the repo root. Usage:
-#   bash scripts/gpu_session.sh PART...   (parts: env tests inductor-tests actor-tests arena arena-ind arena-small arena-small-ind triton ptx fixtures capture capture-fast capture-moe arena-ind-llama arena-ind-moe)
+#   bash scripts/gpu_session.sh PART...   (parts: env tests inductor-tests actor-tests serving-tests engine-step arena-one-gpu triton ptx fixtures capture capture-fast capture-moe)
 # Writes logs and results under $OUT (or ./out). Never hangs: every part has a timeout.
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -15,18 +15,13 @@ part() { local name=$1 limit=$2; shift 2; echo "=== $name ($(date +%T))"; timeou
 for p in "$@"; do case $p in
   env) part env 60 bash -c 'nvidia-smi; python3 -c "import torch,triton;print(torch.__version__,triton.__version__,torch.cuda.device_count())"' ;;
   tests) part tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests ;;
-  arena-small) part arena_small 300 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --out "$OUT/arena_small" ;;
-  arena-small-ind) part arena_small_ind 190 python3 -m tessera_actors.cli bench arena --models llama --layers 2 --batch 16 --cache 512 --prompt 128 --steps 5 --capture inductor --compile-baseline --out "$OUT/arena_small_ind" ;;
-  arena-ind) part arena_ind 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --compile-baseline --out "$OUT/arena_ind" ;;
-  arena-ind-llama) part arena_ind_llama 400 python3 -m tessera_actors.cli bench arena --models llama --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --compile-baseline --out "$OUT/arena_ind_llama" ;;
-  arena-ind-moe) part arena_ind_moe 400 python3 -m tessera_actors.cli bench arena --models moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --compile-baseline --out "$OUT/arena_ind_moe" ;;
   capture-moe) part capture_moe 150 python3 scripts/gpu_capture_check.py --out "$OUT/capture_moe" --budget 140 --min-part 20 --parts moe --orders 10 ;;
-  arena-ind-llama-slot) part arena_ind_llama_slot 300 python3 -m tessera_actors.cli bench arena --models llama --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --capture inductor --streams slot --out "$OUT/arena_ind_llama_slot" ;;
-  pipeline-tests) part pipeline_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pipeline.py ;;
   capture-fast) part capture_fast 250 python3 scripts/gpu_capture_check.py --out "$OUT/capture" --budget 235 --no-warm-repeat --parts capture,llama --orders 10 ;;
   inductor-tests) part inductor_tests 140 python3 -m pytest -q -x -m gpu -p no:cacheprovider tests/test_inductor_capture.py ;;
   actor-tests) part actor_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_device_actor.py tests/test_inductor_capture.py ;;
-  arena) part arena 560 python3 -m tessera_actors.cli bench arena --models llama,moe --layers 4 --batch 64 --cache 2048 --prompt 1024 --steps 20 --out "$OUT/arena" ;;
+  serving-tests) part serving_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_serving_gpu.py tests/test_demo.py ;;
+  engine-step) part engine_step 280 python3 benchmarks/bench_engine_step.py --model llama --size real --layers 4 --dtype bfloat16 --devices cuda:0 --seqs 64 --context 2048 --prompt 128 --out 64 --steps 30 --json "$OUT/engine_step/engine_step_h200.json" ;;
+  arena-one-gpu) part arena_one_gpu 560 python3 -m tessera_actors.cli bench arena --models llama --devices "cuda:0?sms=100,cuda:0?sms=32" --layers 4 --seqs 32 --cache 1024 --prompt 512 --out-tokens 64 --requests 32 --rate 16 --reps 1 --out "$OUT/arena_one_gpu" ;;
   ptx) part ptx 300 python3 scripts/ptx_gpu_check.py --out "$OUT/gpu_check.json" ;;
   triton) part triton 300 python3 scripts/gen_triton_fixtures.py --out "$OUT" --jobs 14 ;;
   fixtures) part fixtures 400 python3 scripts/gen_cuda_fixtures.py --out "$OUT/graphs" ;;

@@ -1,455 +1,270 @@
-"""``tessera bench arena``: every placement policy side by side, in one run,
-on one heterogeneous pair (DESIGN.md, "the arena").
+"""``tessera bench arena``: every placement policy serving the same requests,
+side by side, through the serving engine (DESIGN.md, "the arena").
 
 L and R default to ``cuda:0`` and ``cuda:1?sms=32`` (two H200s, R limited to
-32 SMs through a green context); on one GPU, ``cuda:0?sms=100`` and
-``cuda:0?sms=32`` (functional only); on CPU, two CPU devices (functional).
+32 SMs); on one GPU ``cuda:0?sms=100`` + ``cuda:0?sms=32`` (shared HBM:
+functional only); on a CPU box two CPU devices (functional only).
 
-Measured per model (random weights, real layer shapes, ``--layers`` layers):
-* decode at ``--batch`` sequences with a ``--cache``-token static KV cache:
-  Homo-L, Homo-R, AF and layer split (2 micro-batches of batch/2 in flight),
-  Tessera latency (1 x batch) and throughput (2 x batch/2) plans - all
-  executed with the pipelined executor (segments as CUDA graphs);
-  Request Distribution from the Homo runs (a replica per device);
-* prefill of one ``--prompt``-token request: Homo-L, Homo-R, Tessera latency;
-* the conversation workload (``--prompt`` in, ``--out-tokens`` out per
-  request): output tokens/s per policy, PD as a two-stage pipeline (prefill
-  on one device, decode on the other, KV cache moved over the link);
-* the ideal zero-communication kernel split from the same run's profiles;
-* predicted (simulated from the profiles) vs measured step times;
-* cost efficiency with declared prices (R priced in proportion to its SMs).
-Writes JSON and (with matplotlib) a PNG bar chart to ``--out``.
+Per model, every policy is an ``AsyncEngine`` configuration with the same KV
+slots (``--seqs`` sequences in flight in total, so the same KV bytes):
+Homo-L and Homo-R (one device), Request Distribution (two engines, one per
+device with half the slots each, and a join-the-shortest-queue router),
+layer split (``planner=layers``), AF (``planner=af``), Tessera (the MILP on
+profiled kernel costs, online switching between its latency and throughput
+layouts).  Each serves two traces: a conversation trace (Poisson arrivals,
+prompts around ``--prompt`` tokens, outputs around ``--out-tokens``, fixed
+seed) and a saturating offline trace (every request at once); ``--reps``
+repetitions give the median and the spread.  Rows are named by the plan the
+engine actually placed (a planner that fell back says so, e.g. ``af,
+state-pinned``).  PD is not run: the engine does not move a KV cache
+between engines yet.  The bound is the zero-communication split of the
+decode bucket's profiled kernel times at the slots used (decode only, so
+above every served row).  Writes JSON (git commit, command line) and, with
+matplotlib, a PNG to ``--out``.
 """
 from __future__ import annotations
 
-import gc
+import asyncio
 import json
-import math
-import time
+import random
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from actors.backends.base import backend_for
-from .capture import capture_module
-from .devices import DeviceSpec
-from .pipeline import PipelinedExecutor
-from .plan import Plan, single_device_plan
-from .profile import profile_kernels
+from .serving import AsyncEngine, EngineConfig
+from .serving.loadgen import EngineClient, TraceRequest, replay
+from .serving.loadgen_report import provenance, summarize
 
 
 @dataclass
 class ArenaConfig:
-    models: tuple[str, ...] = ("llama", "moe")
+    models: tuple[str, ...] = ("llama",)
     devices: tuple[str, str] = ("cuda:0", "cuda:1?sms=32")
     layers: int = 4
-    batch: int = 64
-    cache: int = 2048
+    size: str = "real"
+    dtype: str = "bfloat16"
+    seqs: int = 64
+    context: int = 2048
     prompt: int = 1024
     out_tokens: int = 128
-    steps: int = 20
-    dtype: str = "bfloat16"
-    size: str = "real"
-    out: str = "benchmarks/results"
-    link_latency_s: float = 25e-6
-    link_bandwidth: float = 385e9
-    max_inflight: int = 4
-    measure_links: bool = False     # time the L<->R copies instead of DESIGN.md's 25 us / 385 GB/s
-    max_slots: int = 8              # micro-batch slots a mix may use (each holds its own KV cache)
-    capture: str = "aten"           # aten | inductor
-    r_mem: float | None = 0.6       # memory variant: R's budget (<1: fraction of the whole model+cache; else bytes)
-    compile_baseline: bool = False  # also time torch.compile(mode="reduce-overhead") on L
-    streams: str = "device"         # pipelined executor: one stream pair per device, or per slot
-    log: Any = print
-    extra: dict = field(default_factory=dict)
+    requests: int = 64
+    rate: float = 8.0
+    reps: int = 3
+    out: str = "benchmarks/results/arena_served"
+    policies: tuple[str, ...] = ("Homo-L", "Homo-R", "Request Distribution", "layer split", "AF", "Tessera")
+    log: Callable[[str], None] = print
+    prefill_chunk: int = 256
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.batch < 2 or self.batch % 2:
-            raise ValueError("--batch must be even and >= 2 (the pipelined policies use two micro-batches)")
-        if self.prompt >= self.cache:
-            raise ValueError("--prompt must be shorter than --cache")
+        if self.seqs < 2 or self.seqs % 2:
+            raise ValueError("--seqs must be an even number >= 2 (Request Distribution halves it)")
+        if self.prompt + 2 * self.out_tokens > self.context:
+            raise ValueError(f"--prompt {self.prompt} + outputs up to {2 * self.out_tokens} exceed --cache {self.context}")
 
 
 def default_devices() -> tuple[str, str]:
-    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
-        return ("cuda:0", "cuda:1?sms=32")
     if torch.cuda.is_available():
-        return ("cuda:0?sms=100", "cuda:0?sms=32")
+        return ("cuda:0", "cuda:1?sms=32") if torch.cuda.device_count() > 1 else ("cuda:0?sms=100", "cuda:0?sms=32")
     return ("cpu", "cpu?threads=1")
 
 
 def price_of(spec: str) -> float:
-    """$/hour: the declared price, else an H200 share proportional to SMs."""
+    """$/hour: ``price=`` of the spec, else 1.0 for a full device and the SM
+    share of 132 for a partition (R at 32 SMs: 0.24)."""
+    from .devices import DeviceSpec
     s = DeviceSpec.parse(spec)
-    if s.price != 1.0 or s.kind == "cpu":
+    if "price=" in spec:
         return s.price
-    return 1.0 * (s.sms or 132) / 132
+    return (s.sms / 132.0) if s.sms else 1.0
 
 
 def ideal_split(profiles: list[list[float]]) -> float:
-    """min over kernel partitions of max(sum on L, sum on R): the zero-
-    communication limit of kernel placement (no ordering, no transfers)."""
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    n = len(profiles[0])
-    tl, tr = np.array(profiles[0]), np.array(profiles[1])
-    c = np.zeros(n + 1)
-    c[-1] = 1.0
-    a = np.zeros((2, n + 1))
-    a[0, :n], a[0, -1] = tl, -1.0          # sum x*tl - T <= 0
-    a[1, :n], a[1, -1] = -tr, -1.0         # sum (1-x)*tr - T <= 0
-    cons = LinearConstraint(a, [-np.inf, -np.inf], [0.0, -tr.sum()])
-    integrality = np.r_[np.ones(n), 0]
-    bounds = Bounds(np.r_[np.zeros(n), 0], np.r_[np.ones(n), np.inf])
-    res = milp(c, constraints=cons, integrality=integrality, bounds=bounds, options={"time_limit": 20})
-    return float(res.fun) if res.x is not None else min(tl.sum(), tr.sum())
+    """Zero-communication kernel split over devices: the smallest makespan
+    when every kernel may go to any device and transfers are free (the LP
+    relaxation: per-kernel fractions), for two devices exact by sorting on
+    the time ratio."""
+    if len(profiles) == 1:
+        return sum(profiles[0])
+    a, b = profiles
+    order = sorted(range(len(a)), key=lambda k: a[k] / max(b[k], 1e-12))
+    left, right = 0.0, sum(b)
+    best = right
+    for k in order:   # move kernels to device 0 in the order they favour it; a fraction of the one that balances
+        if left + a[k] >= right - b[k]:
+            f = (right - left) / max(a[k] + b[k], 1e-30)
+            return min(best, left + f * a[k])
+        left += a[k]
+        right -= b[k]
+        best = min(best, max(left, right))
+    return best
 
 
-class Phase:
-    """One captured graph (a bucket) with its per-device profiles."""
+class Router:
+    """Request Distribution: each request goes to the replica with the fewest
+    requests in flight per KV slot (ties: the first)."""
+    name = "router"
 
-    def __init__(self, cfg: ArenaConfig, name: str, kind: str, batch: int, seq: int, backends) -> None:
-        from . import models
-        dev = backends[0].device
-        dtype = getattr(torch, cfg.dtype)
-        t0 = time.perf_counter()
-        model = models.get(name, cfg.size, dtype=dtype, seed=0, device=dev, n_layers=cfg.layers,
-                           max_batch=batch, max_seq=cfg.cache)
-        self.inputs = {k: v.to(dev) for k, v in model.example_inputs(kind, batch=batch, seq=seq,
-                                                                     pos=cfg.cache - seq - 1).items()}
-        meta = {"model": name, "bucket": f"{kind}:{batch}:{seq}"}
-        self.program_cls = None
-        self.streams = cfg.streams
-        if cfg.capture == "inductor":
-            from actors.backends.triton import TritonProgram
-            from .capture.inductor import capture_inductor
-            cap = capture_inductor(model, self.inputs, meta=meta)
-            self.program_cls = TritonProgram
-        else:
-            from actors.backends.aten import AtenProgram
-            cap = capture_module(model, self.inputs, meta=meta)
-            self.program_cls = AtenProgram
-        self.compiled_step_s = compiled_baseline(model, self.inputs) if cfg.compile_baseline and kind == "decode" else None
-        del model
-        self.graph, self.values = cap.graph, cap.values
-        self.capture_s = time.perf_counter() - t0
-        self.profiles = [profile_kernels(self.graph, self.values, self.inputs, be, program_cls=self.program_cls)
-                         for be in backends]
-        self.profile_s = time.perf_counter() - t0 - self.capture_s
-        from .planning import CostTable
-        if cfg.measure_links:
-            from .profile import measured_links
-            links = measured_links(backends)
-        else:
-            links = {(0, 1): (cfg.link_latency_s, cfg.link_bandwidth), (1, 0): (cfg.link_latency_s, cfg.link_bandwidth)}
-        self.costs = CostTable.from_profiles(self.graph, list(cfg.devices), self.profiles, links)
-        cfg.log(f"  {name} {kind} batch {batch} x {seq}: {len(self.graph.kernels)} kernels, capture "
-                f"{self.capture_s:.1f} s, profile {self.profile_s:.1f} s; sum L {sum(self.profiles[0]) * 1e6:.0f} us, "
-                f"R {sum(self.profiles[1]) * 1e6:.0f} us")
+    def __init__(self, engines: list[AsyncEngine]) -> None:
+        self.clients = [EngineClient(e) for e in engines]
+        self.load = [0] * len(engines)
+        self.slots = [e.cfg.max_seqs for e in engines]
 
+    async def count(self, prompt) -> int:
+        return await self.clients[0].count(prompt)
 
-def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
-    """Seconds per step of the same model and batch under plain
-    ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), on L."""
-    if not torch.cuda.is_available():
-        return None
-    fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
-    with torch.no_grad():
-        for _ in range(3):
-            fn(**inputs)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn(**inputs)
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
-
-
-def measure(phase: Phase, plan: Plan, backends, microbatches: int, steps: int, held: list | None = None) -> float:
-    """Measured seconds per step (all micro-batches) of ``plan``; the bytes
-    each device holds are appended to ``held`` when given."""
-    bes = list(backends)
-    ex = PipelinedExecutor(phase.graph, plan, phase.values, bes, microbatches=microbatches,
-                           program_cls=phase.program_cls, streams=phase.streams, costs=phase.costs)
-    ex.enqueue([phase.inputs] * microbatches)
-    t = ex.time_steps(steps)
-    if held is not None:
-        held.extend(ex.allocated_bytes())
-    del ex
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return t
-
-
-def busy_fractions(runs, costs, seconds: float, devices) -> list[float]:
-    """Per arena device: the profiled kernel time of ``runs`` ((plan,
-    executions) pairs) over the measured ``seconds`` - how busy each GPU was."""
-    from .planning.mix import device_busy
-    busy = [0.0] * len(devices)
-    for plan, n in runs:
-        per = device_busy(plan, costs) if len(plan.devices) > 1 else \
-            [sum(costs.times[k][list(devices).index(plan.devices[0])] for k in range(len(costs.times)))]
-        for d, t in zip([list(devices).index(x) for x in plan.devices], per):
-            busy[d] += n * t
-    return [b / seconds for b in busy]
-
-
-def predicted_step(plan: Plan, costs, microbatches: int) -> float:
-    from .planning.simulate import simulate
-    pred = simulate(plan, costs, inflight=microbatches)
-    return microbatches / pred.throughput if pred.throughput else math.inf
-
-
-def run_model(cfg: ArenaConfig, name: str, backends) -> dict[str, Any]:
-    """Decode policies on one graph at ``cfg.batch``. Pipelined policies keep
-    several such micro-batches in flight (each a full batch with its own KV
-    cache), as Request Distribution keeps one per device; tokens/s counts
-    every micro-batch."""
-    from .planning import MilpPlanner
-    from .planning.baselines import af_plan, layer_split_plan
-    L, R = cfg.devices
-    log = cfg.log
-    log(f"== {name}: {cfg.layers} layers, {cfg.dtype}, L={L} R={R}")
-    full = Phase(cfg, name, "decode", cfg.batch, 1, backends)
-    # the graph and its measured cost table, so plans can be studied offline later
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    full.graph.save(out / f"{name}-decode-b{cfg.batch}.tgraph")
-    full.costs.save(out / f"{name}-decode-b{cfg.batch}.costs.json")
-    rows: list[dict[str, Any]] = []
-    devs = list(cfg.devices)
-
-    def add(policy: str, plan: Plan | None, mb: int, step_s: float | None = None,
-            devices_used: tuple[str, ...] = (L, R), note: str = "") -> dict[str, Any]:
-        if step_s is None:
-            devices_of = plan.devices
-            bes = backends if len(devices_of) > 1 else [backends[cfg.devices.index(devices_of[0])]]
-            step_s = measure(full, plan, bes, mb, cfg.steps)
-        tokens = mb * cfg.batch / step_s
-        row = {"policy": policy, "step_us": step_s * 1e6, "tokens_per_s": tokens,
-               "microbatches": mb, "devices": list(devices_used), "note": note}
-        if plan is not None:
-            row["busy"] = busy_fractions([(plan, mb)], full.costs, step_s, cfg.devices)
-            pc = full.costs
-            if len(plan.devices) == 1:
-                from .planning import CostTable
-                d = cfg.devices.index(plan.devices[0])
-                pc = CostTable(list(plan.devices), [[t[d]] for t in pc.times], [[0.0]], [[math.inf]], [None], "profile")
-            row["predicted_us"] = predicted_step(plan, pc, mb) * 1e6
-            row["bytes_per_step"] = plan.bytes_per_step() * mb
-            row["segments"] = len(plan.segments)
-            if "predicted" in plan.meta:
-                row["predicted_busy"] = plan.meta["predicted"].get("busy")
-        rows.append(row)
-        log(f"  {policy:<22} {row['step_us']:9.0f} us/step x{mb}  {tokens:10.0f} tok/s"
-            + (f"  (predicted {row['predicted_us']:.0f} us, {row.get('segments')} segments)" if "predicted_us" in row else ""))
-        return row
-
-    homo_l = add("Homo-L", single_device_plan(full.graph, L), 1, devices_used=(L,))
-    homo_r = add("Homo-R", single_device_plan(full.graph, R), 1, devices_used=(R,))
-    rd_step = 1 / (1 / (homo_l["step_us"] * 1e-6) + 1 / (homo_r["step_us"] * 1e-6))
-    add("Request Distribution", None, 1, step_s=rd_step, note="a replica per device; from the Homo runs")
-    baseline_plans = []
-    for policy, make in (("AF", af_plan), ("layer split", layer_split_plan)):
+    async def run(self, prompt, max_tokens, rec, t0):
+        i = min(range(len(self.clients)), key=lambda j: (self.load[j] / self.slots[j], j))
+        self.load[i] += 1
         try:
-            bp = make(full.graph, devs, full.costs)
-            bp.name = policy
-            baseline_plans.append(bp)
-            add(policy, bp, 2)
-        except Exception as e:  # e.g. no attention scopes
-            log(f"  {policy} not applicable: {type(e).__name__}: {e}")
-    t0 = time.perf_counter()
-    from .planning.planner import PlannerConfig
-    pcfg = PlannerConfig(max_inflight=cfg.max_inflight)   # plan for the depth the executor will run
-    lat = MilpPlanner(full.costs, pcfg).plan(full.graph, devs, "latency")
-    thr = MilpPlanner(full.costs, pcfg).plan(full.graph, devs, "throughput")
-    plan_s = time.perf_counter() - t0
-    add("Tessera latency", lat, 1, note=f"source {lat.meta.get('source')}")
-    mb = max(1, min(thr.microbatches, cfg.max_inflight))
-    add("Tessera throughput", thr, mb, note=f"source {thr.meta.get('source')}, "
-        f"gap {thr.meta.get('solver', {}).get('mip_gap')}")
-    memory = memory_variant(cfg, full, backends, add) if cfg.r_mem else None
-    from .planning.mix import best_mix
-    mix = best_mix(full.graph, devs, full.costs, thr, max_slots=cfg.max_slots, extra=baseline_plans)
-    sched = mix.meta.get("schedule")
-    if sched is None:   # an LP-scored mix: slots at the LP's rates
-        from .planning.schedule import list_schedule
-        top = max(mix.rates)
-        sched = list_schedule(mix.plans, full.costs, steps=[max(1, round(cfg.steps * r / top)) for r in mix.rates])
-    ex = PipelinedExecutor(full.graph, mix.plans, full.values, backends, program_cls=full.program_cls,
-                           streams=cfg.streams, costs=full.costs)
-    ex.enqueue([full.inputs] * ex.mb)
-    wall = ex.time_slots(sched)   # the very queue order the planner scored
-    del ex
-    row = add("Tessera mix", None, sum(sched.steps), step_s=wall,
-              note=f"{mix.label}; slot steps {sched.steps}")
-    row["predicted_us"] = sched.makespan_s * 1e6
-    row["busy"] = busy_fractions(list(zip(mix.plans, sched.steps)), full.costs, wall, cfg.devices)
-    row["segments"] = sum(len(p.segments) for p in mix.plans)
-    row["bytes_per_step"] = sum(p.bytes_per_step() for p in mix.plans)
-    log(f"    mix: predicted {row['predicted_us']:.0f} us for its {sum(sched.steps)} slot-steps "
-        f"(the list schedule's makespan), measured {wall * 1e6:.0f} us")
-    ideal_s = ideal_split(full.profiles)
-    best_ideal = cfg.batch / ideal_s
-    for r in rows:
-        r["of_ideal"] = r["tokens_per_s"] / best_ideal
-        r["price_per_h"] = sum(price_of(d) for d in r["devices"])
-        r["tokens_per_dollar"] = r["tokens_per_s"] * 3600 / r["price_per_h"]
-    tess = max(r["tokens_per_s"] for r in rows if r["policy"].startswith("Tessera") and "GiB" not in r["policy"])
-    log(f"  ideal zero-comm split: {ideal_s * 1e6:.0f} us per batch-{cfg.batch} step ({best_ideal:.0f} tok/s); "
-        f"best Tessera plan = {tess / best_ideal * 100:.1f}% of it; both plans solved in {plan_s:.1f} s")
-    if full.compiled_step_s:
-        over = rows[0]["step_us"] * 1e-6 / full.compiled_step_s - 1
-        log(f"  overhead check: Homo-L through tessera {rows[0]['step_us']:.0f} us vs torch.compile(reduce-overhead) "
-            f"{full.compiled_step_s * 1e6:.0f} us: {over * 100:+.1f}%")
-    result = {"model": name, "decode": rows, "memory_variant": memory, "compiled_step_us": (full.compiled_step_s or 0) * 1e6, "ideal": {"step_us": ideal_s * 1e6, "tokens_per_s": best_ideal},
-              "capture_s": full.capture_s, "profile_s": full.profile_s, "plan_s": plan_s,
-              "kernels": len(full.graph.kernels)}
-    full.values.clear()   # free the decode phase's weights before the prefill phase
-    gc.collect()
-    result.update(run_prefill(cfg, name, backends, result))
-    return result
+            return await self.clients[i].run(prompt, max_tokens, rec, t0)
+        finally:
+            self.load[i] -= 1
 
 
-def memory_variant(cfg: ArenaConfig, full: Phase, backends, add) -> dict[str, Any]:
-    """R gets a memory budget it cannot fit the whole model and its KV cache
-    into: Request Distribution and PD (decode on R) are out; Tessera's
-    memory-aware plan keeps what R holds under the budget."""
-    from .planning import MilpPlanner
-    from .plan import PlanError
-    g = full.graph
-    whole = sum(b.nbytes for b in g.buffers.values())
-    budget = int(cfg.r_mem * whole) if cfg.r_mem < 1 else int(cfg.r_mem)
-    cfg.log(f"  memory variant: R budget {budget / 2**30:.2f} GiB, the whole model + cache needs "
-            f"{whole / 2**30:.2f} GiB: Request Distribution and PD-with-decode-on-R do not fit")
-    costs = full.costs.with_mem([None, budget])
-    out: dict[str, Any] = {"budget_bytes": budget, "whole_bytes": whole}
-    for mode in ("latency", "throughput"):
-        try:
-            from .planning.planner import PlannerConfig
-            plan = MilpPlanner(costs, PlannerConfig(max_inflight=cfg.max_inflight)).plan(g, list(cfg.devices), mode)
-        except PlanError as e:
-            cfg.log(f"  memory variant {mode}: {e}")
-            out[mode] = {"error": str(e)}
-            continue
-        mb = 1 if mode == "latency" else max(1, min(plan.microbatches, cfg.max_inflight))
-        held: list[int] = []
-        step = measure(full, plan, backends, mb, cfg.steps, held)
-        row = add(f"Tessera {mode} (R {budget / 2**30:.1f} GiB)", plan, mb, step_s=step)
-        row["held_bytes"] = held
-        row["fits"] = held[1] <= budget
-        cfg.log(f"    held on R: {held[1] / 2**30:.2f} GiB of {budget / 2**30:.2f} GiB "
-                f"({'within' if row['fits'] else 'OVER'} budget with {mb} micro-batch(es))")
-        out[mode] = row
-    return out
+def traces(cfg: ArenaConfig) -> dict[str, list[TraceRequest]]:
+    rng = random.Random(cfg.seed)
+    lo, hi = int(cfg.prompt * 0.9), int(cfg.prompt * 1.1)
+    olo, ohi = max(1, cfg.out_tokens // 2), cfg.out_tokens * 3 // 2
+    lengths = [(rng.randint(lo, hi), rng.randint(olo, ohi)) for _ in range(cfg.requests)]
+    t, conv = 0.0, []
+    for i, (p, o) in enumerate(lengths):
+        conv.append(TraceRequest(i, t, p, o))
+        t += rng.expovariate(cfg.rate)
+    offline = [TraceRequest(i, 0.0, p, o) for i, (p, o) in enumerate(lengths)]
+    return {"conversation": conv, "offline": offline}
 
 
-def run_prefill(cfg: ArenaConfig, name: str, backends, decode: dict[str, Any]) -> dict[str, Any]:
-    from .planning import MilpPlanner
+def engine_configs(cfg: ArenaConfig, model: str, policy: str) -> list[EngineConfig]:
     L, R = cfg.devices
-    log = cfg.log
+    common = dict(model=model, size=cfg.size, dtype=cfg.dtype, max_model_len=cfg.context,
+                  prefill_buckets=(32, cfg.prefill_chunk), overrides={"n_layers": cfg.layers} if cfg.layers else {},
+                  seed=cfg.seed)
+    if policy == "Request Distribution":
+        return [EngineConfig(devices=d, max_seqs=cfg.seqs // 2, mode="latency", **common) for d in (L, R)]
+    one = {"Homo-L": (L, "contiguous", "latency"), "Homo-R": (R, "contiguous", "latency"),
+           "layer split": (f"{L},{R}", "layers", "throughput"), "AF": (f"{L},{R}", "af", "throughput"),
+           "Tessera": (f"{L},{R}", "milp", "auto")}
+    devices, planner, mode = one[policy]
+    return [EngineConfig(devices=devices, planner=planner, mode=mode, max_seqs=cfg.seqs, profile=True, **common)]
+
+
+async def run_policy(cfg: ArenaConfig, model: str, policy: str, runs: dict[str, list[TraceRequest]]) -> dict:
+    engines = [AsyncEngine(config=c) for c in engine_configs(cfg, model, policy)]
     try:
-        pre = Phase(cfg, name, "prefill", 1, cfg.prompt, backends)
-    except Exception as e:  # e.g. a model with no prefill bucket
-        log(f"  prefill skipped: {e}")
-        return {}
-    t = {"Homo-L": measure(pre, single_device_plan(pre.graph, L), [backends[0]], 1, max(3, cfg.steps // 4)),
-         "Homo-R": measure(pre, single_device_plan(pre.graph, R), [backends[1]], 1, max(3, cfg.steps // 4))}
-    lat = MilpPlanner(pre.costs).plan(pre.graph, list(cfg.devices), "latency")
-    t["Tessera"] = measure(pre, lat, backends, 1, max(3, cfg.steps // 4))
-    for k, v in t.items():
-        log(f"  prefill 1x{cfg.prompt} {k:<10} {v * 1e6:9.0f} us")
-    # decode seconds per batch-sized step (pipelined policies: per micro-batch)
-    dec = {r["policy"]: r["step_us"] * 1e-6 / r["microbatches"] for r in decode["decode"]}
-    kv_bytes = sum(b.nbytes for b in pre.graph.buffers.values() if b.role == "state") / max(cfg.batch, 1)
-    kv_s = cfg.link_latency_s + kv_bytes / cfg.link_bandwidth
+        for e in engines:
+            await e.start()
+        vocab = engines[0].served.vocab_size
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        client = Router(engines) if len(engines) > 1 else EngineClient(engines[0])
+        out: dict[str, Any] = {"policy": policy, "traces": {}}
+        for name, trace in runs.items():
+            prompts = [torch.randint(0, vocab, (r.prompt_tokens,), generator=gen).tolist() for r in trace]
+            reps = []
+            for _ in range(cfg.reps):
+                records = await replay(trace, prompts, client)
+                reps.append(summarize(records, 0.05, 10.0))
+            tok_s = [s["output_tok_s"] for s in reps]
+            out["traces"][name] = {"output_tok_s_median": statistics.median(tok_s), "output_tok_s_reps": tok_s,
+                                   "ttft_p50_s": statistics.median(s["ttft_s"]["p50"] or 0 for s in reps),
+                                   "ttft_p99_s": statistics.median(s["ttft_s"]["p99"] or 0 for s in reps),
+                                   "tpot_p50_s": statistics.median(s["tpot_s"]["p50"] or 0 for s in reps),
+                                   "tpot_p99_s": statistics.median(s["tpot_s"]["p99"] or 0 for s in reps),
+                                   "finished": min(s["finished"] for s in reps), "requests": len(trace)}
+        plans, devices, busy = [], [], []
+        for e in engines:
+            st = e.stats()
+            placed = e.runtime.placed
+            plans.append(st["placement"].get("plan", "?"))
+            pinned = sum("state-pinned" in p.plan.name for p in placed.values())
+            if pinned:
+                plans[-1] += f" ({pinned} of {len(placed)} buckets state-pinned)"
+            devices += st["placement"].get("devices", [])
+            busy += [d["busy_fraction"] for d in st["devices"]]
+            out.setdefault("plan_switches", 0)
+            out["plan_switches"] += st["plan_switches"]
+            out["bytes_per_step"] = st["placement"].get("bytes_per_step", 0)
+        out.update(ran=" + ".join(plans), devices=devices, busy=busy,
+                   price_per_hour=sum(price_of(d) for d in set(devices)))
+        if policy == "Tessera" and getattr(engines[0].runtime, "profiles", None):
+            out["profiles"] = engines[0].runtime.profiles
+        return out
+    finally:
+        for e in engines:
+            await e.stop()
 
-    def workload(prefill_s: float, decode_step_s: float) -> float:
-        # one batch: every request prefilled, then out_tokens decode steps
-        return cfg.batch * cfg.out_tokens / (cfg.batch * prefill_s + cfg.out_tokens * decode_step_s)
-    wl = {"Homo-L": workload(t["Homo-L"], dec["Homo-L"]), "Homo-R": workload(t["Homo-R"], dec["Homo-R"])}
-    wl["Request Distribution"] = wl["Homo-L"] + wl["Homo-R"]
-    pd = []
-    for pre_dev, dec_dev in (("Homo-L", "Homo-R"), ("Homo-R", "Homo-L")):
-        req_rate = min(1 / (t[pre_dev] + kv_s), cfg.batch / (cfg.out_tokens * dec[dec_dev]))
-        pd.append(req_rate * cfg.out_tokens)
-    wl["PD"] = max(pd)
-    for pol in ("AF", "layer split"):  # their prefill: on L alone (the better single device)
-        if pol in dec:
-            wl[pol] = workload(min(t["Homo-L"], t["Homo-R"]), dec[pol])
-    per_token = {r["policy"]: r["step_us"] * 1e-6 / r["microbatches"] for r in decode["decode"]}
-    best_step = min(v for k, v in per_token.items() if k.startswith("Tessera") and "GiB" not in k)
-    # Tessera plans every bucket: prefill by its latency plan, or - like its
-    # decode mix - by a replica per device (both prefilling), whichever serves
-    # more; the devices alternate between the phases: a batch of requests
-    # costs its prefills at the prefill rate plus its decode steps
-    both = 1 / t["Homo-L"] + 1 / t["Homo-R"]
-    wl["Tessera"] = max(workload(t["Tessera"], best_step),
-                        cfg.batch * cfg.out_tokens / (cfg.batch / both + cfg.out_tokens * best_step))
-    log("  workload output tokens/s: " + ", ".join(f"{k} {v:.0f}" for k, v in wl.items()))
-    return {"prefill_us": {k: v * 1e6 for k, v in t.items()}, "workload_tokens_per_s": wl}
+
+async def run_model(cfg: ArenaConfig, model: str) -> dict:
+    runs = traces(cfg)
+    rows = []
+    for policy in cfg.policies:
+        cfg.log(f"  {model}: {policy} ...")
+        try:
+            rows.append(await run_policy(cfg, model, policy, runs))
+        except Exception as e:   # a policy that cannot run here is a row saying why
+            rows.append({"policy": policy, "error": f"{type(e).__name__}: {e}"})
+        cfg.log("    " + _row_text(rows[-1]))
+    rows.append({"policy": "PD", "error": "not run: the engine does not move KV caches between engines yet"})
+    bound = None
+    tess = next((r for r in rows if r["policy"] == "Tessera" and "profiles" in r), None)
+    if tess is not None:
+        step = ideal_split(tess.pop("profiles"))
+        bound = {"name": f"decode-only zero-communication kernel split at {cfg.seqs} rows (profiled)",
+                 "step_s": step, "output_tok_s": cfg.seqs / step}
+    for r in rows:
+        for t in r.get("traces", {}).values():
+            if bound:
+                t["of_bound"] = t["output_tok_s_median"] / bound["output_tok_s"]
+            if r.get("price_per_hour"):
+                t["tokens_per_dollar"] = t["output_tok_s_median"] * 3600 / r["price_per_hour"]
+    return {"model": model, "rows": rows, "bound": bound}
 
 
-def print_table(results: list[dict[str, Any]], cfg: ArenaConfig) -> str:
-    lines = [f"arena: L={cfg.devices[0]} R={cfg.devices[1]}, decode batch {cfg.batch}, cache {cfg.cache}, "
-             f"{cfg.layers} layers, {cfg.dtype}; prices $/h L={price_of(cfg.devices[0]):.2f} "
-             f"R={price_of(cfg.devices[1]):.2f}",
-             "| model | policy | step us | predicted us | tokens/s | of ideal | tokens/$ | vs best single-plan baseline | busy L/R |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def _row_text(r: dict) -> str:
+    if "error" in r:
+        return f"{r['policy']}: {r['error']}"
+    parts = [f"{k} {v['output_tok_s_median']:.1f} tok/s (TTFT p50 {v['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 "
+             f"{v['tpot_p50_s'] * 1e3:.1f} ms)" for k, v in r["traces"].items()]
+    return f"{r['policy']} [{r['ran']}]: " + "; ".join(parts)
+
+
+def print_table(results: list[dict], cfg: ArenaConfig) -> str:
+    label = "one GPU, shared HBM: functional" if cfg.devices[0].split("?")[0] == cfg.devices[1].split("?")[0] \
+        and cfg.devices[0].startswith("cuda") else ("CPU: functional" if cfg.devices[0].startswith("cpu") else "")
+    lines = [f"served arena: L={cfg.devices[0]} R={cfg.devices[1]} {label}; {cfg.seqs} KV slots per policy, "
+             f"prompts ~{cfg.prompt}, outputs ~{cfg.out_tokens}, {cfg.requests} requests, {cfg.reps} reps",
+             "| model | policy | ran | trace | out tok/s (median) | spread | TTFT p50/p99 ms | TPOT p50/p99 ms | of bound | tok/$ | busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
-        best_other = max(r["tokens_per_s"] for r in res["decode"] if not r["policy"].startswith("Tessera")
-                         and r["policy"] != "Request Distribution")
-        for r in res["decode"]:
-            pred = f"{r['predicted_us']:.0f}" if "predicted_us" in r else "-"
-            busy = "/".join(f"{b * 100:.0f}%" for b in r["busy"]) if r.get("busy") else "-"
-            lines.append(f"| {res['model']} | {r['policy']} | {r['step_us']:.0f} | {pred} | {r['tokens_per_s']:.0f} | "
-                         f"{r['of_ideal'] * 100:.1f}% | {r['tokens_per_dollar']:.3g} | {r['tokens_per_s'] / best_other:.2f} "
-                         f"| {busy} |")
-        if "workload_tokens_per_s" in res:
-            wl = res["workload_tokens_per_s"]
-            lines.append(f"| {res['model']} | workload tok/s | " + ", ".join(f"{k}: {v:.0f}" for k, v in wl.items())
-                         + " | | | | | | |")
+        for r in res["rows"]:
+            if "error" in r:
+                lines.append(f"| {res['model']} | {r['policy']} | {r['error']} | | | | | | | | |")
+                continue
+            for name, t in r["traces"].items():
+                spread = f"{min(t['output_tok_s_reps']):.0f}-{max(t['output_tok_s_reps']):.0f}"
+                ofb = f"{t['of_bound'] * 100:.1f}%" if "of_bound" in t else "-"
+                busy = "/".join(f"{b * 100:.0f}%" for b in r["busy"])
+                lines.append(f"| {res['model']} | {r['policy']} | {r['ran']} | {name} | {t['output_tok_s_median']:.1f} | "
+                             f"{spread} | {t['ttft_p50_s'] * 1e3:.0f}/{t['ttft_p99_s'] * 1e3:.0f} | "
+                             f"{t['tpot_p50_s'] * 1e3:.1f}/{t['tpot_p99_s'] * 1e3:.1f} | {ofb} | "
+                             f"{t.get('tokens_per_dollar', 0):.3g} | {busy} |")
+        if res["bound"]:
+            b = res["bound"]
+            lines.append(f"| {res['model']} | bound | {b['name']} | | {b['output_tok_s']:.1f} | | | | 100% | | |")
     return "\n".join(lines)
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
-    for ax, res in zip(axes[0], results):
-        names = [r["policy"] for r in res["decode"]]
-        vals = [r["tokens_per_s"] for r in res["decode"]]
-        ax.barh(names, vals, color=["tab:orange" if n.startswith("Tessera") else "tab:blue" for n in names])
-        ax.axvline(res["ideal"]["tokens_per_s"], color="k", ls="--", label="ideal zero-comm split")
-        ax.set_title(f"{res['model']} decode")
-        ax.set_xlabel("tokens/s")
-        ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
-
-
-def run_arena(cfg: ArenaConfig) -> list[dict[str, Any]]:
-    backends = [backend_for(d) for d in cfg.devices]
-    results = []
+def run_arena(cfg: ArenaConfig) -> list[dict]:
+    results = [asyncio.run(run_model(cfg, m)) for m in cfg.models]
+    text = print_table(results, cfg)
+    cfg.log(text)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"devices": list(cfg.devices), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "config": {k: v for k, v in cfg.__dict__.items() if k not in ("log",)}}
-    for name in cfg.models:
-        results.append(run_model(cfg, name, backends))
-        # written after every model, so an interrupted run keeps what it measured
-        (out / "arena.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str))
-    table = print_table(results, cfg)
-    cfg.log(table)
-    if plot(results, out / "arena.png"):
-        cfg.log(f"wrote {out / 'arena.json'} and {out / 'arena.png'}")
-    else:
-        cfg.log(f"wrote {out / 'arena.json'} (no matplotlib: no PNG)")
+    conf = {k: v for k, v in cfg.__dict__.items() if k != "log"}
+    (out / "arena.json").write_text(json.dumps({"config": conf, "results": results, "table": text, **provenance()},
+                                               indent=2, default=str))
+    (out / "arena.md").write_text(text + "\n")
     return results

@@ -84,6 +84,13 @@ def format_summary(graph: KernelGraph, path: str | None = None) -> str:
     if s["disagreements"]:
         lines.append(f"ptx/inductor access disagreements in {s['disagreements']} launches (writes unioned)")
     lines.append("bytes    " + ", ".join(f"{r} {_mib(b)}" for r, b in s["bytes_by_role"].items()))
+    guards = graph.meta.get("guards") or []
+    if guards:
+        lines.append(f"guards   {len(guards)} host reads checked at replay (first at {guards[0]['site']})")
+    if graph.meta.get("constants"):
+        lines.append(f"consts   {graph.meta['constants']}")
+    if graph.meta.get("regions_reason"):
+        lines.append(f"regions  {graph.meta['regions']}: {graph.meta['regions_reason']}")
     times = graph.meta.get("capture_times")
     if times:
         lines.append("time     " + ", ".join(f"{k} {v:.2f}" for k, v in times.items()))
@@ -105,6 +112,10 @@ def build_model(name: str, size: str, bucket: str, dtype_name: str, device: str,
     from . import models
     from .capture.inductor_buckets import bucket_inputs, bucket_overrides, parse_bucket
     kind, batch, seq = parse_bucket(bucket)
+    if name.startswith("hf:"):  # a transformers model: inputs as a user passes them (models/hf.py)
+        from .models import hf
+        loaded = hf.load(name, dtype=_dtype(dtype_name), device=device, **extra)
+        return loaded.model, loaded.example_inputs(batch, seq), (kind, batch, seq)
     cfg = models.config(name, size, **extra)
     overrides = dict(extra, **bucket_overrides(cfg, kind, batch, seq, pos=16 if kind == "decode" else 0))
     model = models.get(name, size, dtype=_dtype(dtype_name), seed=0, device=device, **overrides)

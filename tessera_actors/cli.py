@@ -2,7 +2,9 @@
 
   tessera demo       split a Llama-style decoder over node processes, check tokens
   tessera capture    record a model's forward pass as a kernel graph file
+  tessera check      capture a model, replay it in random orders and splits, print a verdict
   tessera plan       place a graph file on devices and compare with the baselines
+  tessera advise     predict tokens/s and tokens/$ of every policy on GPU types we do not have
   tessera node       run a node daemon (same as python -m tessera_actors.node)
   tessera serve      serve a model over the OpenAI API, with a chat page at /
 """
@@ -36,10 +38,10 @@ def _arena(args: argparse.Namespace) -> int:
     devices = tuple(args.devices.split(",")) if args.devices else default_devices()
     if len(devices) != 2:
         raise ValueError("--devices takes two devices: L,R")
-    cfg = ArenaConfig(tuple(args.models.split(",")), devices, args.layers, args.batch, args.cache, args.prompt,
-                      args.out_tokens, args.steps, args.dtype, args.size, args.out,
-                      capture=args.capture, compile_baseline=args.compile_baseline, streams=args.streams, r_mem=_budget(args.r_mem),
-                      measure_links=args.measure_links)
+    cfg = ArenaConfig(tuple(args.models.split(",")), devices, args.layers, args.size, args.dtype, args.seqs,
+                      args.cache, args.prompt, args.out_tokens, args.requests, args.rate, args.reps, args.out)
+    if args.policies:
+        cfg.policies = tuple(p.strip() for p in args.policies.split(","))
     run_arena(cfg)
     return 0
 
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=demo.main)
 
     p = sub.add_parser("capture", help="capture a model's kernel graph to a file")
-    p.add_argument("--model", default="llama", help="reference model name (llama, moe, mamba2, vlm, dit, smollm2)")
+    p.add_argument("--model", default="llama", help="reference model name (llama, moe, mamba2, vlm, dit, smollm2) "
+                   "or hf:<dir | config.json | file.gguf | smollm2 | tiny-ARCH> (transformers)")
     p.add_argument("--size", default="tiny", help="tiny | real | a named config")
     p.add_argument("--bucket", default="decode:1", help="decode:B | prefill:B:T | denoise:B")
     p.add_argument("--dtype", default="float32")
@@ -68,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                         "cost table next to the graph (read by tessera plan)")
     p.set_defaults(fn=_capture)
 
+    from . import check_cli
+    p = sub.add_parser("check", help="capture a model and check random orders and splits against one device and eager")
+    check_cli.add_arguments(p)
+    p.set_defaults(fn=check_cli.main)
+
     p = sub.add_parser("plan", help="place a graph on devices and compare with the baselines")
     p.add_argument("graph")
     p.add_argument("--devices", required=True, help="comma-separated device specs")
@@ -76,31 +84,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default=None, help="write a timeline of the predicted schedule")
     p.set_defaults(fn=_plan)
 
+    from . import advise
+    p = sub.add_parser("advise", help="predict every policy on a pair of GPU types we may not have")
+    advise.add_arguments(p)
+    p.set_defaults(fn=advise.main)
+
     p = sub.add_parser("bench", help="benchmarks: arena (all policies side by side)")
     bsub = p.add_subparsers(dest="bench", required=True)
-    b = bsub.add_parser("arena", help="every placement policy on one heterogeneous pair, side by side")
-    b.add_argument("--models", default="llama,moe")
+    b = bsub.add_parser("arena", help="every placement policy serving the same requests through the engine")
+    b.add_argument("--models", default="llama")
     b.add_argument("--devices", default=None, help="L,R (default: cuda:0,cuda:1?sms=32 on two GPUs)")
     b.add_argument("--layers", type=int, default=4)
-    b.add_argument("--batch", type=int, default=64)
-    b.add_argument("--cache", type=int, default=2048)
-    b.add_argument("--prompt", type=int, default=1024)
-    b.add_argument("--out-tokens", type=int, default=128)
-    b.add_argument("--steps", type=int, default=20)
-    b.add_argument("--dtype", default="bfloat16")
     b.add_argument("--size", default="real")
-    b.add_argument("--out", default="benchmarks/results")
-    b.add_argument("--capture", default="aten", choices=["aten", "inductor"],
-                   help="kernel program: aten ops (default) or inductor's generated kernels")
-    b.add_argument("--streams", default="device", choices=["device", "slot"],
-                   help="pipelined runs: one stream pair per device shared by all micro-batches (default), "
-                        "or one per micro-batch slot")
-    b.add_argument("--compile-baseline", action="store_true",
-                   help="also time plain torch.compile(mode='reduce-overhead') on L (overhead check)")
-    b.add_argument("--r-mem", default="0.6",
-                   help="memory variant: R's budget as a fraction of the whole model+cache, or bytes (24GiB); 0: skip")
-    b.add_argument("--measure-links", action="store_true",
-                   help="time the L<->R copies for the cost table (default: 25 us + 385 GB/s, DESIGN.md)")
+    b.add_argument("--dtype", default="bfloat16")
+    b.add_argument("--seqs", type=int, default=64, help="KV slots (sequences in flight) of every policy")
+    b.add_argument("--cache", type=int, default=2048, help="context length of the KV cache")
+    b.add_argument("--prompt", type=int, default=1024, help="mean prompt tokens (+-10%%)")
+    b.add_argument("--out-tokens", type=int, default=128, help="mean output tokens (50%%-150%%)")
+    b.add_argument("--requests", type=int, default=64)
+    b.add_argument("--rate", type=float, default=8.0, help="conversation trace: requests/s (Poisson)")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--policies", default="", help="comma-separated subset (default: all)")
+    b.add_argument("--out", default="benchmarks/results/arena_served")
     b.set_defaults(fn=_arena)
     from .serving import loadgen
     b = bsub.add_parser("serve", help="replay a request trace through tessera serve (--url) or an in-process AsyncEngine")
@@ -111,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page")
     server.add_arguments(p)
     p.set_defaults(fn=server.run_command)
+
+    from . import roofline
+    b = bsub.add_parser("roofline", help="one GPU: tessera step vs torch.compile(reduce-overhead) vs the HBM/GEMM floor")
+    roofline.add_arguments(b)
+    b.set_defaults(fn=roofline.main)
 
     p = sub.add_parser("node", help="run a node daemon", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)

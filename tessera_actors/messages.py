@@ -180,19 +180,24 @@ class RunStep:
     top_p, top_k, seed, index]`` (``index``: the position of the token in
     the request's output, so a seed gives the same draw in any batch); that
     device answers with ``tokens``.  ``outputs=False``: no output bytes in
-    the reply (the engine needs only the tokens)."""
+    the reply (the engine needs only the tokens).  ``trace``: answer with
+    ``StepDone.spans`` (what the device did when, for a trace file)."""
     plan_id: str
     step: int
     inputs: dict = dataclasses.field(default_factory=dict)
     sample: list = dataclasses.field(default_factory=list)
     outputs: bool = True
+    trace: bool = False
 
 
 @message
 class StepDone:
     """``ranges[i] = [buffer, start, end]`` of final output bytes in ``data[i]``;
     ``tokens``: one sampled id per ``RunStep.sample`` entry, from the device
-    holding the logits (empty elsewhere)."""
+    holding the logits (empty elsewhere), with its log probability in
+    ``logprobs``.  ``spans`` (when traced): ``[what, start, end]`` in wall-clock
+    seconds (``time.time()``) for each run of kernels, transfer wait and
+    sampling, in order."""
     plan_id: str
     step: int
     device: int
@@ -201,6 +206,8 @@ class StepDone:
     busy_s: float = 0.0
     wait_s: float = 0.0
     tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    spans: list = dataclasses.field(default_factory=list)
 
 
 @message

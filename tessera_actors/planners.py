@@ -1,18 +1,59 @@
-"""Planners by name, for the CLI and the scheduler.
+"""Planners by name, for the CLI, the scheduler and the serving engine.
 
-``contiguous``: the simple rule (contiguous runs, equal shares);
-``milp``: the memory-aware MILP (``tessera_actors.planning``)."""
+``contiguous``: the simple rule (contiguous runs, equal kernel shares);
+``layers``: a layer split balanced by the cost table (a pipeline);
+``af``: attention on one device, the rest on the other (AF disaggregation);
+``milp``: the memory-aware MILP (``tessera_actors.planning``): Tessera.
+
+``costs`` (optional) maps a graph's fingerprint (:func:`graph_key`) to its
+measured :class:`~tessera_actors.planning.costs.CostTable` on the devices
+it will be planned on; graphs without one are planned on the roofline
+estimate (``CostTable.estimate``)."""
 from __future__ import annotations
 
-from .plan import ContiguousPlanner, Planner
+from typing import Mapping, Sequence
 
-NAMES = ("contiguous", "milp")
+from .graph import KernelGraph
+from .plan import ContiguousPlanner, Plan, Planner, PlanError
+
+NAMES = ("contiguous", "layers", "af", "milp")
 
 
-def get_planner(name: str, **options) -> Planner:
+def graph_key(graph: KernelGraph) -> tuple:
+    """A fingerprint of a graph that survives a msgpack round trip."""
+    return (len(graph.kernels), len(graph.buffers), tuple(k.name for k in graph.kernels[:64]),
+            round(sum(k.flops for k in graph.kernels), 3))
+
+
+class _CostsPlanner:
+    def __init__(self, name: str, costs: Mapping[tuple, object] | None) -> None:
+        self.name, self.costs = name, dict(costs or {})
+
+    def _table(self, graph: KernelGraph, devices: Sequence[str]):
+        from .planning.costs import CostTable
+        table = self.costs.get(graph_key(graph))
+        if table is not None and list(table.devices) == list(devices):
+            return table
+        return CostTable.estimate(graph, devices)
+
+    def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
+        from .planning import MilpPlanner
+        from .planning.baselines import af_plan, layer_split_plan
+        costs = self._table(graph, devices)
+        if self.name == "milp":
+            return MilpPlanner(costs).plan(graph, devices, mode)
+        if len(devices) < 2:   # one device: every policy is that device alone
+            return ContiguousPlanner().plan(graph, devices, mode)
+        if self.name == "af":
+            return af_plan(graph, devices, costs)
+        return layer_split_plan(graph, devices, costs)
+
+
+def get_planner(name: str, costs: Mapping[tuple, object] | None = None, **options) -> Planner:
     if name == "contiguous":
         return ContiguousPlanner(**options)
-    if name == "milp":
-        from .planning import MilpPlanner
-        return MilpPlanner(**options)
+    if name in ("layers", "af", "milp"):
+        if options:
+            raise PlanError(f"planner {name!r} takes no options {sorted(options)}")
+        return _CostsPlanner(name, costs)
     raise ValueError(f"unknown planner {name!r}; known: {', '.join(NAMES)}")

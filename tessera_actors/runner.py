@@ -14,13 +14,16 @@ import torch
 
 from actors.backends.aten import AtenProgram
 from .capture.aten import dtype_from_name
+from .capture.pytree import bind_step_inputs
 from .graph import KernelGraph
 from .plan import Plan, PlanError
 
 
 def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.Tensor],
                  only: Sequence[int] | None = None) -> None:
-    """Copy step inputs into their buffers (those in ``only`` when given)."""
+    """Copy step inputs into their buffers (those in ``only`` when given).
+    ``inputs`` may be nested and carry the bucket's constants, as at capture."""
+    inputs = bind_step_inputs(graph.meta, inputs)
     views = graph.meta["input_views"]
     missing = set(graph.inputs) - set(inputs)
     if missing:

@@ -39,6 +39,8 @@ async def test_sixteen_concurrent_requests_on_two_node_processes_match_each_alon
     assert all(last.finish_reason == "length" and last.usage.completion_tokens == 16 for _, _, last in together)
     assert stats["placement"]["devices"] == NODES and min(stats["placement"]["kernels_per_device"]) > 0
     assert stats["slots_in_use"] == 0 and stats["generated_tokens"] == 16 * 20
+    assert [d["name"] for d in stats["devices"]] == NODES and all(0 < d["busy_fraction"] <= 1
+                                                                     for d in stats["devices"])
 
 
 @pytest.fixture
@@ -147,3 +149,39 @@ async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token():
     assert results == reference
     assert stats["recoveries"] == 1 and stats["generation"] == 1
     assert stats["placement"]["devices"] == [NODES[0]]
+
+
+async def test_served_tokens_are_the_eager_pytorch_models_tokens():
+    import torch
+    from tessera_actors import models
+    prompt, n = [5, 6, 7, 8, 9], 8
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
+    want = []
+    with torch.no_grad():
+        logits = m(input_ids=torch.tensor([prompt]), positions=torch.arange(len(prompt))[None])
+        for pos in range(len(prompt), len(prompt) + n):
+            want.append(int(logits[0, -1].argmax()))
+            logits = m(input_ids=torch.tensor([[want[-1]]]), positions=torch.tensor([pos]))
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu,cpu", max_seqs=2, max_model_len=64,
+                           prefill_buckets=(4, 16)) as eng:
+        got, _, last = await _tokens(eng, prompt, SamplingParams(max_tokens=n))
+        assert len(eng.stats()["placement"]["kernels_per_device"]) == 2
+    assert got == want and last.finish_reason == "length"
+
+
+async def test_a_trace_of_served_steps_is_valid_trace_event_json_with_spans_per_device(tmp_path):
+    import json
+    async with AsyncEngine(nodes=NODES, max_seqs=2, trace_dir=str(tmp_path), **SMALL) as eng:
+        await asyncio.gather(*(_tokens(eng, p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS[:2]))
+        steps = eng.stats()["steps"]
+        path = eng.write_trace()
+    events = json.loads(open(path).read())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X"]
+    engine_spans = [e for e in spans if tracks[e["tid"]] == "engine"]
+    assert steps >= 20 and len(engine_spans) == steps
+    assert any(e["name"].startswith("prefill:") for e in engine_spans)
+    for d, spec in enumerate(NODES):
+        mine = [e for e in spans if tracks[e["tid"]] == f"device {d}: {spec}"]
+        assert len(mine) >= steps and all(e["dur"] >= 0 and e["ts"] > 0 for e in mine)
+    assert any(e["name"].startswith("recv") for e in spans) and any(e["name"].startswith("sample") for e in spans)

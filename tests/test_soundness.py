@@ -89,13 +89,13 @@ def test_harness_detects_a_missing_edge(captured):
 
 def test_unmodified_transformers_llama_captures_and_splits_bitwise():
     """A third-party model, unchanged: transformers' LlamaForCausalLM built
-    from a config with random weights (optional: skipped without transformers)."""
+    from a config with random weights, default (SDPA) attention, whose mask code
+    reads the host: a guard (optional: skipped without transformers)."""
     transformers = pytest.importorskip("transformers")
     from tessera_actors.capture import capture
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"   # its sdpa mask path reads tensor values on the host (.item())
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 128, (1, 8))
 

@@ -12,9 +12,16 @@ its arguments, with tensors as references ``{"t": [buffer, byte_offset,
 shape, strides, dtype]}``.  The same graph therefore runs on a CPU or a CUDA
 device.
 
-Limits, reported as :class:`CaptureError` (never a silently wrong graph):
-host reads of tensor values (``.item()``), data-dependent output shapes,
-random ops.
+What a user writes is taken as it is: inputs and outputs may be any pytree
+(``ModelOutput``, dicts, tuples, objects holding tensors) and plain keywords
+are constants of the bucket (``pytree``); host reads (``.item()``,
+``bool(t)``, ``.tolist()``) keep the branch taken at capture and add a guard
+checked at every replay (``hostreads``); random ops with dropout 0 (the SDPA
+variants in eval mode) are recorded like any other op.
+
+Limits, reported as :class:`CaptureError` naming the op and the model's
+source line (never a silently wrong graph): data-dependent output shapes,
+random ops that draw numbers (dropout > 0 in training mode).
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..graph import Access, Buffer, Kernel, KernelGraph
+from .hostreads import allowed_random, python_level_reads, record_guard, user_site
+from .pytree import encode_constant, flatten_inputs, flatten_outputs
 
 _FULL_OVERWRITE = {"aten::copy_", "aten::fill_", "aten::zero_"}
 _MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
@@ -80,6 +89,17 @@ class _Recorder(TorchDispatchMode):
         self.keep: list[Any] = []   # keeps storages alive so keys stay unique
         self.storages: dict[int, dict[str, Any]] = {}
         self.records: list[dict[str, Any]] = []
+        self.guards: list[dict[str, Any]] = []
+
+    def _where(self) -> str:
+        return f"at {user_site()}" + (f" in module {self.scope[-1]!r}" if self.scope[-1] else "")
+
+    def _dispatch(self, func, args) -> Any:
+        return self.__torch_dispatch__(func, (), tuple(args), {})
+
+    def guard_tolist(self, t: torch.Tensor, value: Any) -> None:
+        if t.numel():
+            record_guard(self._dispatch, t, value, user_site(), self.guards)
 
     def _storage(self, t: torch.Tensor, producing: bool) -> int:
         st = t.untyped_storage()
@@ -127,13 +147,19 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         qual = func._schema.name
-        if qual == "aten::_local_scalar_dense":
-            raise CaptureError(f"data-dependent host read (.item()/.tolist()) in {self.scope[-1] or 'forward'}: "
-                               "a static kernel program cannot depend on tensor values on the host")
+        if qual == "aten::_local_scalar_dense":  # .item(), bool(t), int(t): keep the value, guard it
+            if args[0].is_meta:
+                raise CaptureError(f"host read of a tensor value {self._where()} while capturing on the meta "
+                                   "device: the value does not exist there (capture on a real device)")
+            value = func(*args, **kwargs)
+            record_guard(self._dispatch, args[0], value, user_site(), self.guards)
+            return value
         if torch.Tag.dynamic_output_shape in func.tags and not _static_indexing(qual, args):
-            raise CaptureError(f"{qual} has a data-dependent output shape (in {self.scope[-1] or 'forward'})")
-        if torch.Tag.nondeterministic_seeded in func.tags:
-            raise CaptureError(f"{qual} draws random numbers (in {self.scope[-1] or 'forward'}); capture in eval mode")
+            raise CaptureError(f"{qual} has a data-dependent output shape ({self._where()}): a static kernel "
+                               "program needs shapes known at capture")
+        if torch.Tag.nondeterministic_seeded in func.tags and not allowed_random(func, args, kwargs):
+            raise CaptureError(f"{qual} draws random numbers ({self._where()}); capture in eval mode "
+                               "(dropout 0)")
         # Snapshot storages seen for the first time before the op mutates them.
         for v in list(args) + list(kwargs.values()):
             for t in (v if isinstance(v, (list, tuple)) else [v]):
@@ -147,15 +173,18 @@ class _Recorder(TorchDispatchMode):
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         mutates = func._schema.is_mutable
         fresh = [t for t in outs if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in in_keys]
-        if not mutates and not fresh:
+        if not mutates and not fresh and qual != "aten::_assert_async":
             return out  # an alias of an input (e.g. _unsafe_view): no kernel
         accesses: list[tuple[int, int, int, str]] = []
         schema_args = func._schema.arguments
         enc_args = []
-        for i, v in enumerate(args):
-            enc_args.append(self._encode(v, accesses, lambda i=i: _mode(qual, schema_args[i] if i < len(schema_args) else None)))
-        by_name = {a.name: a for a in schema_args}
-        enc_kwargs = {k: self._encode(v, accesses, lambda k=k: _mode(qual, by_name.get(k))) for k, v in kwargs.items()}
+        try:
+            for i, v in enumerate(args):
+                enc_args.append(self._encode(v, accesses, lambda i=i: _mode(qual, schema_args[i] if i < len(schema_args) else None)))
+            by_name = {a.name: a for a in schema_args}
+            enc_kwargs = {k: self._encode(v, accesses, lambda k=k: _mode(qual, by_name.get(k))) for k, v in kwargs.items()}
+        except CaptureError as e:
+            raise CaptureError(f"{qual}: {e} ({self._where()})") from None
         enc_outs = []
         for t in outs:
             if not isinstance(t, torch.Tensor):
@@ -167,6 +196,9 @@ class _Recorder(TorchDispatchMode):
                 s, e = byte_span(t)
                 accesses.append((ref["t"][0], s, e, "w" if e - s == t.numel() * t.element_size() else "rw"))
             enc_outs.append({"ref": ref, "alias": alias})
+        if qual == "aten::_assert_async":  # a guard: whatever reads its flag runs after it
+            temps = {i["id"] for i in self.storages.values() if i["role"] == "temp"}
+            accesses = [(b, st, e, "rw" if b in temps else m) for b, st, e, m in accesses]
         self.records.append({"op": str(func), "qual": qual, "args": enc_args, "kwargs": enc_kwargs,
                              "outs": enc_outs, "accesses": accesses, "scope": self.scope[-1],
                              "sig": _signature(func, args, kwargs), "flops": _flops(qual, args, outs)})
@@ -246,19 +278,26 @@ def _pack_temps(records: list[dict], storages: list[dict]) -> dict[int, tuple[in
     return {b: (s, slot_size[s]) for b, s in slot_of.items()}
 
 
-def capture(fn: Callable[..., Any], inputs: dict[str, torch.Tensor], *,
+def capture(fn: Callable[..., Any], inputs: dict[str, Any], *,
             params: dict[str, torch.Tensor] | None = None,
             state: dict[str, torch.Tensor] | None = None,
             module: torch.nn.Module | None = None,
             reuse_temps: bool = True, meta: dict[str, Any] | None = None) -> CaptureResult:
     """Run ``fn(**inputs)`` once and record it.
 
+    ``inputs`` are what a user passes: tensor leaves (of any nesting) become
+    graph inputs named by path, other leaves constants of the bucket
+    (``graph.meta["constants"]``).  The result may be any pytree of tensors;
+    its tensor leaves are the outputs (``graph.meta["output_names"]``).
     ``params`` become weight buffers and ``state`` state buffers (their
     initial bytes are snapshot before the run); any other tensor read before
     it is written is a constant weight.  ``module`` (optional) supplies the
     scope (module path) of each kernel.  The call mutates ``state`` exactly as
-    an ordinary forward would.
+    an ordinary forward would.  Host reads become guards
+    (``graph.meta["guards"]``, see ``hostreads``).
     """
+    user_inputs = inputs
+    inputs, constants, rebuild = flatten_inputs(user_inputs)
     roles: dict[int, tuple[str, str]] = {}
     for name, t in (params or {}).items():
         roles[t.untyped_storage()._cdata] = ("weight", name)
@@ -283,14 +322,15 @@ def capture(fn: Callable[..., Any], inputs: dict[str, torch.Tensor], *,
     try:
         for name, t in list((params or {}).items()) + list((state or {}).items()) + list(inputs.items()):
             rec._storage(t, producing=False)
-        with torch.no_grad(), rec:
-            result = fn(**inputs)
+        with torch.no_grad(), python_level_reads(rec.guard_tolist), rec:
+            result = fn(**rebuild(inputs))
     finally:
         for h in hooks:
             h.remove()
-    outs = list(result) if isinstance(result, (list, tuple)) else [result]
-    if not all(isinstance(t, torch.Tensor) for t in outs):
-        raise CaptureError("the captured function must return a tensor or a tuple of tensors")
+    named = flatten_outputs(result)
+    if not named:
+        raise CaptureError(f"the captured call returned no tensor (got {type(result).__name__})")
+    outs = [t for _, t in named]
     storages = sorted(rec.storages.values(), key=lambda s: s["id"])
     out_ids = [rec._storage(t, producing=True) for t in outs]
     for b in out_ids:
@@ -322,6 +362,9 @@ def capture(fn: Callable[..., Any], inputs: dict[str, torch.Tensor], *,
                               r["scope"], payload))
     views = {"input_views": {n: _remap_payload(rec._ref(t), remap)["t"] for n, t in inputs.items()},
              "output_views": [_remap_payload(rec._ref(t), remap)["t"] for t in outs]}
+    views["output_names"] = [n for n, _ in named]
+    views["constants"] = {n: encode_constant(v) for n, v in constants.items()}
+    views["guards"] = rec.guards
     graph = KernelGraph(kernels, buffers, {n: rec._storage(t, False) for n, t in inputs.items()},
                         [remap.get(b, b) for b in out_ids], dict(meta or {}, backend="aten", **views))
     values = {s["id"]: s["initial"] for s in storages

@@ -27,6 +27,7 @@ analysis finds indirect are listed in ``graph.meta["indirect_kernels"]``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ import torch
 
 from . import inductor_hooks as hooks
 from .aten import CaptureError, CaptureResult, _Recorder, byte_span, module_roles
+from .hostreads import host_read_sites, python_level_reads
+from .pytree import encode_constant, flatten_inputs
 from .inductor_graph import assemble
 from .inductor_match import (KernelAnalysis, analyze_ptx, inductor_opinion, launch_access, ptx_text,
                              triton_source, unpack_text)
@@ -81,8 +84,6 @@ class _InductorRecorder(_Recorder):
         for t in written:
             if t.untyped_storage()._cdata not in self.storages and t.untyped_storage()._cdata not in self.roles:
                 self._storage(t, producing=True)
-        if torch.Tag.nondeterministic_seeded in func.tags and _without_dropout(func, args, kwargs):
-            func = _Seedless(func)  # e.g. SDPA that inductor's pattern matcher inserted, dropout_p=0
         n = len(self.records)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if len(self.records) > n:
@@ -182,32 +183,6 @@ class _InductorRecorder(_Recorder):
         return k
 
 
-class _Seedless:
-    """An op tagged ``nondeterministic_seeded`` called with ``dropout_p == 0``:
-    it draws no random numbers, so the aten recorder may record it."""
-
-    def __init__(self, op) -> None:
-        self._op = op
-        self.tags = [t for t in op.tags if t != torch.Tag.nondeterministic_seeded]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._op, name)
-
-    def __call__(self, *args, **kwargs):
-        return self._op(*args, **kwargs)
-
-    def __str__(self) -> str:
-        return str(self._op)
-
-
-def _without_dropout(func, args, kwargs) -> bool:
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
-            return isinstance(v, (int, float)) and float(v) == 0.0
-    return False
-
-
 def a_device(args) -> int:
     for a in args:
         if isinstance(a, torch.Tensor) and a.device.type == "cuda":
@@ -256,6 +231,24 @@ def repeated_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]
     return taken
 
 
+def choose_regions(model: torch.nn.Module, inputs: dict[str, Any], regions: str = "auto") -> tuple[str, str]:
+    """(regions, reason): ``"auto"`` becomes ``"whole"`` when the model has
+    repeated blocks and its eager forward reads tensor values on the host
+    (code between compiled blocks runs eagerly; compiled as one graph it is
+    traced instead); otherwise ``regions`` is kept.  Runs ``model(**inputs)``
+    once eagerly when it has to look (the caller restores any state)."""
+    if regions != "auto" or not repeated_blocks(model):
+        return regions, ""
+    with torch.no_grad():
+        sites = host_read_sites(model, inputs)
+    if not sites:
+        return regions, ""
+    reason = (f"host reads in the eager forward ({len(sites)}, first at {sites[0]}): "
+              "compiled as one graph instead of per block")
+    log.info("%s", reason)
+    return "whole", reason
+
+
 def compile_model(model: torch.nn.Module, *, reset: bool = True, regions: str = "auto") -> Callable[..., Any]:
     """``torch.compile`` with inductor, fullgraph, static shapes, no CUDA graphs.
 
@@ -290,6 +283,27 @@ def compile_model(model: torch.nn.Module, *, reset: bool = True, regions: str = 
     return model
 
 
+def _warm_up(compiled, inputs: dict[str, Any], warmup: int, device: torch.device, times: dict[str, float],
+             t0: float, label: str) -> None:
+    """Run the compiled model ``warmup`` times (compilation, autotuning);
+    a failure is a :class:`CaptureError`."""
+    try:
+        with torch.no_grad():
+            for i in range(max(1, warmup)):
+                compiled(**inputs)
+                _sync(device)
+                if i == 0:
+                    times["compile_s"] = time.perf_counter() - t0
+    except CaptureError:
+        raise
+    except Exception as e:
+        text = str(e)
+        frames = re.findall(r'File "([^"]+)", line (\d+)', text)  # dynamo names the user code it stopped at
+        where = f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else ""
+        raise CaptureError(f"torch.compile (inductor) failed for {label}: "
+                           f"{type(e).__name__}: {text.splitlines()[0] if text else ''}{where}") from e
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -310,6 +324,14 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      compiled: Callable[..., Any] | None = None, regions: str = "auto") -> CaptureResult:
     """Compile ``model`` with inductor and record ``model(**inputs)``.
 
+    ``inputs`` are what a user passes (tensors, nested tensors, plain
+    keywords: constants of the bucket); the result may be any pytree of
+    tensors (as in :func:`.aten.capture`).  With ``regions="auto"``, a model
+    whose eager forward reads tensor values on the host (transformers' mask
+    code does, between the decoder layers) is compiled as one whole graph,
+    where such code is traced instead (``graph.meta["regions_reason"]``);
+    host reads left in eager code under ``regions="blocks"`` become guards.
+
     Weights are the model's parameters and non-state buffers; state buffers
     (default ``model.state_names()``) are snapshot before the recorded run
     and restored after it (warm-up runs too), so the model's state is
@@ -319,7 +341,8 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     :class:`CaptureError` when the model cannot be compiled or recorded."""
     say = progress or (lambda msg: log.info("%s", msg))
     params, state = module_roles(model, state_names)
-    device = next(iter(inputs.values())).device if inputs else torch.device("cpu")
+    tensors, constants, _ = flatten_inputs(inputs)
+    device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     if device.type != "cuda":
         # inductor's CPU kernels are C++ functions no recorder sees: the graph would miss them
         raise CaptureError(f"the inductor capture records Triton kernels and needs CUDA inputs, not {device}; "
@@ -333,21 +356,26 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                 t.copy_(saved[n])
     try:
         t0 = time.perf_counter()
+        reason = ""
+        if compiled is None:
+            say("choosing regions")
+            regions, reason = choose_regions(model, inputs, regions)
+            restore()
         say("compiling")
+        given = compiled
         if compiled is None:
             compiled = compile_model(model, regions=regions)
         try:
-            with torch.no_grad():
-                for i in range(max(1, warmup)):
-                    compiled(**inputs)
-                    _sync(device)
-                    if i == 0:
-                        times["compile_s"] = time.perf_counter() - t0
-        except CaptureError:
-            raise
-        except Exception as e:
-            raise CaptureError(f"torch.compile (inductor) failed for {type(model).__name__}: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+            _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
+        except CaptureError as e:
+            if not reason or given is not None:
+                raise
+            # the whole graph did not compile: blocks after all, the host reads become guards
+            reason += f"; the whole graph failed ({e}): compiled per block, host reads guarded"
+            log.info("%s", reason)
+            restore()
+            compiled = compile_model(model, regions="blocks")
+            _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
         times["warmup_s"] = time.perf_counter() - t0 - times.get("compile_s", 0.0)
         restore()
         say("recording")
@@ -357,13 +385,13 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
             roles[t.untyped_storage()._cdata] = ("weight", name)
         for name, t in state.items():
             roles[t.untyped_storage()._cdata] = ("state", name)
-        for name, t in inputs.items():
+        for name, t in tensors.items():
             roles[t.untyped_storage()._cdata] = ("input", name)
         rec = _InductorRecorder(roles, [""], keep_ptx)
-        for t in list(params.values()) + list(state.values()) + list(inputs.values()):
+        for t in list(params.values()) + list(state.values()) + list(tensors.values()):
             rec._storage(t, producing=False)
         graphs_before = _unique_graphs()
-        with torch.no_grad(), hooks.run_hook(rec.on_launch), rec:
+        with torch.no_grad(), hooks.run_hook(rec.on_launch), python_level_reads(rec.guard_tolist), rec:
             result = compiled(**inputs)
         _sync(device)
         if graphs_before >= 0 and _unique_graphs() != graphs_before:
@@ -377,12 +405,14 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
             log.warning("%s", warnings[-1])
         say("building graph")
         t2 = time.perf_counter()
-        res = assemble(rec, result, inputs, dict(meta or {}), reuse_temps, compress, keep_ptx)
+        meta = dict(meta or {}, constants={n: encode_constant(v) for n, v in constants.items()})
+        res = assemble(rec, result, tensors, meta, reuse_temps, compress, keep_ptx)
         times["assemble_s"] = time.perf_counter() - t2
         times["total_s"] = time.perf_counter() - t0
         res.graph.meta["capture_times"] = {k: round(v, 3) for k, v in times.items()}
         res.graph.meta["compiled_graphs"] = _unique_graphs()
         res.graph.meta["regions"] = "blocks" if compiled is model else "whole"
+        res.graph.meta["regions_reason"] = reason
         res.graph.meta["torch"] = torch.__version__
         res.graph.meta["warnings"] = warnings
         return res
@@ -390,4 +420,4 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
         restore()
 
 
-__all__ = ["capture_inductor", "compile_model", "repeated_blocks", "dense", "ptx_text", "triton_source", "unpack_text"]
+__all__ = ["capture_inductor", "choose_regions", "compile_model", "repeated_blocks", "dense", "ptx_text", "triton_source", "unpack_text"]

@@ -14,15 +14,17 @@ import torch
 from ..graph import Access, Buffer, Kernel, KernelGraph
 from .aten import CaptureError, CaptureResult, _pack_temps, _remap_payload
 from .inductor_match import pack_text
+from .pytree import flatten_outputs
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
 
 
 def assemble(rec, result: Any, inputs: dict[str, torch.Tensor], meta: dict[str, Any],
               reuse_temps: bool, compress: bool, keep_ptx: bool) -> CaptureResult:
-    outs = list(result) if isinstance(result, (list, tuple)) else [result]
-    if not all(isinstance(t, torch.Tensor) for t in outs):
-        raise CaptureError("the compiled model must return a tensor or a tuple of tensors")
+    named = flatten_outputs(result)
+    if not named:
+        raise CaptureError(f"the compiled model returned no tensor (got {type(result).__name__})")
+    outs = [t for _, t in named]
     if not rec.records:
         raise CaptureError("no kernel was recorded: is the model empty, or did the run hit a fallback?")
     storages = sorted(rec.storages.values(), key=lambda s: s["id"])
@@ -66,6 +68,8 @@ def assemble(rec, result: Any, inputs: dict[str, torch.Tensor], meta: dict[str, 
                                   float(sum(a.nbytes for a in acc)), r["sig"], layer, scope, payload))
     views = {"input_views": {n: _remap_payload(rec._ref(t), remap)["t"] for n, t in inputs.items()},
              "output_views": [_remap_payload(rec._ref(t), remap)["t"] for t in outs]}
+    views.update(output_names=[n for n, _ in named], guards=rec.guards)
+    meta.setdefault("constants", {})
     meta.update(backend="triton", **views, **_kernel_meta(rec, compress, keep_ptx))
     graph = KernelGraph(kernels, buffers, {n: rec._storage(t, False) for n, t in inputs.items()},
                         [remap.get(b, b) for b in out_ids], meta)

@@ -24,6 +24,10 @@ One contract for every model, so a generic capture can record any of them:
     the LM decode. DiT: "denoise" -> ``latents``, ``timestep``, ``labels``.
 Other buffers (RoPE tables, positional embeddings) are float32 constants.
 
+Third-party models (transformers' own classes, ``hf:`` specs) are built by
+:mod:`tessera_actors.models.hf` (``load``; ``load_serving`` gives them this
+contract's serving form).
+
 Every model is an ``nn.Module`` with parameters frozen (inference only).
 Models: ``llama``, ``moe``, ``mamba2``, ``vlm``, ``dit``, ``smollm2``; sizes:
 ``"tiny"`` (CPU CI) and ``"real"`` (or the named constructor, e.g.

@@ -8,17 +8,24 @@ the chosen logits, experts with the clamped GPT-oss SwiGLU
 YaRN context extension is left out: it only changes the constant table).
 
 Static-shape expert dispatch (``MoEConfig.dispatch``):
-  ``"dense"`` (default): every expert runs on every token as one batched
-    matmul over the expert dimension, and the outputs are combined with a
-    sparse gate matrix [N, E] (``scatter`` of the top-k softmax weights,
-    zeros elsewhere). Reads each expert's weights exactly once per step, so at
-    decode batch sizes where most experts are hit anyway it costs the same
-    memory traffic as real dispatch; it wastes E/k x FLOPs in prefill. No
-    data-dependent shapes, no index-dependent kernels: the kernel DAG is the
-    same for every routing decision.
+  ``"grouped"`` (default): real top-k dispatch.  The N*k (token, expert)
+    pairs are sorted by expert (stable sort), the tokens gathered in that
+    order, and each expert's rows multiplied by its weights with one grouped
+    GEMM (``torch._grouped_mm``, offsets = running count of rows per
+    expert) for gate/up and one for down; the rows are put back in token
+    order by the inverse permutation and combined with the softmax weights.
+    Shapes are static ([N*k, ...] whatever the routing); only offsets and
+    indices carry the routing, as values.  Each expert's weights are read
+    once, and only the FLOPs of the chosen experts are spent.  Needs rows
+    16-byte aligned (``dim``, ``expert_dim`` multiples of 8); on CUDA the
+    grouped GEMM is a bf16 kernel, so other dtypes there (and on the meta
+    device) take ``"gather"``.
+  ``"dense"``: every expert runs on every token as one batched matmul over
+    the expert dimension, combined with a sparse gate matrix [N, E]; wastes
+    E/k x FLOPs (kept as a baseline).
   ``"gather"``: the top-k experts' weights are gathered per token
     (``W[topk_idx]``: [N, k, ...]) and applied with batched matmuls. Reads
-    N*k expert matrices: better for batch-1 decode, worse beyond E/k tokens.
+    N*k expert matrices: fine for batch-1 decode, worse beyond E/k tokens.
 Inputs/outputs/state are those of ``Llama`` (see ``llama.py``).
 """
 from __future__ import annotations
@@ -49,13 +56,16 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     norm_eps: float = 1e-5
     rope_theta: float = 150000.0
-    dispatch: str = "dense"
+    dispatch: str = "grouped"
     max_batch: int = 4
     max_seq: int = 64
 
     def __post_init__(self):
-        if self.dispatch not in ("dense", "gather"):
-            raise ValueError(f"MoEConfig.dispatch must be 'dense' or 'gather', got {self.dispatch!r}")
+        if self.dispatch not in ("grouped", "dense", "gather"):
+            raise ValueError(f"MoEConfig.dispatch must be 'grouped', 'dense' or 'gather', got {self.dispatch!r}")
+        if self.dispatch == "grouped" and (self.dim % 8 or self.expert_dim % 8):
+            raise ValueError(f"grouped dispatch needs dim and expert_dim multiples of 8 (16-byte rows), "
+                             f"got {self.dim}, {self.expert_dim}")
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
         if self.n_heads % self.n_kv_heads:
@@ -96,13 +106,32 @@ class Experts(nn.Module):
         up = h[..., 1::2].clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
+    def _grouped(self, flat: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
+        N, D = flat.shape
+        E, k = self.cfg.n_experts, self.cfg.top_k
+        experts = top_idx.reshape(N * k)
+        expert_sorted, perm = torch.sort(experts, stable=True)               # pairs grouped by expert
+        counts = (experts[:, None] == torch.arange(E, device=flat.device)).sum(0)
+        offs = counts.cumsum(0).to(torch.int32)                              # end row of each expert
+        rows = flat[perm // k]                                               # [N*k, D]
+        h = torch._grouped_mm(rows, self.gate_up, offs) + self.gate_up_bias[expert_sorted]
+        y = torch._grouped_mm(self._activation(h), self.down, offs) + self.down_bias[expert_sorted]
+        inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(N * k, device=flat.device))
+        y = y[inverse].view(N, k, D)                                         # back in (token, choice) order
+        return (y * weights[:, :, None]).sum(dim=1)
+
     def forward(self, x: Tensor) -> Tensor:
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         logits = self.router(flat)                                    # [N, E]
         top_val, top_idx = torch.topk(logits, self.cfg.top_k, dim=-1)  # [N, k]
         weights = torch.softmax(top_val.float(), dim=-1).to(x.dtype)
-        if self.cfg.dispatch == "dense":
+        dispatch = self.cfg.dispatch
+        if dispatch == "grouped" and (flat.is_cuda or flat.is_meta) and flat.dtype != torch.bfloat16:
+            dispatch = "gather"  # CUDA grouped GEMMs (and their meta shapes) are bf16 only
+        if dispatch == "grouped":
+            out = self._grouped(flat, top_idx, weights)
+        elif dispatch == "dense":
             gate = torch.zeros_like(logits).scatter(1, top_idx, weights)  # [N, E], k nonzeros/row
             h = torch.matmul(flat[None], self.gate_up) + self.gate_up_bias[:, None, :]  # [E, N, 2I]
             y = torch.matmul(self._activation(h), self.down) + self.down_bias[:, None, :]  # [E, N, D]

@@ -7,10 +7,8 @@ chain of steps (a decode step needs the previous one's token), each step its
 plan's segments in order; next in the queue comes the pending segment that
 could start earliest - when its device frees up, its step may begin and its
 inputs from other devices have arrived - ties to the slot with the fewest
-steps done, then the lower slot.  The
-executor queues exactly this order (``PipelinedExecutor.run_order``), and
-the mix planner scores mixes by its makespan, so the prediction and the run
-share one schedule and differ only by the cost model's error.
+steps done, then the lower slot.  The mix planner scores mixes by its
+makespan (``tessera plan`` reports the best mix of slot plans).
 """
 from __future__ import annotations
 

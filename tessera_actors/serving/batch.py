@@ -86,15 +86,16 @@ def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int
     """(bucket size, inputs, sample entries) of one decode step of ``seqs``
     (all in the group whose first row is ``lo``)."""
     size = smallest_bucket(sizes, max(s.slot for s in seqs) - lo + 1)
-    ids = torch.zeros(size, 1, dtype=torch.int64)
-    pos = torch.full((size,), max_len - 1, dtype=torch.int64)
+    ids = [0] * size
+    pos = [max_len - 1] * size
     sample = []
     for s in seqs:
         r = s.slot - lo
-        ids[r, 0] = s.generated[-1]
+        ids[r] = s.generated[-1]
         pos[r] = s.position
         sample.append(s.sample_entry(r, 0))
-    return size, {"input_ids": ids, "positions": pos}, sample
+    return size, {"input_ids": torch.tensor(ids, dtype=torch.int64).view(size, 1),
+                  "positions": torch.tensor(pos, dtype=torch.int64)}, sample
 
 
 def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int

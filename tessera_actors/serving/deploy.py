@@ -19,6 +19,7 @@ cache starts as zeros and is never shipped.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -50,8 +51,10 @@ def decode_sizes(cfg: EngineConfig, limit: int) -> list[int]:
 def buckets_for(cfg: EngineConfig) -> list[Bucket]:
     """Every bucket the engine may run: decode sizes for the one group of
     latency mode and for each group of throughput mode, and the prefill
-    chunk sizes."""
-    seen: dict[str, Bucket] = {}
+    chunk sizes; always the decode bucket of every row (``decode:max_seqs@0``),
+    the reference the planner places first."""
+    ref = Bucket("decode", cfg.max_seqs, 0)
+    seen: dict[str, Bucket] = {ref.name: ref}
     layouts = [1] if cfg.mode == "latency" else ([cfg.groups] if cfg.mode == "throughput" else [1, cfg.groups])
     for groups in layouts:
         for lo, hi in cfg.group_bounds(groups):
@@ -102,6 +105,14 @@ class ServedModel:
     gguf_meta: dict | None
 
 
+@functools.lru_cache(maxsize=2)
+def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple) -> torch.nn.Module:
+    """The real model, built once per configuration in a process (engines of
+    one benchmark share its weights: they are only ever read)."""
+    from .. import models
+    return models.get(model, size, dtype=dtype, seed=seed, **dict(kw))
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
@@ -117,7 +128,13 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
     try:
-        real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+        key = tuple(sorted(kw.items()))
+        try:
+            hash(key)
+        except TypeError:   # an unhashable override (a dict): build it afresh
+            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+        else:
+            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
         meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
     except (KeyError, TypeError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e

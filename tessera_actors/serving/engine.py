@@ -78,6 +78,8 @@ class AsyncEngine:
                                initial="throughput" if config.mode == "throughput" else "latency")
         self.tokenizer = None
         self.template = None
+        self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
+        self._outbox: list[tuple[_Request, RequestOutput]] = []   # delivered after the next steps are sent
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -96,7 +98,11 @@ class AsyncEngine:
             if tpl:
                 self.template = ChatTemplate(tpl, self.tokenizer.bos_token, self.tokenizer.eos_token)
         self.slots = SlotAllocator(self.cfg.group_bounds(self.groups))
-        self.runtime = Runtime(self.cfg, served, self._on_lost)
+        self.trace = None
+        if self.cfg.trace_dir:
+            from .trace import StepTrace
+            self.trace = StepTrace()
+        self.runtime = Runtime(self.cfg, served, self._on_lost, self.trace)
         try:
             await self.runtime.start()
         except BaseException:
@@ -111,10 +117,20 @@ class AsyncEngine:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._deliver()
         for req in list(self._requests.values()):
             self._finish(req, "abort")
         if self.runtime is not None:
             await self.runtime.stop()
+        self.write_trace()
+
+    def write_trace(self) -> str | None:
+        """Write the trace of the steps so far to ``trace_dir/trace.json``
+        (also done at stop); returns the path, None when not tracing."""
+        if self.trace is None:
+            return None
+        import os
+        return self.trace.write(os.path.join(self.cfg.trace_dir, "trace.json"))
 
     # -- requests -----------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
@@ -224,11 +240,13 @@ class AsyncEngine:
                 self._maybe_switch(inflight)
                 self._admit()
                 self._launch(inflight)
+                self._deliver()   # after the launch: the new steps' messages go out before the streams wake
                 self._wake.clear()
-                waits = set(inflight) | {asyncio.ensure_future(self._wake.wait())}
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for t in waits - set(inflight):
-                    t.cancel()
+                waiter = asyncio.ensure_future(self._wake.wait())
+                try:
+                    done, _ = await asyncio.wait(set(inflight) | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
                 for t in done:
                     if t in inflight:
                         self._complete(t, inflight.pop(t))
@@ -238,11 +256,27 @@ class AsyncEngine:
             raise
         except Exception as e:   # the engine cannot go on: every request gets the error
             log.exception("engine loop failed")
+            self._deliver()
             self._dead = f"engine failed: {type(e).__name__}: {e}"
             for req in list(self._requests.values()):
                 req.finished = "error"
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
+
+    def _emit(self, req: _Request, token: int, logprob: float, reason: str | None, text: str | None,
+              final: bool, eos: bool, generated: int) -> None:
+        """Queue a stream piece; ``text`` None: detokenize when delivered."""
+        self._outbox.append((req, token, logprob, reason, text, final, eos, generated))
+
+    def _deliver(self) -> None:
+        """Detokenize and hand out the queued pieces (after the next steps
+        were sent: this host work overlaps the devices' work)."""
+        box, self._outbox = self._outbox, []
+        for req, token, logprob, reason, text, final, eos, generated in box:
+            if text is None:
+                text = req.detok.push([] if eos else [token], final=final) if req.detok is not None else ""
+            req.out.put_nowait(RequestOutput(req.seq.rid, text, [token], reason,
+                                             Usage(len(req.seq.prompt), generated), [logprob]))
 
     def _admit(self) -> None:
         while self._waiting and self.slots.free():
@@ -264,8 +298,9 @@ class AsyncEngine:
         if "prefill" not in busy and self._prefill:
             req = self._prefill[0]
             size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
-            task = loop.create_task(self.runtime.step(f"prefill:{size}", inputs, sample))
-            inflight[task] = ("prefill", [req], n)
+            bucket = f"prefill:{size}"
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
+            inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
             key = f"decode{g}"
             if key in busy or not reqs:
@@ -273,11 +308,12 @@ class AsyncEngine:
             lo, hi = self.slots.bounds[g]
             size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
                                                  self.max_model_len)
-            task = loop.create_task(self.runtime.step(f"decode:{size}@{lo}", inputs, sample))
-            inflight[task] = (key, reqs, 0)
+            bucket = f"decode:{size}@{lo}"
+            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            inflight[task] = (key, reqs, 0, bucket)
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:
-        key, reqs, n = info
+        key, reqs, n, bucket = info
         try:
             result = task.result()
         except StepFailed as e:
@@ -287,6 +323,9 @@ class AsyncEngine:
             self._lost_or_fail(reqs, e)
             return
         self.counters["steps"] += 1
+        acc = self.step_time.setdefault(bucket, [0, 0.0])
+        acc[0] += 1
+        acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
         live = [r for r in reqs if r.finished is None]
         if key == "prefill":
@@ -299,12 +338,12 @@ class AsyncEngine:
                 return
             self._prefill.remove(req)
             req.seq.phase = "decode"
-            self._accept(req, result.tokens[0])
+            self._accept(req, result.tokens[0], result.logprobs[0])
             return
-        for req, tok in zip(reqs, result.tokens):
+        for req, tok, lp in zip(reqs, result.tokens, result.logprobs):
             if req.finished is None:
                 req.seq.exec_s += result.seconds
-                self._accept(req, tok)
+                self._accept(req, tok, lp)
         del live
 
     def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
@@ -323,7 +362,7 @@ class AsyncEngine:
         self._requests.pop(seq.rid, None)
         req.out.put_nowait(err)
 
-    def _accept(self, req: _Request, token: int) -> None:
+    def _accept(self, req: _Request, token: int, logprob: float) -> None:
         """A new token of ``req``: stream it, and finish the request when done."""
         seq, p = req.seq, req.seq.params
         if seq.first_token_at is None:
@@ -334,20 +373,19 @@ class AsyncEngine:
         is_eos = eos is not None and token == eos and not p.ignore_eos
         length = len(seq.generated) >= p.max_tokens or seq.position + 1 >= self.max_model_len
         final = is_eos or length
-        text = ""
-        if req.detok is not None:
+        text = None
+        if req.detok is not None and req.detok.stop:   # a stop string decides whether the row decodes on
             text = req.detok.push([] if is_eos else [token], final=final)
         stopped = req.detok is not None and req.detok.stopped
-        usage = Usage(len(seq.prompt), len(seq.generated))
         reason = "stop" if (is_eos or stopped) else ("length" if length else None)
+        token = int(token)
+        self._emit(req, token, logprob, reason, text, final, is_eos, len(seq.generated))
         if reason is None:
-            req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], None, usage))
             return
         req.finished = reason
         seq.phase = "done"
         self.slots.release(seq.slot)
         self._requests.pop(seq.rid, None)
-        req.out.put_nowait(RequestOutput(seq.rid, text, [int(token)], reason, usage))
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
 
@@ -394,15 +432,20 @@ class AsyncEngine:
     def stats(self) -> dict:
         rt = self.runtime
         ref = rt.placed.get(rt.reference_bucket()) if rt else None
-        placement = {}
+        placement, devices = {}, []
         if ref is not None:
             placement = {"plan": ref.plan.name, "devices": list(ref.plan.devices),
                          "kernels_per_device": ref.plan.kernels_per_device(),
                          "bytes_per_step": ref.plan.bytes_per_step()}
+            elapsed = max(time.monotonic() - rt.since, 1e-9)
+            devices = [{"name": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
+                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed)}
+                       for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
                 "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
-                "generation": rt.generation if rt else 0, "placement": placement,
-                "lost": sorted(rt.lost) if rt else [], **self.counters}
+                "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
+                "lost": sorted(rt.lost) if rt else [],
+                "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n}, **self.counters}
 
     def health(self) -> dict:
         ok = self._dead is None and not self._lost and self.runtime is not None and bool(self.runtime.placed)

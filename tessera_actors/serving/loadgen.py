@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,9 @@ WORDS = ("the of and to in is was for on with as by at from that this it are be 
          "night point home water room mother area money story fact month lot right study book eye job word "
          "business issue side kind head house service friend father power hour game line end member law car "
          "city name team minute idea kid body back parent face others level office door health person art").split()
+
+
+SEQUENTIAL = "sequential (1 slot, prompt token by token)"
 
 
 @dataclass(frozen=True)
@@ -249,6 +253,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--compare", action="store_true",
                    help="in-process: run the trace through the engine and through HTTP on it, side by side")
+    p.add_argument("--baseline", default=None, choices=["sequential"],
+                   help="in-process: also run the trace through the engine configured as the old sequential "
+                        "service (1 KV slot, the prompt fed token by token), side by side")
     p.add_argument("--trace", default="poisson", choices=["poisson", "conversation"])
     p.add_argument("--rate", type=float, default=2.0, help="requests/s (conversation: conversations/s)")
     p.add_argument("--requests", type=int, default=64)
@@ -299,6 +306,14 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
                     records["http"] = await replay(trace, prompts, http)
                 finally:
                     await runner.cleanup()
+        if a.baseline == "sequential":
+            seq_kw = dict(kw, max_seqs=1, decode_buckets=(1,), prefill_buckets=(1,), mode="latency")
+            seq_kw.pop("trace_dir", None)
+            async with AsyncEngine(**seq_kw) as seq:
+                base = await replay(trace, prompts, EngineClient(seq))
+            records = {SEQUENTIAL: base, **records}
+            kw = {"engine": kw, "sequential": seq_kw}
+            return records, {**kw, "ignore_eos": client.has_ignore_eos}
         return records, {"engine": kw, "ignore_eos": client.has_ignore_eos}
 
 
@@ -306,15 +321,15 @@ def run_command(a: argparse.Namespace) -> int:
     """``tessera bench serve``: replay, print the table, write JSON (+ PNG)."""
     if a.requests < 1 or a.rate <= 0:
         raise ValueError("--requests must be >= 1 and --rate > 0")
-    if a.compare and a.url:
-        raise ValueError("--compare runs its own in-process server; leave out --url")
+    if (a.compare or a.baseline) and a.url:
+        raise ValueError("--compare and --baseline run in-process engines; leave out --url")
     records, where = asyncio.run(_run(a))
     slo_tpot, slo_ttft = a.slo_tpot_ms / 1000, a.slo_ttft_ms / 1000
     summaries = {k: summarize(v, slo_tpot, slo_ttft) for k, v in records.items()}
     mode = "+".join(records)
     print(f"tessera bench serve: trace {a.trace}, {a.requests} requests at {a.rate:g}/s, seed {a.seed}, via {mode}")
     print(table(summaries))
-    stem = a.name or f"serve_{a.trace}_{mode.replace('+', '_')}"
+    stem = a.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"serve_{a.trace}_{mode}").strip("_")
     out = Path(a.out)
     config = {"trace": a.trace, "requests": a.requests, "rate": a.rate, "seed": a.seed, "turns": a.turns,
               "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens, **where}

@@ -144,10 +144,15 @@ def provenance() -> dict:
             return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    return {"git_commit": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain")),
+    # a work tree copied to another machine may carry a stale .git: TESSERA_GIT_COMMIT names the commit then
+    commit = os.environ.get("TESSERA_GIT_COMMIT") or git("rev-parse", "HEAD") or None
+    gpu = ""
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
+        gpu = sys.modules["torch"].cuda.get_device_name(0)
+    return {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")),
             "command": " ".join(["tessera" if sys.argv[0].endswith("cli.py") else sys.argv[0]] + sys.argv[1:]),
             "machine": {"node": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version(),
+                        "python": platform.python_version(), "gpu": gpu,
                         "load_avg_1m": os.getloadavg()[0]},      # a busy shared box skews every number
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

@@ -91,10 +91,12 @@ class RequestOutput:
     """``text``: new text since the last output (whole characters only);
     ``token_ids``: new ids; ``finish_reason``: None until the last output,
     then "stop" (end of sequence or a stop string), "length" (max_tokens or
-    the context) or "abort"; ``usage`` so far."""
+    the context) or "abort"; ``usage`` so far; ``logprobs``: the log
+    probability of each new id (computed where the logits are)."""
 
     request_id: str
     text: str
     token_ids: list[int]
     finish_reason: str | None
     usage: Usage
+    logprobs: list[float] = field(default_factory=list)

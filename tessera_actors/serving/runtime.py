@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgpack
 
@@ -36,7 +36,7 @@ from ..actor import ActorRef
 from ..cluster import LocalCluster
 from ..devices import parse_devices
 from ..errors import ActorError
-from ..messages import GetStats, Ping, Place, Register, ReportLost, RunStep
+from ..messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
 from ..plan import Plan, plan_from_dict
 from ..planners import get_planner
 from ..planning.pinning import state_homes
@@ -66,20 +66,26 @@ class Placed:
 class StepResult:
     tokens: list[int]
     seconds: float
+    logprobs: list[float] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     spans: list = field(default_factory=list)
 
 
 class Runtime:
-    def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None]) -> None:
+    def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
+                 trace=None) -> None:
+        """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
+        records every step (None: no tracing)."""
         self.cfg, self.served, self.on_lost = cfg, served, on_lost
+        self.trace = trace
         self.generation = 0
         self.placed: dict[str, Placed] = {}
         self.lost: set[str] = set()
         self.cluster: LocalCluster | None = None
         self.system: ActorSystem | None = None
         self._watchers: list[asyncio.Task] = []
-        self.switches = 0
+        self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
+        self.since = time.monotonic()          # when the current placement started
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -87,7 +93,10 @@ class Runtime:
         self.system = ActorSystem("engine")
         address = await self.system.listen("tcp://127.0.0.1:0")
         await self.system.spawn(GraphActor(self.served.graphs), "graph")
-        await self.system.spawn(SchedulerActor(get_planner(cfg.planner), self.served.values,
+        costs = {}
+        if cfg.profile and not cfg.nodes:
+            costs = await asyncio.to_thread(self.profile_reference)
+        await self.system.spawn(SchedulerActor(get_planner(cfg.planner, costs=costs), self.served.values,
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
         if cfg.nodes:
@@ -98,7 +107,7 @@ class Runtime:
                 if time.monotonic() > deadline:
                     raise EngineDead("node processes did not register within 60 s")
                 await asyncio.sleep(0.02)
-            for node in self.cluster.nodes:
+            for node in self.cluster.nodes if cfg.watch_processes else ():
                 self._watchers.append(asyncio.get_running_loop().create_task(self._watch_exit(node)))
         else:
             specs = parse_devices(cfg.devices)
@@ -106,6 +115,8 @@ class Runtime:
             for i, spec in enumerate(specs):
                 await self.system.spawn(DeviceActor(spec), f"device{i}")
             await sched.ask(Register("local", address, [s.name for s in specs]))
+            # in-process devices live as long as this process: keep their registration fresh
+            self._watchers.append(asyncio.get_running_loop().create_task(self._beat_local(sched)))
         await self.place_all()
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
@@ -116,6 +127,25 @@ class Runtime:
             await self.cluster.stop()
         if self.system is not None:
             await self.system.shutdown()
+
+    def profile_reference(self) -> dict:
+        """Measured per-kernel times of the reference bucket on every
+        in-process device (and measured links between them), keyed for the
+        planner (``planners.graph_key``).  Blocking."""
+        from actors.backends.base import backend_for
+        from ..planners import graph_key
+        from ..planning.costs import CostTable
+        from ..profile import measured_links, profile_kernels
+        from .deploy import bucket_inputs
+        name = self.reference_bucket()
+        graph, values = self.served.graphs[name], self.served.values[name]
+        specs = [s.name for s in parse_devices(self.cfg.devices)]
+        backends = [backend_for(s) for s in specs]
+        profiles = [profile_kernels(graph, values, bucket_inputs(self.served.buckets[name], be.device), be)
+                    for be in backends]
+        self.profiles = profiles
+        links = measured_links(backends) if len(backends) > 1 else None
+        return {graph_key(graph): CostTable.from_profiles(graph, specs, profiles, links)}
 
     # -- placement ----------------------------------------------------------
     def reference_bucket(self) -> str:
@@ -141,6 +171,8 @@ class Runtime:
             if name != ref_name:
                 placed[name] = await self._place(name, pins)
         self.placed = placed
+        self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
+        self.since = time.monotonic()
         log.info("placed %d buckets (generation %d): %s", len(placed), self.generation, ref.plan.name)
 
     async def replace(self, lost: list[str]) -> None:
@@ -159,14 +191,16 @@ class Runtime:
         return await self.system.remote_ref(endpoint, name)
 
     # -- steps ----------------------------------------------------------------
-    async def step(self, bucket: str, inputs: dict, sample: list) -> StepResult:
+    async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = ()) -> StepResult:
         p = self.placed.get(bucket)
         if p is None:
             raise StepFailed(f"bucket {bucket} is not placed (re-placement in progress)")
         step = p.steps
         p.steps += 1
         t0 = time.perf_counter()
-        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False),
+        wall = time.time()
+        traced = self.trace is not None
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False, traced),
                         timeout=self.cfg.step_timeout)
                 for d, ref in enumerate(p.refs)]
         results = await asyncio.gather(*asks, return_exceptions=True)
@@ -174,10 +208,17 @@ class Runtime:
             if isinstance(r, BaseException):
                 raise StepFailed(f"{bucket} step {step}: device {d} ({p.plan.devices[d]}) failed: "
                                  f"{type(r).__name__}: {r}") from r
-        tokens = next((r.tokens for r in results if r.tokens), [])
+        if traced:
+            self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
+                            [r.spans for r in results])
+        for d, r in enumerate(results):
+            self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
+        holder = next((r for r in results if r.tokens), None)
+        tokens = holder.tokens if holder else []
         if sample and len(tokens) != len(sample):
             raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {len(sample)} sampled rows")
-        return StepResult(tokens, time.perf_counter() - t0, [r.busy_s for r in results])
+        return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
+                          [r.busy_s for r in results])
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:
@@ -202,6 +243,13 @@ class Runtime:
             dead = [ep for ep, ok in zip(eps, alive) if not ok and ep not in self.lost]
             if dead:
                 self.on_lost(dead)
+
+    async def _beat_local(self, sched: ActorRef) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            seq += 1
+            await sched.tell(Heartbeat("local", seq))
 
     async def _watch_exit(self, node) -> None:
         await node.proc.wait()

@@ -10,7 +10,10 @@ probability reaches ``top_p``, and the token is the inverse-CDF draw of one
 uniform number.  That number depends only on ``(seed, index)`` - ``index``
 is the token's position in the request's output - so a seeded request gets
 the same tokens whatever else shares its batch and whichever device
-samples.  One host read for the whole batch (the ids).
+samples.  :func:`sample_with_logprobs` also gives each drawn token's log
+probability under the unmodified distribution (``log_softmax`` of the
+logits), the number a client can compare bitwise across placements.  One
+host read for the whole batch.
 """
 from __future__ import annotations
 
@@ -49,8 +52,13 @@ def _draw(x: torch.Tensor, temperature: float, top_p: float, top_k: int, u: floa
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[Sequence]) -> list[int]:
     """One token id per entry of ``rows`` (module docstring)."""
+    return sample_with_logprobs(logits, rows)[0]
+
+
+def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[list[int], list[float]]:
+    """(token ids, their log probabilities), one per entry of ``rows``."""
     if not rows:
-        return []
+        return [], []
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
     picks = []
@@ -66,5 +74,9 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[Sequence]) -> list[int]:
         if out[i] is None:
             x = logits[int(row), int(col)].float()
             out[i] = _draw(x, float(temperature), float(top_p), int(top_k), uniform(int(seed), int(index)))
-    picks = torch.stack([t.reshape(()) for t in out]).tolist()   # the one host read
-    return [int(t) for t in picks]
+    ids = torch.stack([t.reshape(()) for t in out])
+    idx_r = torch.tensor([int(r[0]) for r in rows], device=logits.device)
+    idx_c = torch.tensor([int(r[1]) for r in rows], device=logits.device)
+    chosen = torch.log_softmax(logits[idx_r, idx_c].float(), dim=-1).gather(1, ids.view(-1, 1)).view(-1)
+    both = torch.stack([ids.to(torch.float64), chosen.to(torch.float64)]).cpu()   # the one host read
+    return [int(t) for t in both[0].tolist()], both[1].tolist()

@@ -91,14 +91,18 @@ def check_messages(messages: Any) -> None:
 
 class Detokenizer:
     """Text deltas of a growing id list: whole characters only, stop strings
-    cut (see the module docstring)."""
+    cut (see the module docstring).  Each push decodes only a short window
+    of ids (from the last emitted boundary on), so a token costs O(1)."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tok = tokenizer
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
-        self.sent = 0          # characters of the decoded text already emitted
+        self.prefix = 0        # ids[prefix:read] decode to the last emitted piece's context
+        self.read = 0
+        self.text = ""         # all decoded text so far (whole characters)
+        self.sent = 0          # characters of ``text`` already emitted
         self.stopped = False
 
     def push(self, ids: Sequence[int], final: bool = False) -> str:
@@ -107,9 +111,13 @@ class Detokenizer:
         if self.stopped:
             return ""
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd") and not final:
-            text = text[:-1].rstrip("\ufffd")   # an incomplete UTF-8 sequence: wait for its bytes
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        after = self.tok.decode(self.ids[self.prefix:])
+        if not after.endswith("\ufffd") or final:
+            new = after[len(before):] if after.startswith(before) else after
+            self.text += new.rstrip("\ufffd") if not final else new
+            self.prefix, self.read = self.read, len(self.ids)
+        text = self.text
         for s in self.stop:
             at = text.find(s, max(0, self.sent - len(s) + 1))
             if at >= 0:

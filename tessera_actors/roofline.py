@@ -1,0 +1,285 @@
+"""``tessera bench roofline``: how close a tessera step on one GPU is to the
+physical limit (a GPU program; prints a table, writes JSON).
+
+For each reference model (real layer shapes, ``--layers`` layers, random
+weights) and each case - decode (``--batch`` rows, ``--cache``-token KV
+cache, writing near its end) and prefill (1 x ``--prompt`` tokens); the
+diffusion transformer has no decode/prefill, so its cases are denoise at
+batch ``--batch`` and 1, named so - three numbers:
+
+* **tessera**: the captured graph (inductor kernels, default regions) placed
+  on one device and run by the product's executor
+  (:class:`~tessera_actors.pipeline.PipelinedExecutor`, segments replayed
+  as CUDA graphs): mean seconds per step;
+* **compile**: the same model under ``torch.compile(mode="reduce-overhead")``
+  (built afresh, same seed): mean seconds per step;
+* **floor**: ``max(bytes / bandwidth, flops / gemm_rate)``, where ``bytes``
+  is what the step's kernels must move - every weight and state byte range
+  they read plus every state/output range they write, from the captured
+  graph's access sets - at the copy bandwidth measured here (read + write
+  bytes of a 1 GiB device copy), and ``flops`` is counted by
+  ``torch.utils.flop_counter`` on the eager model, at the bf16 GEMM rate
+  measured here (8192^3).
+
+Ratios: ``tessera / compile`` (overhead of the product's path) and
+``floor / tessera`` (fraction of the physical limit reached).  Runs split by
+``--models`` (GPU time limits) into one ``--out`` folder of the same commit
+and ``--gqa`` add up to one ``roofline.json``.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+MODELS = ("llama", "moe", "mamba2", "vlm", "dit")
+
+
+@dataclass
+class RooflineConfig:
+    models: tuple[str, ...] = MODELS
+    layers: int = 4
+    batch: int = 64
+    cache: int = 2048
+    prompt: int = 1024
+    dtype: str = "bfloat16"
+    steps: int = 20
+    device: str = "cuda:0"
+    out: str = "benchmarks/results/roofline"
+    gqa: str = "fold"          # CachedAttention.gqa of the attention models: fold | enable_gqa
+
+
+def measured_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read and written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
+
+
+def measured_gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in ``dtype``."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2.0 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tuple[Callable[[], Any], str]:
+    """(factory of (model, inputs), case label) for ``case`` in decode | prefill."""
+    from . import models
+    from .models.llama import LlamaConfig
+    dtype = getattr(torch, cfg.dtype)
+    if name == "dit":
+        batch = cfg.batch if case == "decode" else 1
+        label = f"denoise b{batch}"
+        kw = dict(depth=cfg.layers)
+        kind, seq, pos = "denoise", 1, 0
+    else:
+        batch, seq = (cfg.batch, 1) if case == "decode" else (1, cfg.prompt)
+        label = f"decode b{batch} c{cfg.cache}" if case == "decode" else f"prefill 1x{cfg.prompt}"
+        pos = cfg.cache - 2 if case == "decode" else 0
+        kind = case
+        if name == "vlm":
+            kw = dict(vis_layers=cfg.layers, text=LlamaConfig.llama_2_7b(n_layers=cfg.layers, max_batch=batch,
+                                                                         max_seq=cfg.cache + 1024))
+        elif name == "mamba2":
+            kw = dict(n_layers=cfg.layers, max_batch=batch)
+        else:
+            kw = dict(n_layers=cfg.layers, max_batch=batch, max_seq=max(cfg.cache, seq))
+
+    def make():
+        from .models.attention import CachedAttention
+        model = models.get(name, "real", dtype=dtype, seed=0, device=device, **kw)
+        for mod in model.modules():
+            if isinstance(mod, CachedAttention):
+                mod.gqa = cfg.gqa
+        inputs = model.example_inputs(kind, batch=batch, seq=seq, pos=pos)
+        return model, {k: v.to(device) for k, v in inputs.items()}
+    return make, label
+
+
+def step_bytes(graph) -> int:
+    """Bytes the step's kernels must move: the union of weight/state ranges
+    read plus state/output ranges written (temporaries excluded: an ideal
+    fused step keeps them on chip)."""
+    from .graph import _merge
+    read: dict[int, list[tuple[int, int]]] = {}
+    written: dict[int, list[tuple[int, int]]] = {}
+    for k in graph.kernels:
+        for a in k.accesses:
+            role = graph.buffers[a.buffer].role
+            if "r" in a.mode and role in ("weight", "state"):
+                read.setdefault(a.buffer, []).append((a.start, a.end))
+            if "w" in a.mode and role in ("state", "output"):
+                written.setdefault(a.buffer, []).append((a.start, a.end))
+    return sum(e - s for ranges in list(read.values()) + list(written.values()) for s, e in _merge(ranges))
+
+
+def _sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:
+    """q @ k^T and p @ v of attention, any head grouping (q [B, Hq, T, d])."""
+    b, h, t, d = q
+    return 2 * b * h * t * k[-2] * d + 2 * b * h * t * k[-2] * v[-1]
+
+
+def _grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """Rows of ``a`` [M, K] each multiplied by one expert matrix of ``b`` [E, K, N]."""
+    return 2 * a[0] * a[1] * b[-1]
+
+
+def step_flops(model: torch.nn.Module, inputs: dict[str, Any]) -> float:
+    """FLOPs of one eager step (torch's flop counter, with GQA-aware attention
+    and grouped-GEMM formulas: torch's own count neither)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    aten = torch.ops.aten
+    mapping = {getattr(aten, n): _sdpa_flops for n in (  # keyed by op packet, as the counter looks up
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+        if hasattr(aten, n)}
+    mapping[aten._grouped_mm] = _grouped_mm_flops
+    counter = FlopCounterMode(display=False, custom_mapping=mapping)
+    with torch.no_grad(), counter:
+        model(**inputs)
+    return float(counter.get_total_flops())
+
+
+def tessera_step(model, inputs, steps: int, device: str) -> tuple[float, Any]:
+    """Seconds per step of the inductor capture on one device through the
+    product's executor (CUDA graphs), and the capture's graph."""
+    from actors.backends.base import backend_for
+    from actors.backends.triton import TritonProgram
+    from .capture.inductor import capture_inductor
+    from .pipeline import PipelinedExecutor
+    from .plan import single_device_plan
+    res = capture_inductor(model, inputs)
+    plan = single_device_plan(res.graph, device)
+    ex = PipelinedExecutor(res.graph, plan, res.values, [backend_for(device)], program_cls=TritonProgram)
+    ex.enqueue([inputs])
+    seconds = ex.time_steps(steps)
+    del ex
+    return seconds, res.graph
+
+
+def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: float) -> dict[str, Any]:
+    from .arena import compiled_baseline
+    device = torch.device(cfg.device)
+    make, label = build(name, case, cfg, device)
+    model, inputs = make()
+    flops = step_flops(model, inputs)
+    if hasattr(model, "reset_state"):
+        model.reset_state()
+    t_tessera, graph = tessera_step(model, inputs, cfg.steps, cfg.device)
+    nbytes = step_bytes(graph)
+    regions = graph.meta.get("regions")
+    del model, graph
+    gc.collect()
+    torch.cuda.empty_cache()
+    import torch._dynamo
+    torch._dynamo.reset()
+    model, inputs = make()
+    t_compile = compiled_baseline(model, inputs, cfg.steps)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    floor = max(nbytes / bandwidth, flops / gemm)
+    row = {"model": name, "case": label, "tessera_us": t_tessera * 1e6, "compile_us": t_compile * 1e6,
+           "floor_us": floor * 1e6, "bytes": nbytes, "flops": flops, "bytes_floor_us": nbytes / bandwidth * 1e6,
+           "flops_floor_us": flops / gemm * 1e6, "tessera_over_compile": t_tessera / t_compile,
+           "floor_fraction": floor / t_tessera, "regions": regions, "gqa": cfg.gqa}
+    print(f"  {name:<7} {label:<20} tessera {row['tessera_us']:9.0f} us  compile {row['compile_us']:9.0f} us  "
+          f"floor {row['floor_us']:9.0f} us", flush=True)
+    return row
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'model':<7} {'case':<20} {'tessera us':>11} {'compile us':>11} {'floor us':>9} "
+            f"{'GB':>7} {'TFLOP':>7} {'t/compile':>9} {'floor/t':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['model']:<7} {r['case']:<20} error: {r['error'][:80]}")
+            continue
+        lines.append(f"{r['model']:<7} {r['case']:<20} {r['tessera_us']:>11.0f} {r['compile_us']:>11.0f} "
+                     f"{r['floor_us']:>9.0f} {r['bytes'] / 1e9:>7.2f} {r['flops'] / 1e12:>7.2f} "
+                     f"{r['tessera_over_compile']:>9.3f} {r['floor_fraction']:>8.3f}")
+    return "\n".join(lines)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def add_arguments(b) -> None:
+    d = RooflineConfig()
+    b.add_argument("--models", default=",".join(d.models))
+    for name in ("layers", "batch", "cache", "prompt", "steps"):
+        b.add_argument(f"--{name}", type=int, default=getattr(d, name))
+    b.add_argument("--dtype", default=d.dtype)
+    b.add_argument("--device", default=d.device)
+    b.add_argument("--out", default=d.out)
+    b.add_argument("--gqa", default=d.gqa, choices=["fold", "enable_gqa"], help="attention's GQA form")
+
+
+def main(args) -> int:
+    run_roofline(RooflineConfig(tuple(args.models.split(",")), args.layers, args.batch, args.cache, args.prompt,
+                                args.dtype, args.steps, args.device, args.out, args.gqa))
+    return 0
+
+
+def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
+    if not torch.cuda.is_available():
+        raise RuntimeError("tessera bench roofline measures a GPU: no CUDA device is visible")
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    bandwidth, gemm = measured_bandwidth(device), measured_gemm_rate(device, dtype)
+    print(f"measured on {torch.cuda.get_device_name(device)}: copy {bandwidth / 1e12:.2f} TB/s, "
+          f"{cfg.dtype} GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"commit": _git_commit(), "command": sys.argv, "gpu": torch.cuda.get_device_name(device),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "config": asdict(cfg), "bandwidth_Bps": bandwidth, "gemm_flops": gemm}
+    path = out / "roofline.json"
+    rows: list[dict[str, Any]] = []
+    if path.exists():  # runs split by model (GPU time limits) add up to one table of the same commit
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = {}
+        same = old.get("meta", {}).get("commit") == meta["commit"] and old["meta"].get("config", {}).get("gqa") == cfg.gqa
+        if same:
+            rows = [r for r in old.get("rows", []) if r.get("model") not in cfg.models]
+            meta["runs"] = old["meta"].get("runs", [old["meta"]["command"]]) + [meta["command"]]
+    for name in cfg.models:
+        for case in ("decode", "prefill"):
+            try:
+                rows.append(run_case(name, case, cfg, bandwidth, gemm))
+            except Exception as e:  # one model failing must not lose the others' numbers
+                rows.append({"model": name, "case": case, "error": f"{type(e).__name__}: {e}"})
+                print(f"  {name} {case}: {rows[-1]['error']}", flush=True)
+            path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    print(format_table(rows))
+    print(f"wrote {path}")
+    return rows

@@ -1,0 +1,34 @@
+"""The serving engine on a GPU (run on the device machine: pytest -m gpu)."""
+import asyncio
+
+import pytest
+import torch
+
+from tessera_actors import AsyncEngine, SamplingParams
+
+pytestmark = pytest.mark.gpu
+CFG = dict(model="llama", size="tiny", max_model_len=64, max_seqs=8, decode_buckets=(1, 2, 4, 8),
+           prefill_buckets=(4, 16))
+PROMPTS = [[i + 1, 2 * i + 3, 7, 11 + i] for i in range(8)]
+
+
+async def _run(eng, params):
+    async def one(p):
+        toks = []
+        async for o in eng.generate(p, params):
+            toks += o.token_ids
+        return toks
+    return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_split_over_two_partitions_gives_the_single_gpu_tokens():
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    async with AsyncEngine(devices="cuda:0", **CFG) as one:
+        ref, ref_s = await _run(one, greedy), await _run(one, seeded)
+    async with AsyncEngine(devices="cuda:0,cuda:0?sms=32", **CFG) as two:
+        got, got_s = await _run(two, greedy), await _run(two, seeded)
+        assert min(two.stats()["placement"]["kernels_per_device"]) > 0
+    assert got == ref
+    assert got_s == ref_s
