@@ -310,6 +310,7 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
             seq_kw = dict(kw, max_seqs=1, decode_buckets=(1,), prefill_buckets=(1,), mode="latency")
             seq_kw.pop("trace_dir", None)
             async with AsyncEngine(**seq_kw) as seq:
+                await warm_up(EngineClient(seq), prompts, a.warmup)
                 base = await replay(trace, prompts, EngineClient(seq))
             records = {SEQUENTIAL: base, **records}
             kw = {"engine": kw, "sequential": seq_kw}
