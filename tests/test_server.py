@@ -8,6 +8,8 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -228,7 +230,7 @@ def _wait_for(pred, timeout: float = 60.0, what: str = "condition"):
         value = pred()
         if value:
             return value
-        time.sleep(0.05)
+        time.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -250,6 +252,20 @@ def test_client_disconnect_aborts_request(server, client):
     assert stats["engine"]["slots_in_use"] == 0      # the KV slot was freed
     r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)   # and it serves again
     assert r.usage.completion_tokens >= 1
+
+
+def test_client_disconnect_aborts_a_whole_reply_request(server):
+    aborted0 = total(metrics(server), "tessera_requests_finished_total", finish_reason="abort")
+    u = urlsplit(server.url)
+    body = json.dumps({**OK_CHAT, "max_tokens": 400, "ignore_eos": True}).encode()
+    with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        _wait_for(lambda: json.loads(request(server, "GET", "/v1/tessera/stats")[2])["server"]["in_flight"] == 1,
+                  what="the request to be in flight")
+    _wait_for(lambda: total(metrics(server), "tessera_requests_finished_total", finish_reason="abort") > aborted0,
+              what="the abort to be counted")
+    assert json.loads(request(server, "GET", "/v1/tessera/stats")[2])["engine"]["slots_in_use"] == 0
 
 
 def test_full_queue_is_429(server):
@@ -304,6 +320,35 @@ def test_bench_serve_against_the_server(server, tmp_path, capsys):
     assert doc["provenance"]["git_commit"] and doc["provenance"]["command"] and doc["provenance"]["machine"]["cpus"]
     assert doc["config"]["requests"] == 4 and doc["config"]["url"] == server.url
     assert "output tok/s" in table and "TPOT p99 ms" in table
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_health_is_503_while_a_node_is_lost():
+    """Two node processes; one is killed mid-stream: /health answers 503 until the
+    engine has re-placed on the survivor, then 200, and the streamed reply completes."""
+    with ServerProcess("--model", MODEL, "--size", "tiny", "--nodes", "cpu;cpu", "--max-model-len", "512") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        nodes = _children(srv.proc.pid)
+        assert len(nodes) == 2, nodes
+        stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        parts = iter(stream)
+        text = next(parts).choices[0].text              # streaming has begun
+        os.kill(nodes[1], signal.SIGKILL)
+
+        def unhealthy():
+            status, _, body = request(srv, "GET", "/health", auth=False)
+            return json.loads(body) if status == 503 else None
+        assert _wait_for(unhealthy, what="/health to report the loss")["status"] == "unhealthy"
+        text += "".join(p.choices[0].text for p in parts)    # the reply goes on after re-placement
+        assert request(srv, "GET", "/health", auth=False)[0] == 200
+        assert len(json.loads(request(srv, "GET", "/health", auth=False)[2])["lost"]) == 1
+        r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
+        assert r.usage.completion_tokens >= 1 and text
 
 
 def test_device_busy_fraction(server, client):
