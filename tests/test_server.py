@@ -26,7 +26,7 @@ from tessera_actors.serving.testing import ServerProcess  # noqa: E402
 KEY = "test-key-123"
 MAX_BODY = 65536
 MODEL = "smollm2"
-SERVE_ARGS = ["--model", MODEL, "--size", "tiny", "--devices", "cpu,cpu", "--max-seqs", "2", "--max-queue", "2",
+SERVE_ARGS = ["--model", MODEL, "--size", "tiny", "--devices", "cpu,cpu", "--max-seqs", "2", "--max-queue", "4",
               "--max-model-len", "512", "--api-key", KEY, "--max-body", str(MAX_BODY)]
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -269,10 +269,10 @@ def test_client_disconnect_aborts_a_whole_reply_request(server):
 
 
 def test_full_queue_is_429(server):
-    # two KV slots, two waiting places: of seven long requests at once, at least one is refused with 429
-    body = json.dumps({**OK_CHAT, "max_tokens": 200, "ignore_eos": True}).encode()
-    with concurrent.futures.ThreadPoolExecutor(7) as pool:
-        results = list(pool.map(lambda _: request(server, "POST", CHAT, body), range(7)))
+    # two KV slots, four waiting places: of ten long requests at once, some are refused with 429
+    body = json.dumps({**OK_CHAT, "max_tokens": 60, "ignore_eos": True}).encode()
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(lambda _: request(server, "POST", CHAT, body), range(10)))
     statuses = sorted(r[0] for r in results)
     assert 429 in statuses and 200 in statuses, statuses
     err = json.loads(next(r[2] for r in results if r[0] == 429))["error"]
@@ -308,14 +308,15 @@ def test_metrics_and_placement(server, client):
 
 def test_bench_serve_against_the_server(server, tmp_path, capsys):
     from tessera_actors.cli import main
-    # 4 requests: never more than the server's 2 slots + 2 waiting places, so none is refused
+    # 4 requests: fewer than the server's 4 waiting places, so none is refused
     rc = main(["bench", "serve", "--url", server.url, "--api-key", KEY, "--requests", "4", "--rate", "20",
                "--prompt-tokens", "20-60", "--output-tokens", "4-8", "--out", str(tmp_path), "--name", "b"])
     table = capsys.readouterr().out
     assert rc == 0, table
     doc = json.loads((tmp_path / "b.json").read_text())
     s = doc["summary"]["http"]
-    assert s["finished"] == 4 and s["output_tokens"] == sum(r["target_output_tokens"] for r in doc["records"]["http"])
+    assert s["finished"] == 4, s["errors"]
+    assert s["output_tokens"] == sum(r["target_output_tokens"] for r in doc["records"]["http"])
     assert s["prompt_tokens_exact"] == 4            # prompts built to the server's own token counts
     assert doc["provenance"]["git_commit"] and doc["provenance"]["command"] and doc["provenance"]["machine"]["cpus"]
     assert doc["config"]["requests"] == 4 and doc["config"]["url"] == server.url
