@@ -47,6 +47,7 @@ from actors.backends.aten import AtenProgram, BackendError
 from actors.chunks import sub_ranges
 from actors.inbox import Inbox
 from actors.segments import SegmentRunner, graphs_from_env, program_class
+from actors.streaming import program_for, streamed_buffers
 from tessera_actors.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
@@ -124,7 +125,8 @@ class DeviceActor(Actor):
         if self.runner is None:
             raise BackendError(f"{self.spec.name}: device could not be opened: {self.open_error}")
         cls = program_class(graph)
-        keys = self._share_keys(graph, plan.resident[d], msg.share)
+        streamed = set(streamed_buffers(plan, d))   # homed in host memory: not shared device tensors
+        keys = self._share_keys(graph, [b for b in plan.resident[d] if b not in streamed], msg.share)
 
         def build() -> AtenProgram:
             shared = {}
@@ -134,7 +136,7 @@ class DeviceActor(Actor):
                     t = self.shared[key] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8,
                                                        device=self.runner.device)
                 shared[b] = t
-            prog = cls(graph, self.runner.device, plan.resident[d], memory_limit=self.spec.mem, shared=shared)
+            prog = program_for(cls, graph, plan, d, self.runner, self.spec.mem, shared, self.spec.slow)
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)

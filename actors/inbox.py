@@ -10,8 +10,12 @@ the receive at once; silence for ``timeout`` seconds fails it too.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Callable
+
+
+log = logging.getLogger("tessera_actors.inbox")
 
 
 class TransferFailed(RuntimeError):
@@ -19,8 +23,16 @@ class TransferFailed(RuntimeError):
 
 
 class Inbox:
-    def __init__(self) -> None:
+    """``max_early`` transfers may wait for a step that has not asked for
+    them yet, each at most ``ttl`` seconds: chunks for steps that never come
+    (a peer's stray or hostile ``Deliver``) are dropped, logged, instead of
+    piling up.  A dropped transfer that was real fails its step by timeout."""
+
+    def __init__(self, max_early: int = 4096, ttl: float = 300.0) -> None:
         self._queues: dict[tuple[int, int], asyncio.Queue] = {}
+        self._early: dict[tuple[int, int], float] = {}   # key -> when its first chunk came, unclaimed
+        self.max_early, self.ttl = max_early, ttl
+        self.dropped = 0
 
     def _queue(self, step: int, tag: int) -> asyncio.Queue:
         q = self._queues.get((step, tag))
@@ -30,7 +42,30 @@ class Inbox:
 
     def put(self, step: int, tag: int, offset: int, data: Any, error: str = "") -> None:
         """One chunk (``offset`` into the transfer's byte stream) or an error."""
+        key = (step, tag)
+        if key not in self._queues:
+            self._expire()
+            if len(self._early) >= self.max_early:
+                self.dropped += 1
+                log.warning("inbox full (%d early transfers): dropped transfer %d of step %d", self.max_early,
+                            tag, step)
+                return
+            self._early[key] = time.monotonic()
         self._queue(step, tag).put_nowait((offset, data, error))
+
+    def _expire(self) -> None:
+        """Drop the early transfers older than ``ttl`` (oldest first; amortised O(1))."""
+        limit = time.monotonic() - self.ttl
+        early = self._early
+        while early:
+            key, born = next(iter(early.items()))
+            if born >= limit:
+                return
+            del early[key]
+            self._queues.pop(key, None)
+            self.dropped += 1
+            log.warning("dropped transfer %d of step %d: its step did not come within %g s", key[1], key[0],
+                        self.ttl)
 
     def pending(self) -> int:
         """Transfers with chunks waiting for their step."""
@@ -43,6 +78,7 @@ class Inbox:
         through ``write(offset, data)``; returns the seconds spent waiting for
         bytes (not writing).  ``what`` names the transfer in errors."""
         q = self._queue(step, tag)
+        self._early.pop((step, tag), None)   # claimed: no longer subject to the early-transfer bounds
         got, waited = 0, 0.0
         try:
             while True:

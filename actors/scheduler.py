@@ -1,9 +1,13 @@
 """The scheduler actor: knows the nodes and their devices, plans placements
 and sends them out as placement messages.
 
-* Nodes ``Register`` (reply ``Registered``) and ``Heartbeat``; a node silent
-  for ``heartbeat_timeout`` seconds is considered lost (reported in
-  ``Stats``; plans that used it must be re-placed).
+* Nodes ``Register`` (reply ``Registered``) and heartbeat to the
+  scheduler's ``LeaseActor`` (``actors/lease.py``); a node silent for
+  ``heartbeat_timeout`` seconds is considered lost (reported in ``Stats``;
+  plans that used it must be re-placed).  A node registering under the
+  name of a lost one (restarted) takes its place: same devices, same
+  inventory slots; a name held by a live node (one that still answers
+  ``Describe`` at its endpoint within 1 s) is refused.
 * The device inventory is the registered devices in registration order; a
   plan's device ``i`` is inventory entry ``i``.
 * ``Place`` asks the graph actor for the graph, runs the planner (in a
@@ -27,10 +31,13 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
 from tessera_actors.actor import Actor, ActorRef, handler
+from tessera_actors.errors import ActorDead, ActorError
 from tessera_actors.graph import KernelGraph
-from tessera_actors.messages import (Deploy, Deployment, GetGraph, GetStats, Heartbeat, InstallPlan, LoadValues,
-                                     Ok, Place, Register, Registered, ReportLost, Routes, Stats, Uninstall)
+from tessera_actors.messages import (Deploy, Deployment, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
+                                     LoadValues, Ok, Place, Register, Registered, ReportLost, Routes, Stats,
+                                     Uninstall)
 from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_from_dict, plan_to_dict
 from tessera_actors.planning.pinning import pinned_assignment, respects
 
@@ -65,31 +72,59 @@ class SchedulerActor(Actor):
         self.plans: dict[str, Plan] = {}
         self.routes: dict[str, list] = {}
         self.reported_lost: set[str] = set()   # node names reported dead by an engine
+        self.leases = Leases()   # renewed by this scheduler's LeaseActor
+
+    async def on_start(self) -> None:
+        await self.system.spawn(LeaseActor(self.leases), self.name + LEASE_SUFFIX)
+
+    async def on_stop(self) -> None:
+        try:
+            await self.system.ref(self.name + LEASE_SUFFIX).stop()
+        except ActorDead:
+            pass
 
     @handler(Register)
-    def register(self, msg: Register) -> Registered:
+    async def register(self, msg: Register) -> Registered:
         old = self.nodes.get(msg.node)
-        if old is not None and (old.endpoint, old.devices) == (msg.endpoint, list(msg.devices)):
-            old.last_seen = time.monotonic()
+        devices = list(msg.devices)
+        if old is not None and (old.endpoint, old.devices) == (msg.endpoint, devices):
+            self.leases.grant(msg.node)
             return Registered(msg.node, old.first)
         if old is not None:
-            raise ValueError(f"node {msg.node!r} is already registered at {old.endpoint}")
-        node = _Node(msg.node, msg.endpoint, list(msg.devices), len(self.inventory), time.monotonic())
+            if msg.node not in self.lost_nodes() and await self._answers(old.endpoint, msg.pid):
+                raise ValueError(f"node {msg.node!r} is already registered at {old.endpoint} and alive")
+            if old.devices != devices:
+                raise ValueError(f"node {msg.node!r} rejoins with devices {devices}, it had {old.devices}: "
+                                 f"use another name")
+            log.warning("node %s rejoins at %s (was %s, lost)", msg.node, msg.endpoint, old.endpoint)
+            old.endpoint, old.last_seen = msg.endpoint, time.monotonic()
+            self.reported_lost.discard(msg.node)
+            self.leases.grant(msg.node)
+            return Registered(msg.node, old.first)
+        node = _Node(msg.node, msg.endpoint, devices, len(self.inventory), time.monotonic())
         self.nodes[msg.node] = node
         self.inventory += [(msg.node, i, d) for i, d in enumerate(msg.devices)]
+        self.leases.grant(msg.node)
         log.info("node %s at %s registered devices %s", msg.node, msg.endpoint, msg.devices)
         return Registered(msg.node, node.first)
 
     @handler(Heartbeat)
     def heartbeat(self, msg: Heartbeat) -> None:
-        node = self.nodes.get(msg.node)
-        if node is not None:
-            node.last_seen = time.monotonic()
+        """Heartbeats told here (older nodes, in-process devices) renew a
+        registered node's lease; others are ignored (nodes ask ``LeaseActor``)."""
+        self.leases.renew(msg.node)
+
+    async def _answers(self, endpoint: str, new_pid: int, timeout: float = 1.0) -> bool:
+        """Whether another process than ``new_pid`` still serves a node at ``endpoint``."""
+        try:
+            info = await (await self._ref(endpoint, "node")).ask(Describe(), timeout=timeout)
+        except ActorError:
+            return False
+        return getattr(info, "pid", None) != new_pid
 
     def lost_nodes(self) -> list[str]:
-        now = time.monotonic()
         return [n.name for n in self.nodes.values()
-                if n.name in self.reported_lost or now - n.last_seen > self.heartbeat_timeout]
+                if n.name in self.reported_lost or self.leases.age(n.name) > self.heartbeat_timeout]
 
     @handler(ReportLost)
     async def report_lost(self, msg: ReportLost) -> Ok:
@@ -113,7 +148,8 @@ class SchedulerActor(Actor):
 
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:
-        return Stats({"nodes": list(self.nodes), "devices": [d for _, _, d in self.inventory],
+        return Stats({"nodes": list(self.nodes), "endpoints": {n.name: n.endpoint for n in self.nodes.values()},
+                      "devices": [d for _, _, d in self.inventory],
                       "lost": self.lost_nodes(), "plans": list(self.plans)})
 
     def _values(self, graph: str) -> dict:

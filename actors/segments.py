@@ -96,7 +96,7 @@ class SegmentRunner:
             # a partition's Triton kernels load into its green context at their first launch
             with self.backend.scope(), self._on(self.compute):
                 chunk()
-        if not self.graphs or key not in self._units or key in self._eager_only:
+        if not self.graphs or key not in self._units or key in self._eager_only or not prog.capturable:
             eager()
             self._units.setdefault(key, None)
             self.counts["eager_runs"] += 1

@@ -58,7 +58,9 @@ async def run(a) -> dict:
     await eng.start()
     started = time.perf_counter() - t0
     try:
-        bucket = f"decode:{a.seqs}@0"
+        from tessera_actors.serving.deploy import bucket_name, window_for
+        # the decode bucket the served trace runs at (its attention window covers prompt + output)
+        bucket = bucket_name("decode", a.seqs, 0, window_for(eng.cfg, a.prompt + a.out))
         vocab = eng.served.vocab_size
         ids = torch.randint(0, vocab, (a.seqs, 1))
         pos = torch.full((a.seqs,), a.prompt, dtype=torch.int64)

@@ -7,6 +7,7 @@
   tessera advise     predict tokens/s and tokens/$ of every policy on GPU types we do not have
   tessera node       run a node daemon (same as python -m tessera_actors.node)
   tessera serve      serve a model over the OpenAI API, with a chat page at /
+  tessera keys       create a cluster key directory (CURVE keys; clients allowed by public key)
 """
 from __future__ import annotations
 
@@ -121,6 +122,16 @@ def main(argv: list[str] | None = None) -> int:
     b = bsub.add_parser("roofline", help="one GPU: tessera step vs torch.compile(reduce-overhead) vs the HBM/GEMM floor")
     roofline.add_arguments(b)
     b.set_defaults(fn=roofline.main)
+
+    from . import offload_bench
+    b = bsub.add_parser("offload", help="a model over the GPU budget: kernel-level CPU+GPU placement vs offloading")
+    offload_bench.add_arguments(b)
+    b.set_defaults(fn=offload_bench.main)
+
+    from transport import keys_cli
+    p = sub.add_parser("keys", help="create a cluster key directory (authentication; see README)")
+    keys_cli.add_arguments(p)
+    p.set_defaults(fn=keys_cli.main)
 
     p = sub.add_parser("node", help="run a node daemon", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)

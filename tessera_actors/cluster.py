@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from transport import auth
+from transport.auth import ClusterKeys
+
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -32,8 +35,14 @@ class NodeProcess:
 
 class LocalCluster:
     def __init__(self, devices_per_node: Sequence[str], scheduler: str = "", start_timeout: float = 60.0,
-                 stop_timeout: float = 5.0, log_level: str = "WARNING", node_args: Sequence[str] = ()) -> None:
-        """``node_args`` are passed to every node (e.g. ``["--data-plane", "dist"]``)."""
+                 stop_timeout: float = 5.0, log_level: str = "WARNING", node_args: Sequence[str] = (),
+                 keys: ClusterKeys | None = None, insecure: bool = False) -> None:
+        """``node_args`` are passed to every node (e.g. ``["--data-plane", "dist"]``).  The nodes
+        authenticate with ``keys`` (default: this process's, ``transport.auth.process_keys``),
+        handed to them in their environment, never on the command line; ``insecure`` starts them
+        with ``--insecure``."""
+        self.insecure = insecure
+        self.keys = None if insecure else (keys or auth.process_keys())
         self.specs = list(devices_per_node)
         self.scheduler = scheduler
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
@@ -45,11 +54,17 @@ class LocalCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH", "")]))
         env.setdefault("OMP_NUM_THREADS", "1")
+        for name in (auth.ENV_KEYS, auth.ENV_SECRET_FILE, auth.ENV_SECRET, auth.ENV_INSECURE):
+            env.pop(name, None)
+        if self.keys is not None:
+            env.update(dict(self.keys.env))
         for i, devs in enumerate(self.specs):
             args = [sys.executable, "-m", "tessera_actors.node", "--devices", devs, "--name", f"node{i}",
                     "--log-level", self.log_level]
             if self.scheduler:
                 args += ["--scheduler", self.scheduler]
+            if self.insecure:
+                args.append("--insecure")
             args += self.node_args
             proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.PIPE, env=env)

@@ -11,7 +11,7 @@ from urllib.parse import parse_qsl
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_KEYS = {"sms", "threads", "mem", "price", "label"}
+_KEYS = {"sms", "threads", "mem", "price", "label", "slow"}
 
 
 class DeviceSpecError(ValueError):
@@ -35,6 +35,7 @@ class DeviceSpec:
     mem: int | None = None     # memory budget in bytes enforced by the allocator; None = physical
     price: float = 1.0         # $/hour, for cost efficiency
     label: str = ""
+    slow: float = 1.0          # throttle: every run takes this many times as long (load-aware planning tests)
 
     @classmethod
     def parse(cls, text: str) -> "DeviceSpec":
@@ -51,14 +52,17 @@ class DeviceSpec:
             sms = int(opts["sms"]) if "sms" in opts else None
             threads = int(opts["threads"]) if "threads" in opts else None
             price = float(opts.get("price", 1.0))
+            slow = float(opts.get("slow", 1.0))
         except ValueError as e:
             raise DeviceSpecError(f"device {text!r}: {e}") from e
         if sms is not None and (kind != "cuda" or sms <= 0):
             raise DeviceSpecError(f"device {text!r}: sms= needs a cuda device and a positive count")
         if threads is not None and (kind != "cpu" or threads <= 0):
             raise DeviceSpecError(f"device {text!r}: threads= needs a cpu device and a positive count")
+        if slow < 1.0:
+            raise DeviceSpecError(f"device {text!r}: slow= must be >= 1")
         mem = parse_bytes(opts["mem"]) if "mem" in opts else None
-        return cls(kind, index, sms, threads, mem, price, opts.get("label", ""))
+        return cls(kind, index, sms, threads, mem, price, opts.get("label", ""), slow)
 
     @property
     def name(self) -> str:
@@ -75,6 +79,8 @@ class DeviceSpec:
             opts.append(f"price={self.price:g}")
         if self.label:
             opts.append(f"label={self.label}")
+        if self.slow != 1.0:
+            opts.append(f"slow={self.slow:g}")
         return base + ("?" + "&".join(opts) if opts else "")
 
     def __str__(self) -> str:

@@ -20,6 +20,7 @@ forward pass), WAR and WAW edges are real ordering constraints.
 from __future__ import annotations
 
 import bisect
+import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -293,20 +294,106 @@ class KernelGraph:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KernelGraph":
+        """The graph of a ``to_dict`` value; anything malformed (wrong types,
+        missing fields, dangling buffer ids, ranges outside their buffer) is
+        a ``GraphError`` that says what is wrong."""
+        if not isinstance(d, dict):
+            raise GraphError(f"a graph is a map, got {type(d).__name__}")
         if d.get("version") != FORMAT_VERSION:
             raise GraphError(f"graph format version {d.get('version')!r}, expected {FORMAT_VERSION}")
-        buffers = {b[0]: Buffer(b[0], b[1], b[2], b[3], b[4], tuple(b[5])) for b in d["buffers"]}
-        kernels = [Kernel(k[0], k[1], k[2], tuple(Access(*a) for a in k[3]), k[4], k[5], k[6],
-                          k[7], k[8], k[9], k[10]) for k in d["kernels"]]
-        return cls(kernels, buffers, dict(d["inputs"]), list(d["outputs"]), dict(d["meta"]))
+        try:
+            buffers = {}
+            for b in _records(d, "buffers", 6):
+                _ints(b[0:2], "buffer")
+                buffers[b[0]] = Buffer(b[0], b[1], _str(b[2]), _str(b[3]), _str(b[4]), tuple(_ints(b[5], "shape")))
+            kernels = []
+            for k in _records(d, "kernels", 11):
+                _ints(k[0:1], "kernel id")
+                accesses = []
+                for a in _list(k[3], "accesses"):
+                    if not isinstance(a, list) or len(a) != 4:
+                        raise GraphError(f"kernel {k[0]}: malformed access {a!r}")
+                    buf, start, end, mode = _ints(a[0:3], "access") + [a[3]]
+                    size = buffers[buf].nbytes if buf in buffers else None
+                    if size is None or not 0 <= start <= end <= size:
+                        raise GraphError(f"kernel {k[0]}: access {a!r} outside buffer {buf} ({size} bytes)")
+                    accesses.append(Access(buf, start, end, _str(mode)))
+                kernels.append(Kernel(k[0], _str(k[1]), _str(k[2]), tuple(accesses), bool(k[4]), _num(k[5]),
+                                      _num(k[6]), _str(k[7]), _ints([k[8]], "layer")[0], _str(k[9]), k[10]))
+            inputs, outputs, meta = d["inputs"], _list(d["outputs"], "outputs"), d["meta"]
+            if not isinstance(inputs, dict) or not isinstance(meta, dict):
+                raise GraphError("inputs and meta must be maps")
+            for b in list(inputs.values()) + outputs:
+                if type(b) is not int or b not in buffers:
+                    raise GraphError(f"inputs/outputs name unknown buffer {b!r}")
+            return cls(kernels, buffers, dict(inputs), list(outputs), dict(meta))
+        except GraphError:
+            raise
+        except (KeyError, TypeError, IndexError, ValueError, AttributeError, RecursionError) as e:
+            raise GraphError(f"malformed graph: {type(e).__name__}: {e}") from None
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_bytes(msgpack.packb(self.to_dict(), use_bin_type=True))
+        """Write ``FILE_MAGIC``, the SHA-256 of the body, then the msgpack body."""
+        body = msgpack.packb(self.to_dict(), use_bin_type=True)
+        Path(path).write_bytes(FILE_MAGIC + hashlib.sha256(body).digest() + body)
 
     @classmethod
     def load(cls, path: str | Path) -> "KernelGraph":
+        """Read a graph file; a file whose checksum does not match, or that is
+        not a graph at all, is a ``GraphError`` naming the reason.  Files
+        written before checksums (plain msgpack) still load, validated the same."""
         try:
-            d = msgpack.unpackb(Path(path).read_bytes(), raw=False, strict_map_key=False)
-        except (ValueError, msgpack.ExtraData, msgpack.FormatError) as e:
-            raise GraphError(f"{path}: not a kernel graph file ({e})") from e
-        return cls.from_dict(d)
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise GraphError(f"{path}: cannot read graph file: {e.strerror}") from None
+        if data.startswith(FILE_MAGIC):
+            digest, body = data[len(FILE_MAGIC):len(FILE_MAGIC) + 32], data[len(FILE_MAGIC) + 32:]
+            if hashlib.sha256(body).digest() != digest:
+                raise GraphError(f"{path}: checksum mismatch (the file is corrupt or was modified)")
+        else:
+            body = data
+        try:
+            d = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        except Exception as e:   # msgpack raises many types on garbage
+            raise GraphError(f"{path}: not a kernel graph file ({type(e).__name__}: {e})") from None
+        try:
+            return cls.from_dict(d)
+        except GraphError as e:
+            raise GraphError(f"{path}: {e}") from None
+
+
+FILE_MAGIC = b"TSRAGRPH\x00\x02"   # graph files since checksums: magic + sha256(body) + body
+
+
+def _records(d: dict, key: str, width: int) -> list:
+    rows = _list(d[key], key)
+    for r in rows:
+        if not isinstance(r, list) or len(r) != width:
+            raise GraphError(f"{key}: malformed record {str(r)[:80]} (expected {width} fields)")
+    return rows
+
+
+def _list(v: Any, what: str) -> list:
+    if not isinstance(v, list):
+        raise GraphError(f"{what}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _ints(values: Any, what: str) -> list:
+    values = _list(values, what)
+    for v in values:
+        if type(v) is not int:
+            raise GraphError(f"{what}: expected integers, got {v!r}")
+    return values
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise GraphError(f"expected a string, got {type(v).__name__} {str(v)[:40]}")
+    return v
+
+
+def _num(v: Any) -> float:
+    if type(v) not in (int, float):
+        raise GraphError(f"expected a number, got {v!r}")
+    return v

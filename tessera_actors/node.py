@@ -2,7 +2,9 @@
 
 Hosts the device actors (``device0``, ``device1``, ...) and the transfer
 actor (``transfer``) of one machine, serves them on ``--listen``, registers
-with the scheduler (``--scheduler``) and heartbeats.  ``--data-plane dist``
+with the scheduler (``--scheduler``) and heartbeats; when the scheduler
+answers no heartbeat for ``--lease`` seconds the node exits with status 3,
+and when the scheduler no longer knows it (restarted) it registers again.  ``--data-plane dist``
 sends transfer bytes to other nodes over torch.distributed links (NCCL
 between GPUs, gloo otherwise) instead of ZeroMQ; see ``actors/transfer.py``.  Prints one line
 ``tessera-node NAME ready ENDPOINT`` on stdout once it serves, so a parent
@@ -25,9 +27,12 @@ from actors.device import DeviceActor
 from actors.transfer import DATA_PLANES, TransferActor, TransferConfig
 from tessera_actors.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
-from tessera_actors.errors import ActorError
+from actors.lease import LEASE_SUFFIX
+from tessera_actors.errors import ActorError, RemoteError
 from tessera_actors.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
 from tessera_actors.system import ActorSystem
+from transport import auth
+from transport.auth import AuthError, ClusterKeys
 
 log = logging.getLogger("tessera_actors.node")
 
@@ -39,15 +44,20 @@ class NodeConfig:
     scheduler: str = ""
     name: str = ""
     heartbeat_s: float = 1.0
+    lease_s: float = 7.0   # no heartbeat answered this long: the scheduler is gone, the node exits (status 3)
     register_timeout_s: float = 30.0
     transfer: TransferConfig = field(default_factory=TransferConfig)
     recv_timeout_s: float = 60.0   # a device fails its step when a transfer's bytes stop coming this long
+    keys: ClusterKeys | None = None   # None: this process's keys (transport.auth.process_keys)
+    insecure: bool = False            # authentication off (--insecure)
 
     def __post_init__(self) -> None:
         if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"--listen {self.listen!r}: expected a ZeroMQ endpoint such as tcp://127.0.0.1:5555")
         if self.heartbeat_s <= 0:
             raise ValueError("--heartbeat must be positive")
+        if self.lease_s <= self.heartbeat_s:
+            raise ValueError("--lease must be longer than --heartbeat")
         if self.recv_timeout_s <= 0:
             raise ValueError("--recv-timeout must be positive")
         if not self.devices:
@@ -72,17 +82,41 @@ class NodeActor(Actor):
         return Ok("shutting down")
 
 
+class SchedulerLost(ActorError):
+    """The scheduler answered no heartbeat for a whole lease."""
+
+
 async def _register_and_beat(system: ActorSystem, cfg: NodeConfig, endpoint: str) -> None:
+    """Register, then heartbeat (asks) every ``heartbeat_s``.  Returns never;
+    raises ``SchedulerLost`` once no heartbeat was answered for ``lease_s``
+    seconds, and registers again when the scheduler no longer knows us."""
+    register = Register(cfg.name, endpoint, [d.name for d in cfg.devices], os.getpid())
     sched = await system.remote_ref(cfg.scheduler, "scheduler")
-    await sched.ask(Register(cfg.name, endpoint, [d.name for d in cfg.devices], os.getpid()),
-                    timeout=cfg.register_timeout_s)
+    await sched.ask(register, timeout=cfg.register_timeout_s)
     log.info("registered with scheduler at %s", cfg.scheduler)
+    lease = await system.remote_ref(cfg.scheduler, "scheduler" + LEASE_SUFFIX)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.lease_s
     seq = 0
     while True:
-        await asyncio.sleep(cfg.heartbeat_s)
+        await asyncio.sleep(max(0.0, min(cfg.heartbeat_s, deadline - loop.time())))
+        if loop.time() >= deadline:
+            raise SchedulerLost(f"the scheduler at {cfg.scheduler} answered no heartbeat for {cfg.lease_s:g} s")
         seq += 1
         try:
-            await sched.tell(Heartbeat(cfg.name, seq))
+            if not lease.alive:
+                lease = await system.remote_ref(cfg.scheduler, "scheduler" + LEASE_SUFFIX)
+            timeout = max(0.05, min(2 * cfg.heartbeat_s, deadline - loop.time()))
+            try:
+                await lease.ask(Heartbeat(cfg.name, seq), timeout=timeout)
+            except RemoteError as e:
+                if e.kind != "LookupError":
+                    raise
+                log.warning("the scheduler at %s does not know this node (restarted?): registering again",
+                            cfg.scheduler)
+                sched = await system.remote_ref(cfg.scheduler, "scheduler")
+                await sched.ask(register, timeout=max(0.05, deadline - loop.time()))
+            deadline = loop.time() + cfg.lease_s
         except ActorError as e:
             log.warning("heartbeat %d to %s failed: %s", seq, cfg.scheduler, e)
 
@@ -97,7 +131,10 @@ async def serve(cfg: NodeConfig, ready=None) -> int:
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     status = 0
-    async with ActorSystem(cfg.name) as system:
+    if cfg.insecure:
+        log.warning("node %s runs with --insecure: authentication is off, any local process can control it",
+                    cfg.name)
+    async with ActorSystem(cfg.name, keys=cfg.keys, insecure=cfg.insecure) as system:
         await system.spawn(TransferActor(cfg.transfer), TransferActor.NAME)
         for i, spec in enumerate(cfg.devices):
             await system.spawn(DeviceActor(spec, TransferActor.NAME, cfg.recv_timeout_s), f"device{i}")
@@ -112,7 +149,10 @@ async def serve(cfg: NodeConfig, ready=None) -> int:
         waiter = loop.create_task(stop.wait())
         waits = {waiter} | ({beat} if beat else set())
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        if beat is not None and beat in done and beat.exception() is not None:
+        if beat is not None and beat in done and isinstance(beat.exception(), SchedulerLost):
+            log.error("leaving: %s", beat.exception())
+            status = 3
+        elif beat is not None and beat in done and beat.exception() is not None:
             log.error("could not register with the scheduler at %s: %s", cfg.scheduler, beat.exception())
             status = 1
         for t in waits:
@@ -137,6 +177,9 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     ap.add_argument("--scheduler", default="", help="scheduler endpoint to register with (optional)")
     ap.add_argument("--name", default="", help="node name (default: host-pid)")
     ap.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    ap.add_argument("--lease", type=float, default=7.0,
+                    help="seconds without an answered heartbeat after which the scheduler counts as gone and "
+                         "the node exits with status 3")
     ap.add_argument("--register-timeout", type=float, default=30.0,
                     help="seconds to wait for the scheduler to answer the registration (then exit 1)")
     ap.add_argument("--data-plane", default="zmq", choices=DATA_PLANES,
@@ -150,15 +193,26 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
                     help="seconds to connect a data-plane link and for each operation on it")
     ap.add_argument("--recv-timeout", type=float, default=60.0,
                     help="seconds a device waits for the next bytes of a transfer before failing its step")
+    ap.add_argument("--keys", default="", help="cluster key directory (from `tessera keys DIR`; or $TESSERA_KEYS)")
+    ap.add_argument("--secret", default="", help="a shared secret file all cluster members read (>= 16 bytes)")
+    ap.add_argument("--insecure", action="store_true", help="turn authentication off (any local process can "
+                                                            "control the node); logged as a warning")
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        keys = None
+        if a.keys or a.secret:
+            keys = ClusterKeys.from_dir(a.keys) if a.keys else ClusterKeys.from_secret_file(a.secret)
+            auth.use_keys(keys)
+        elif not a.insecure and auth.generated_here:
+            raise ValueError("no cluster keys: pass --keys DIR (create it with `tessera keys DIR`) or --secret FILE, "
+                             "set TESSERA_KEYS, or turn authentication off with --insecure")
         transfer = TransferConfig(a.data_plane, parse_bytes(a.chunk_bytes), a.dist_host or listen_host(a.listen),
                                   a.link_timeout)
-        return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.register_timeout,
-                          transfer, a.recv_timeout)
-    except ValueError as e:
+        return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.lease,
+                          a.register_timeout, transfer, a.recv_timeout, keys, a.insecure)
+    except (ValueError, AuthError) as e:
         ap.error(str(e))
         raise
 

@@ -3,7 +3,9 @@
 ``contiguous``: the simple rule (contiguous runs, equal kernel shares);
 ``layers``: a layer split balanced by the cost table (a pipeline);
 ``af``: attention on one device, the rest on the other (AF disaggregation);
-``milp``: the memory-aware MILP (``tessera_actors.planning``): Tessera.
+``milp``: the memory-aware MILP (``tessera_actors.planning``): Tessera;
+``offload``: a budgeted GPU beside a CPU, every weight resident, streamed
+or computed on the CPU (``tessera_actors.planning.offload``).
 
 ``costs`` (optional) maps a graph's fingerprint (:func:`graph_key`) to its
 measured :class:`~tessera_actors.planning.costs.CostTable` on the devices
@@ -16,7 +18,7 @@ from typing import Mapping, Sequence
 from .graph import KernelGraph
 from .plan import ContiguousPlanner, Plan, Planner, PlanError
 
-NAMES = ("contiguous", "layers", "af", "milp")
+NAMES = ("contiguous", "layers", "af", "milp", "offload")
 
 
 def graph_key(graph: KernelGraph) -> tuple:
@@ -56,4 +58,7 @@ def get_planner(name: str, costs: Mapping[tuple, object] | None = None, **option
         if options:
             raise PlanError(f"planner {name!r} takes no options {sorted(options)}")
         return _CostsPlanner(name, costs)
+    if name == "offload":
+        from .planning.offload import OffloadPlanner
+        return OffloadPlanner(**options)
     raise ValueError(f"unknown planner {name!r}; known: {', '.join(NAMES)}")

@@ -8,9 +8,9 @@ diffusion transformer has no decode/prefill, so its cases are denoise at
 batch ``--batch`` and 1, named so - three numbers:
 
 * **tessera**: the captured graph (inductor kernels, default regions) placed
-  on one device and run by the product's executor
-  (:class:`~tessera_actors.pipeline.PipelinedExecutor`, segments replayed
-  as CUDA graphs): mean seconds per step;
+  on one device and run by the product's executor (a device actor:
+  ``InstallPlan``, ``LoadValues``, back-to-back ``RunStep`` messages, its
+  run of kernels replayed as a CUDA graph): mean seconds per step;
 * **compile**: the same model under ``torch.compile(mode="reduce-overhead")``
   (built afresh, same seed): mean seconds per step;
 * **floor**: ``max(bytes / bandwidth, flops / gemm_rate)``, where ``bytes``
@@ -28,6 +28,7 @@ and ``--gqa`` add up to one ``roofline.json``.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import subprocess
@@ -97,6 +98,8 @@ def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tu
     else:
         batch, seq = (cfg.batch, 1) if case == "decode" else (1, cfg.prompt)
         label = f"decode b{batch} c{cfg.cache}" if case == "decode" else f"prefill 1x{cfg.prompt}"
+        if name == "mamba2" and case == "decode":
+            label = f"decode b{batch}"  # an SSM state, no KV cache
         pos = cfg.cache - 2 if case == "decode" else 0
         kind = case
         if name == "vlm":
@@ -162,25 +165,62 @@ def step_flops(model: torch.nn.Module, inputs: dict[str, Any]) -> float:
     return float(counter.get_total_flops())
 
 
+def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
+    """Seconds per step of the same model and batch under plain
+    ``torch.compile(mode="reduce-overhead")`` (CUDA graphs)."""
+    if not torch.cuda.is_available():
+        return None
+    fn = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            fn(**inputs)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn(**inputs)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+async def device_actor_step(graph, values, inputs, device: str, steps: int) -> float:
+    """Mean seconds per step of ``graph`` on one device actor (the product's
+    executor), steps sent back to back; the last one reads the outputs, so
+    the time covers the device finishing them all."""
+    import msgpack
+    from actors.device import DeviceActor
+    from actors.transfer import TransferActor
+    from .devices import DeviceSpec
+    from .messages import InstallPlan, LoadValues, RunStep
+    from .plan import plan_to_dict, single_device_plan
+    from .system import ActorSystem
+    plan = single_device_plan(graph, device)
+    feed = {k: v.cpu() for k, v in inputs.items()}
+    async with ActorSystem("roofline") as system:
+        await system.spawn(TransferActor(), "transfer")
+        dev = await system.spawn(DeviceActor(DeviceSpec.parse(device)), "device0")
+        await dev.ask(InstallPlan("roofline", 0, msgpack.packb(graph.to_dict(), use_bin_type=True),
+                                  msgpack.packb(plan_to_dict(plan), use_bin_type=True), [[0, "", "device0"]]),
+                      timeout=900)
+        held = [b for b in plan.resident[0] if b in values]
+        await dev.ask(LoadValues("roofline", held, [values[b] for b in held]), timeout=900)
+        for i in range(3):   # eager, capture, first replay
+            await dev.ask(RunStep("roofline", i, feed, [], True), timeout=900)
+        t0 = time.perf_counter()
+        asks = [dev.ask(RunStep("roofline", 3 + i, feed, [], i == steps - 1), timeout=900) for i in range(steps)]
+        await asyncio.gather(*asks)
+        return (time.perf_counter() - t0) / steps
+
+
 def tessera_step(model, inputs, steps: int, device: str) -> tuple[float, Any]:
     """Seconds per step of the inductor capture on one device through the
-    product's executor (CUDA graphs), and the capture's graph."""
-    from actors.backends.base import backend_for
-    from actors.backends.triton import TritonProgram
+    product's executor (a device actor, CUDA graphs), and the capture's graph."""
     from .capture.inductor import capture_inductor
-    from .pipeline import PipelinedExecutor
-    from .plan import single_device_plan
     res = capture_inductor(model, inputs)
-    plan = single_device_plan(res.graph, device)
-    ex = PipelinedExecutor(res.graph, plan, res.values, [backend_for(device)], program_cls=TritonProgram)
-    ex.enqueue([inputs])
-    seconds = ex.time_steps(steps)
-    del ex
+    seconds = asyncio.run(device_actor_step(res.graph, res.values, inputs, device, steps))
     return seconds, res.graph
 
 
 def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: float) -> dict[str, Any]:
-    from .arena import compiled_baseline
     device = torch.device(cfg.device)
     make, label = build(name, case, cfg, device)
     model, inputs = make()
@@ -193,8 +233,8 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
     del model, graph
     gc.collect()
     torch.cuda.empty_cache()
-    import torch._dynamo
-    torch._dynamo.reset()
+    import torch._dynamo as dynamo   # (a bare "import torch._dynamo" would make torch local to this function)
+    dynamo.reset()
     model, inputs = make()
     t_compile = compiled_baseline(model, inputs, cfg.steps)
     del model

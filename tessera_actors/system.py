@@ -14,18 +14,34 @@ import logging
 
 from tessera_actors.actor import Actor, ActorRef, LocalRef
 from tessera_actors.errors import ActorError, NameTaken, NoSuchActor
+from transport import auth
 
 log = logging.getLogger("tessera_actors.system")
+if not auth.insecure_from_environment():
+    # settle this process's default keys now, so that children started before
+    # the first system (with this environment) share them
+    auth.process_keys()
 _ANSWER_FLUSH_SECONDS = 0.02
 
 
 class ActorSystem:
     """``shm`` configures the shared-memory path for large tensors to peers on
-    this host (``transport.shm.ShmConfig``; default on, 1 MiB threshold)."""
+    this host (``transport.shm.ShmConfig``; default on, 1 MiB threshold).
 
-    def __init__(self, name: str = "local", shm=None):
+    Every socket is authenticated (ZeroMQ CURVE, ``transport.auth``): with
+    ``keys`` (a ``ClusterKeys``) or by default with this process's keys
+    (``auth.process_keys()``: the environment's, else ephemeral ones shared
+    with the processes this one starts).  ``insecure=True`` (or
+    ``TESSERA_INSECURE=1``) turns authentication off and logs a warning."""
+
+    def __init__(self, name: str = "local", shm=None, keys=None, insecure: bool | None = None):
         self.name = name
         self._shm = shm
+        if insecure is None:
+            insecure = auth.insecure_from_environment()
+        self.keys = None if insecure else (keys or auth.process_keys())
+        self._authenticator = None
+        self._warned_insecure = False
         self._actors: dict[str, LocalRef] = {}
         self._ctx = None
         self._server = None
@@ -78,6 +94,10 @@ class ActorSystem:
         if self._ctx is None:
             import zmq
             self._ctx = zmq.Context()
+        if self.keys is None and not self._warned_insecure:
+            self._warned_insecure = True
+            log.warning("system %r: authentication is OFF (insecure): any process that reaches its sockets "
+                        "can control it", self.name)
         return self._ctx
 
     async def listen(self, endpoint: str = "tcp://127.0.0.1:0") -> str:
@@ -86,7 +106,10 @@ class ActorSystem:
         from transport.endpoint import Server
         if self._server is not None:
             raise ActorError(f"system {self.name!r} already listens on {self._server.address}")
-        self._server = Server(self._context(), self._actors.get, shm_config=self._shm)
+        ctx = self._context()
+        if self.keys is not None and self._authenticator is None:
+            self._authenticator = auth.Authenticator(ctx, self.keys)
+        self._server = Server(ctx, self._actors.get, shm_config=self._shm, keys=self.keys)
         return self._server.bind(endpoint)
 
     @property
@@ -101,7 +124,7 @@ class ActorSystem:
         from transport.endpoint import Peer, RemoteRef
         peer = self._peers.get(endpoint)
         if peer is None or peer.closed:
-            peer = self._peers[endpoint] = Peer(self._context(), endpoint, shm_config=self._shm)
+            peer = self._peers[endpoint] = Peer(self._context(), endpoint, shm_config=self._shm, keys=self.keys)
         return RemoteRef(peer, name)
 
     # --- lifecycle -----------------------------------------------------------
@@ -121,6 +144,9 @@ class ActorSystem:
         for peer in self._peers.values():
             peer.close()
         self._peers.clear()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None

@@ -16,7 +16,7 @@ from tessera_actors.actor import Actor, handler
 from tessera_actors.errors import ActorDead, AskTimeout, CodecError, RemoteError, UnknownMessage
 from tessera_actors.messages import ErrorReply, Ping, Pong, message
 from tessera_actors.system import ActorSystem
-from transport import codec
+from transport import auth, codec
 from transport.codec import OP_ASK, OP_FAILED, OP_REPLY, Envelope
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -209,6 +209,7 @@ async def test_malformed_frames_over_the_wire(pair, caplog):
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(sock, auth.process_keys())   # a raw but authenticated client
     sock.connect(address)
     try:
         await sock.send_multipart([b"garbage"])                               # unreadable: logged only

@@ -185,3 +185,30 @@ async def test_a_trace_of_served_steps_is_valid_trace_event_json_with_spans_per_
         mine = [e for e in spans if tracks[e["tid"]] == f"device {d}: {spec}"]
         assert len(mine) >= steps and all(e["dur"] >= 0 and e["ts"] > 0 for e in mine)
     assert any(e["name"].startswith("recv") for e in spans) and any(e["name"].startswith("sample") for e in spans)
+
+
+async def test_attention_windows_give_the_tokens_of_the_whole_cache():
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    cfg = dict(model="llama", size="tiny", devices="cpu,cpu", max_seqs=4, max_model_len=128, prefill_buckets=(8, 16))
+    prompts = [[i + 1] * (5 + 7 * i) for i in range(4)]      # prompts of 5..26 tokens, outputs cross windows
+    async with AsyncEngine(kv_windows=(), **cfg) as whole:
+        want = await asyncio.gather(*(_tokens(whole, p, greedy) for p in prompts))
+    async with AsyncEngine(kv_windows=(16, 32, 64), **cfg) as windowed:
+        got = await asyncio.gather(*(_tokens(windowed, p, greedy) for p in prompts))
+        used = set(windowed.stats()["step_s"])
+    assert [t for t, _, _ in got] == [t for t, _, _ in want]
+    assert {"decode:4@0~16", "decode:4@0~32", "decode:4@0~64"} & used and any(b.endswith("~16") and
+                                                                            b.startswith("prefill") for b in used)
+
+
+async def test_a_transformers_llama_with_smollm2s_real_weights_is_served_split_like_our_own():
+    params = SamplingParams(max_tokens=12)
+    chat = [{"role": "user", "content": "Name a color."}]
+    cfg = dict(devices="cpu,cpu", max_seqs=2, max_model_len=256, prefill_buckets=(16, 64), kv_windows=())
+    async with AsyncEngine(model="smollm2", size="tiny", **cfg) as ours:      # our Llama, first 2 layers
+        want = await _tokens(ours, chat, params)
+    async with AsyncEngine(model="hf:smollm2", overrides={"num_hidden_layers": 2}, **cfg) as theirs:
+        got = await _tokens(theirs, chat, params)
+        kernels = theirs.stats()["placement"]["kernels_per_device"]
+    assert min(kernels) > 0
+    assert got[0] == want[0] and got[1] == want[1]

@@ -19,7 +19,7 @@ import zmq.asyncio
 from tessera_actors.actor import Actor, handler
 from tessera_actors.messages import ErrorReply, Ping, Pong, message
 from tessera_actors.system import ActorSystem
-from transport import codec, shm
+from transport import auth, codec, shm
 from transport.codec import OP_ASK, OP_FAILED, OP_RELEASE, OP_REPLY, Envelope
 from transport.shm import ShmConfig
 
@@ -169,8 +169,12 @@ async def test_malformed_descriptors_get_an_error_reply(shm_pair):
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    auth.secure_client(sock, auth.process_keys())   # a raw but authenticated client
     sock.connect(server.address)
     header = bytes([*codec.MAGIC, codec.PROTOCOL_VERSION, 1 | shm.FLAG_SHM])
+    probe, nonce = pool.probe()   # the handshake: segments of this pool only, from this connection
+    await sock.send_multipart(codec.encode([probe], Envelope(codec.OP_SHM_HELLO, 100, "")))
+    assert await answer(sock) == (Envelope(OP_REPLY, 100, ""), nonce)
     bad_tables = [
         b"\xc1\xc1",                                                   # not msgpack
         msgpack.packb([]),                                             # empty
@@ -188,7 +192,7 @@ async def test_malformed_descriptors_get_an_error_reply(shm_pair):
             assert (env.op, env.request_id) == (OP_FAILED, rid)
             assert isinstance(reply, ErrorReply) and reply.kind == "CodecError", reply
         # a well-formed descriptor from the same raw client works
-        seg.mm[:16] = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+        seg.write(torch.arange(4, dtype=torch.float32).numpy().tobytes())
         frames = codec.encode(ShmEcho(torch.ones(4)), Envelope(OP_ASK, 99, "keeper"))
         await sock.send_multipart([header, frames[1], b"", msgpack.packb([[0, seg.name, seg.generation, 16]])])
         env, reply = await answer(sock)

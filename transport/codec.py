@@ -32,6 +32,7 @@ import msgpack
 
 from tessera_actors import messages as _messages
 from tessera_actors.errors import CodecError
+from transport.msgscan import scan as _scan
 
 MAGIC = b"TSRA"
 PROTOCOL_VERSION = 1
@@ -42,6 +43,11 @@ FLAG_TENSORS = 1
 
 DEFAULT_MAX_FRAME = 4 << 30   # bytes per tensor frame
 DEFAULT_MAX_BODY = 64 << 20   # bytes of msgpack body
+MAX_DEPTH = 32            # containers and nested ext documents, counted together
+MAX_EXT_DEPTH = 16        # ext documents inside ext documents (each level is a C recursion in msgpack)
+MAX_ITEMS = 1 << 20       # objects in one body
+MAX_CONTAINER = 1 << 20   # elements of one array or map
+SCAN_ABOVE = 2048         # bodies longer than this are bounds-checked (transport.msgscan) before unpacking
 
 # envelope ops; OP_RELEASE and OP_SHM_HELLO belong to the shared-memory path (transport.shm)
 OP_TELL, OP_ASK, OP_REPLY, OP_RAISED, OP_FAILED, OP_STOP, OP_RELEASE, OP_SHM_HELLO = range(8)
@@ -176,10 +182,11 @@ def decode(frames: Sequence, *, max_frame: int = DEFAULT_MAX_FRAME,
     """
     bufs = [_buffer(f) for f in frames]
     body = _check_framing(bufs, max_frame, max_body)
-    tensors = _TensorFrames(bufs[2:]) if len(bufs) > 2 else None
+    if len(body) > SCAN_ABOVE:
+        _scan(body, MAX_DEPTH, MAX_ITEMS)
+    tensors = _TensorFrames(bufs[2:])
     try:
-        op, request_id, target, kind, value = msgpack.unpackb(
-            body, ext_hook=tensors.ext_hook if tensors else _ext_hook, raw=False, strict_map_key=False)
+        op, request_id, target, kind, value = _unpack(body, tensors.ext_hook)
         if type(op) is not int or type(request_id) is not int or type(target) is not str:
             raise CodecError(f"malformed envelope {op!r}, {request_id!r}, {target!r}")
         if kind is not None:
@@ -188,7 +195,7 @@ def decode(frames: Sequence, *, max_frame: int = DEFAULT_MAX_FRAME,
         raise
     except Exception as exc:  # msgpack raises many types on garbage
         raise CodecError(f"malformed body: {type(exc).__name__}: {exc}") from exc
-    if tensors is not None and len(tensors.used) != len(tensors.bufs):
+    if len(tensors.used) != len(tensors.bufs):
         raise CodecError(f"{len(tensors.bufs) - len(tensors.used)} tensor frame(s) not referenced by the body")
     return _new_tuple(Envelope, (op, request_id, target)), value   # (= Envelope(...), faster)
 
@@ -196,37 +203,50 @@ def decode(frames: Sequence, *, max_frame: int = DEFAULT_MAX_FRAME,
 _new_tuple = tuple.__new__
 
 
-def _ext_hook(code, data):
-    """msgpack ext hook of a message without tensor frames."""
-    if code == _EXT_MESSAGE:
-        kind, fields = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
-        return _build_message(kind, fields)
-    if code == _EXT_TUPLE:
-        return tuple(msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False))
-    if code == _EXT_TENSOR:
-        raise CodecError("tensor refers to a missing frame")
-    raise CodecError(f"unknown ext type {code}")
+def _unpack(data, ext_hook):
+    return msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False,
+                           max_array_len=MAX_CONTAINER, max_map_len=MAX_CONTAINER)
 
 
 class _TensorFrames:
-    """Ext hook of a message with tensor frames; records which frames were used."""
+    """Ext hook of one decode: builds messages, tuples and tensors, records
+    which tensor frames were used, and bounds the ext nesting depth (msgpack
+    recurses through this hook, in C, once per nested ext document)."""
 
-    __slots__ = ("bufs", "used")
+    __slots__ = ("bufs", "used", "depth")
 
     def __init__(self, bufs: list):
         self.bufs = bufs
         self.used: set[int] = set()
+        self.depth = 0
 
     def ext_hook(self, code, data):
-        if code == _EXT_MESSAGE:
-            kind, fields = msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False)
-            return _build_message(kind, fields)
-        if code == _EXT_TUPLE:
-            return tuple(msgpack.unpackb(data, ext_hook=self.ext_hook, raw=False, strict_map_key=False))
+        if code == _EXT_MESSAGE or code == _EXT_TUPLE:
+            if self.depth >= MAX_EXT_DEPTH:
+                raise CodecError(f"ext types nested deeper than {MAX_EXT_DEPTH}")
+            self.depth += 1
+            try:
+                inner = _unpack(data, self.ext_hook)
+            finally:
+                self.depth -= 1
+            if code == _EXT_TUPLE:
+                if type(inner) is not list:
+                    raise CodecError(f"tuple payload is a {type(inner).__name__}, not an array")
+                return tuple(inner)
+            if type(inner) is not list or len(inner) != 2:
+                raise CodecError("message payload is not [kind, fields]")
+            return _build_message(inner[0], inner[1])
         if code == _EXT_TENSOR:
-            index, lib, dtype, shape = msgpack.unpackb(data, raw=False)
-            if not (isinstance(index, int) and 0 <= index < len(self.bufs)):
+            if not self.bufs:
+                raise CodecError("tensor refers to a missing frame")
+            try:
+                index, lib, dtype, shape = msgpack.unpackb(data, raw=False)
+            except (ValueError, TypeError) as exc:
+                raise CodecError(f"malformed tensor descriptor: {exc}") from None
+            if not (type(index) is int and 0 <= index < len(self.bufs)):
                 raise CodecError(f"tensor refers to missing frame {index}")
+            if index in self.used:
+                raise CodecError(f"tensor frame {index} referenced twice")
             self.used.add(index)
             return _build_tensor(self.bufs[index], lib, dtype, shape)
         raise CodecError(f"unknown ext type {code}")

@@ -31,7 +31,7 @@ from tessera_actors.actor import ActorRef, LocalRef
 from tessera_actors.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
 from tessera_actors.messages import ErrorReply, Ok
-from transport import codec, shm
+from transport import auth, codec, shm
 from transport.channel import Channel
 from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,
                              Envelope)
@@ -55,17 +55,22 @@ class Server:
 
     def __init__(self, ctx: zmq.Context, resolve: Callable[[str], LocalRef | None], *,
                  max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
-                 shm_config: ShmConfig | None = None):
+                 shm_config: ShmConfig | None = None, keys: auth.ClusterKeys | None = None):
+        """``keys``: serve only clients the cluster keys allow (None: anyone;
+        then shared memory is off, as it is only for authenticated peers)."""
         self._sock = _socket(ctx, zmq.ROUTER)
+        if keys is not None:
+            auth.secure_server(self._sock, keys)
         self._resolve = resolve
         self._max_frame, self._max_body = max_frame, max_body
         self._chan: Channel | None = None
         self._tasks: set[asyncio.Task] = set()
         self.address = ""
+        self.undecodable = 0   # requests that did not decode (logged: the first 20, then every 1000th)
         shm_config = shm_config or ShmConfig()
         # tensors that local peers put in shared memory; answers use ZeroMQ frames
         self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
-                     if shm_config.enabled and shm.shm_available() else None)
+                     if shm_config.enabled and keys is not None and shm.shm_available() else None)
 
     def bind(self, endpoint: str) -> str:
         """Bind (non-blocking) and start serving; returns the resolved address."""
@@ -85,7 +90,10 @@ class Server:
         except CodecError as exc:
             payload = frames[1:]
             env = codec.decode_envelope(payload)
-            log.warning("undecodable request on %s (%s): %s", self.address, env, exc)
+            self.undecodable += 1
+            if self.undecodable <= 20 or self.undecodable % 1000 == 0:   # a flood must not flood the log
+                log.warning("undecodable request on %s (%s): %s (%d so far)", self.address, env, exc,
+                            self.undecodable)
             if env is not None and env.op in (OP_ASK, OP_STOP) and env.request_id:
                 self._send_answer(identity, env.request_id, OP_FAILED, ErrorReply("CodecError", str(exc)))
             return
@@ -121,7 +129,7 @@ class Server:
                 raise CodecError("shared memory is off on this side")
             if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
                 raise CodecError(f"malformed shared-memory hello {probe!r}")
-            nonce = self._shm.read_probe(probe[0])
+            nonce = self._shm.read_probe(getattr(identity, "bytes", identity), probe[0])
         except (CodecError, OSError, ValueError) as exc:
             self._send_answer(identity, request_id, OP_FAILED, ErrorReply("ShmUnavailable", str(exc)))
             return
@@ -232,9 +240,12 @@ class Peer:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, *,
                  max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
-                 shm_config: ShmConfig | None = None):
+                 shm_config: ShmConfig | None = None, keys: auth.ClusterKeys | None = None):
         self.endpoint = endpoint
         sock = _socket(ctx, zmq.DEALER)
+        if keys is not None:
+            auth.secure_client(sock, keys)
+        self._watch = auth.HandshakeWatch(sock, self._handshake_failed)
         sock.connect(endpoint)
         self._max_frame, self._max_body = max_frame, max_body
         self._pending: dict[int, asyncio.Future] = {}
@@ -247,6 +258,14 @@ class Peer:
         self._hello_rid = 0
         if shm_config.enabled and shm.is_local_endpoint(endpoint) and shm.shm_available():
             self._shm_handshake = self._loop.create_task(self._handshake())
+
+    def _handshake_failed(self, reason: str, first: bool) -> None:
+        """The server refused us: fail the pending asks now instead of at their timeouts."""
+        if first:   # ZeroMQ retries every 100 ms: log once per refusal streak
+            log.warning("connection to %s: %s", self.endpoint, reason)
+        for fut in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(auth.HandshakeFailed(f"{self.endpoint}: {reason}"))
 
     async def _handshake(self, timeout: float = 10.0) -> None:
         """Prove the server sees our segments: it must read back a nonce we
@@ -310,6 +329,8 @@ class Peer:
         chan = self._chan
         if chan.closed:
             raise ActorDead(f"connection to {self.endpoint} is closed")
+        if self._watch.failure is not None:
+            raise auth.HandshakeFailed(f"{self.endpoint}: {self._watch.failure}")
         rid = rid or next(self._ids)
         frames = codec.encode(msg, _envelope((op, rid, target)))
         tokens = ()
@@ -399,6 +420,7 @@ class Peer:
         the shared-memory segments; idempotent."""
         if self._chan.closed:
             return
+        self._watch.close()
         self._chan.close()
         if self._shm_handshake is not None:
             self._shm_handshake.cancel()

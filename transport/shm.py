@@ -2,12 +2,19 @@
 
 A sender copies each tensor frame of ``ShmConfig.threshold`` bytes or more
 into a segment of its ``SegmentPool`` (files in /dev/shm, created by this
-process, reused) and sends a small descriptor instead of the bytes.  The
-receiver's ``SegmentReader`` maps the segment once and hands the tensor a
-zero-copy view of it; when the last tensor (or view) using that memory is
-freed, the reader reports the segment released and the receiver sends the
-release back, so the sender reuses it.  A segment is never written while a
-receiver may still read it: the pool hands out only released segments.
+process with mode 0600, reused) and sends a small descriptor instead of the
+bytes.  The receiver's ``SegmentReader`` copies the bytes out into memory of
+its own and reports the segment released at once, so the sender reuses it.
+
+Safety (the segments live in a directory every local user can write):
+the receiver never maps a peer's segment, it copies the bytes out with
+``preadv`` on a descriptor, so a peer that truncates a segment makes a read
+come up short (a ``CodecError``), never a SIGBUS; only the sender maps its
+own segments.  The reader opens with ``O_NOFOLLOW``
+(a symlink is refused), requires a regular file with one link owned by this
+user (``st_uid``) and at least the described size, accepts only names of the
+pool that proved itself in this connection's handshake, and is only set up
+on authenticated servers (see ``transport.auth``).
 
 Frames of a message with shared-memory tensors (see ``transport.codec``)::
 
@@ -20,14 +27,13 @@ endpoints (``ipc://``, ``tcp://127.x.x.x``, ``tcp://localhost``, ``tcp://[::1]``
 try it, and only after the receiver read back a random nonce the sender wrote
 into a probe segment (``handshake``).  Otherwise tensors go as ZeroMQ frames.
 
-Cleanup: a pool unlinks its files at ``close`` and at interpreter exit;
-existing mappings stay valid after an unlink (POSIX), so a receiver's tensors
-survive the sender's shutdown.  Files left by a process that was killed
-(SIGKILL, SIGTERM without handler) are removed by the next pool created on
-the host (``sweep_stale``): names carry the creator's pid.
+Cleanup: a pool unlinks its files at ``close`` and at interpreter exit.
+Files left by a process that was killed (SIGKILL, SIGTERM without handler)
+are removed by the next pool created on the host (``sweep_stale``): names
+carry the creator's pid.
 
-Everything here is non-blocking except the copy into a segment, done on the
-caller's thread (about 10-20 ms per 64 MiB on the CI machine).
+Everything here is non-blocking except the copies into and out of a segment,
+done on the caller's thread (about 10-20 ms per 64 MiB on the CI machine).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import weakref
 from collections import OrderedDict, deque
@@ -55,7 +62,10 @@ FLAG_SHM = 2   # header flag: the last frame is a shared-memory table
 NONCE_BYTES = 16
 _NAME = re.compile(r"tessera-(\d+)-[0-9a-f]+-\d+\Z")
 _GRAIN = 1 << 20   # segment sizes are multiples of this
-_READER_CACHE = 64   # mapped segments a reader keeps per peer system
+_READER_CACHE = 64   # open segment descriptors a reader keeps
+_MAX_PEERS = 4096    # handshakes a reader remembers (one per connection)
+_SPARE_BYTES = 1 << 30   # idle receive buffers a reader keeps for reuse
+_PAGE = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +134,28 @@ def _alive(pid: int) -> bool:
 
 
 class _Segment:
-    __slots__ = ("name", "size", "mm", "generation", "busy")
+    """One segment file of a pool: its descriptor and the sender's own
+    mapping of it (only the receiver must never map a peer's segment)."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap):
-        self.name, self.size, self.mm = name, size, mm
+    __slots__ = ("name", "size", "fd", "mm", "generation", "busy")
+
+    def __init__(self, name: str, size: int, fd: int):
+        self.name, self.size, self.fd = name, size, fd
+        self.mm = mmap.mmap(fd, size)
         self.generation = 0
         self.busy = False
+
+    def write(self, data, offset: int = 0) -> None:
+        """Copy ``data`` (a buffer) into the segment at ``offset``."""
+        view = memoryview(data).cast("B")
+        self.mm[offset:offset + len(view)] = view
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass   # a write in progress on another thread holds an export; the mapping goes with it
+        os.close(self.fd)
 
 
 class SegmentPool:
@@ -157,16 +183,16 @@ class SegmentPool:
     def _create(self, size: int) -> _Segment:
         self._count += 1
         name = f"{self._tag}-{self._count}"
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(os.path.join(SHM_DIR, name),
+                     os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
+            seg = _Segment(name, size, fd)
         except BaseException:
+            os.close(fd)
             os.unlink(os.path.join(SHM_DIR, name))
             raise
-        finally:
-            os.close(fd)
-        seg = self._segments[name] = _Segment(name, size, mm)
+        self._segments[name] = seg
         self._bytes += size
         return seg
 
@@ -174,13 +200,13 @@ class SegmentPool:
         del self._segments[seg.name]
         self._bytes -= seg.size
         _unlink(seg.name)
-        seg.mm.close()
+        seg.close()
 
     def probe(self) -> tuple[str, bytes]:
         """A fresh segment holding a random nonce, for the handshake."""
         nonce = secrets.token_bytes(NONCE_BYTES)
-        seg = self._create(mmap.PAGESIZE)
-        seg.mm[:NONCE_BYTES] = nonce
+        seg = self._create(_PAGE)
+        seg.write(nonce)
         seg.busy = True
         return seg.name, nonce
 
@@ -227,10 +253,7 @@ class SegmentPool:
         _live_pools.discard(self)
         for seg in list(self._segments.values()):
             _unlink(seg.name)
-            try:
-                seg.mm.close()
-            except BufferError:
-                pass   # a view is still exported; the mapping goes with it
+            seg.close()
         self._segments.clear()
         self._bytes = 0
 
@@ -252,69 +275,126 @@ def _close_pools_at_exit() -> None:
 
 
 class SegmentReader:
-    """Receiver side: maps other processes' segments and hands out views.
+    """Receiver side: copies tensor bytes out of other processes' segments.
 
     ``on_release(owner, tokens)`` is called on the loop thread with the
-    ``(name, generation)`` tokens whose views were all freed; ``owner`` is
-    what ``view`` was given (the sender's identity).  Views may be freed on
-    any thread.
+    ``(name, generation)`` tokens that were read (or refused); ``owner`` is
+    what ``read`` was given (the sender's identity).  A segment is accepted
+    only from the pool whose probe that owner showed in its handshake.
     """
 
     def __init__(self, on_release: Callable[[Any, list], None], loop):
         self._on_release = on_release
         self._loop = loop
-        self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._pools: dict[Any, str] = {}   # owner -> the pool tag its handshake proved
         self._freed: deque = deque()
         self._flush_scheduled = False
         self._lock = threading.Lock()
+        self._spare: dict[int, list[mmap.mmap]] = {}   # free receive buffers by size
+        self._spare_bytes = 0
         self.closed = False
 
-    def _map(self, name: str) -> mmap.mmap:
-        mm = self._maps.get(name)
-        if mm is not None:
-            self._maps.move_to_end(name)
-            return mm
-        if _NAME.match(name) is None:
-            raise CodecError(f"bad shared-memory segment name {name!r}")
-        try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-        except OSError as exc:
-            raise CodecError(f"cannot open shared-memory segment {name!r}: {exc.strerror}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                raise CodecError(f"shared-memory segment {name!r} is empty")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
+    def _open(self, name: str, nbytes: int) -> int:
+        """A checked descriptor of segment ``name`` holding at least ``nbytes``."""
+        fd = self._fds.get(name)
+        if fd is None:
+            if _NAME.match(name) is None:
+                raise CodecError(f"bad shared-memory segment name {name!r}")
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError as exc:
+                raise CodecError(f"cannot open shared-memory segment {name!r}: {exc.strerror}") from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    raise CodecError(f"shared-memory segment {name!r} is not a plain file")
+                if st.st_uid != os.geteuid():
+                    raise CodecError(f"shared-memory segment {name!r} belongs to uid {st.st_uid}, not to this user")
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fds[name] = fd
+            while len(self._fds) > _READER_CACHE:
+                os.close(self._fds.popitem(last=False)[1])
+        else:
+            self._fds.move_to_end(name)
+        size = os.fstat(fd).st_size
+        if nbytes > size:
+            raise CodecError(f"descriptor wants {nbytes} bytes of {size}-byte segment {name!r}")
+        return fd
+
+    def _forget(self, name: str) -> None:
+        fd = self._fds.pop(name, None)
+        if fd is not None:
             os.close(fd)
-        self._maps[name] = mm
-        if len(self._maps) > _READER_CACHE:
-            self._maps.popitem(last=False)   # live views keep their mapping alive
-        return mm
 
-    def read_probe(self, name: str) -> bytes:
-        """The nonce of a handshake probe segment."""
-        mm = self._map(name)
-        nonce = bytes(mm[:NONCE_BYTES])
-        self._maps.pop(name, None)
-        return nonce
+    def _receive_buffer(self, nbytes: int) -> mmap.mmap:
+        """Private memory for received bytes: a recycled buffer of the size
+        class when one is free (no page faults), else a new populated one."""
+        size = -(-nbytes // _GRAIN) * _GRAIN
+        with self._lock:
+            free = self._spare.get(size)
+            if free:
+                self._spare_bytes -= size
+                return free.pop()
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
 
-    def view(self, owner, name: str, generation: int, nbytes: int):
-        """A writable zero-copy uint8 array over ``nbytes`` of the segment;
-        the release is reported once it and every view of it are freed."""
-        import numpy as np
+    def _recycle(self, mm: mmap.mmap) -> None:
+        """A receive buffer nobody uses any more (any thread)."""
+        with self._lock:
+            if not self.closed and self._spare_bytes + len(mm) <= _SPARE_BYTES:
+                self._spare.setdefault(len(mm), []).append(mm)
+                self._spare_bytes += len(mm)
+        # else dropped: unmapped once the dying array released its export (closing now would raise)
+
+    def read_probe(self, owner, name: str) -> bytes:
+        """The nonce of a handshake probe segment; from then on ``owner`` may
+        describe segments of that probe's pool only."""
         if self.closed:
             raise CodecError("shared-memory reader is closed")
         try:
-            mm = self._map(name)
-            if nbytes > len(mm):
-                raise CodecError(f"descriptor wants {nbytes} bytes of {len(mm)}-byte segment {name!r}")
-            arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
-        except BaseException:
-            self._released(owner, (name, generation))   # let the sender reuse it anyway
+            fd = self._open(name, NONCE_BYTES)
+            nonce = os.pread(fd, NONCE_BYTES, 0)
+        finally:
+            self._forget(name)
+        self._pools.pop(owner, None)
+        self._pools[owner] = name.rsplit("-", 1)[0]
+        while len(self._pools) > _MAX_PEERS:   # connections come and go: forget the oldest handshakes
+            self._pools.pop(next(iter(self._pools)))
+        return nonce
+
+    def read(self, owner, name: str, generation: int, nbytes: int):
+        """A new uint8 numpy array holding the first ``nbytes`` of the
+        segment (a private copy); the segment is released either way."""
+        import numpy as np
+        try:
+            if self.closed:
+                raise CodecError("shared-memory reader is closed")
+            tag = self._pools.get(owner)
+            if tag is None or not name.startswith(tag + "-"):
+                raise CodecError(f"segment {name!r} is not from this peer's shared-memory pool")
+            fd = self._open(name, nbytes)
+            mm = self._receive_buffer(nbytes)
+            got = 0
+            with memoryview(mm) as dst:
+                while got < nbytes:
+                    n = os.preadv(fd, [dst[got:nbytes]], got)
+                    if n <= 0:
+                        self._recycle(mm)
+                        raise CodecError(f"shared-memory segment {name!r} shrank to {got} bytes while being read")
+                    got += n
+            out = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
+            weakref.finalize(out, self._recycle, mm)   # derived views keep ``out`` (their base) alive
+            return out
+        except OSError as exc:
+            self._forget(name)
+            raise CodecError(f"cannot read shared-memory segment {name!r}: {exc.strerror}") from None
+        except CodecError:
+            self._forget(name)
             raise
-        weakref.finalize(arr, self._released, owner, (name, generation))
-        return arr
+        finally:
+            self._released(owner, (name, generation))   # the sender may reuse it now
 
     def _released(self, owner, token) -> None:
         self._freed.append((owner, token))
@@ -344,9 +424,18 @@ class SegmentReader:
                 log.exception("sending shared-memory releases failed")
 
     def close(self) -> None:
-        """Forget the mappings (live views keep theirs); idempotent."""
-        self.closed = True
-        self._maps.clear()
+        """Close the cached segment descriptors; idempotent."""
+        with self._lock:
+            self.closed = True
+            spare, self._spare, self._spare_bytes = self._spare, {}, 0
+        for buffers in spare.values():
+            for mm in buffers:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass   # an array being freed still holds it; it goes with the array
+        while self._fds:
+            os.close(self._fds.popitem()[1])
 
 
 def to_shm(frames: list, pool: SegmentPool, threshold: int) -> tuple[list, list]:
@@ -364,8 +453,7 @@ def to_shm(frames: list, pool: SegmentPool, threshold: int) -> tuple[list, list]
         seg = pool.acquire(nbytes)
         if seg is None:
             continue
-        src = frame if type(frame) is memoryview and frame.format == "B" else memoryview(frame).cast("B")
-        seg.mm[:nbytes] = src
+        seg.write(frame)
         if out is None:
             out = list(frames)
         out[i] = b""
@@ -389,8 +477,9 @@ def has_shm(frames: Sequence) -> bool:
 
 
 def from_shm(frames: Sequence, reader: SegmentReader | None, owner) -> list:
-    """Replace shared-memory descriptors with views; raises ``CodecError`` on
-    a malformed table or a segment that cannot be mapped."""
+    """Replace shared-memory descriptors with the bytes they describe (copied
+    out); raises ``CodecError`` on a malformed table or a segment that cannot
+    be read."""
     if reader is None:
         raise CodecError("shared-memory frames on a link without a shared-memory handshake")
     bufs = [getattr(f, "buffer", f) for f in frames[:-1]]
@@ -413,5 +502,5 @@ def from_shm(frames: Sequence, reader: SegmentReader | None, owner) -> list:
         if not 2 <= slot < len(bufs) or index in seen or len(bufs[slot]) != 0 or nbytes < 1:
             raise CodecError(f"shared-memory descriptor {entry!r} does not match the frames")
         seen.add(index)
-        bufs[slot] = reader.view(owner, name, generation, nbytes)
+        bufs[slot] = reader.read(owner, name, generation, nbytes)
     return bufs

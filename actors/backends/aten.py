@@ -15,21 +15,22 @@ import torch
 from tessera_actors.capture.aten import dtype_from_name
 from tessera_actors.graph import KernelGraph
 
+from .allow import KernelRefused, check_allocation, default_cap, resolve_allowed
+
 
 class BackendError(RuntimeError):
     """A kernel that cannot be bound or run on this device."""
 
 
 def resolve_op(name: str):
-    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``."""
-    try:
-        ns, op, overload = name.split(".")
-        return getattr(getattr(getattr(torch.ops, ns), op), overload)
-    except (ValueError, AttributeError) as e:
-        raise BackendError(f"unknown op {name!r} in this torch {torch.__version__}") from e
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``, for ops on the
+    allow-list only (``actors.backends.allow``; else ``KernelRefused``)."""
+    return resolve_allowed(name)
 
 
 class AtenProgram:
+    capturable = True   # its runs may be captured as CUDA graphs (see actors/streaming.py)
+
     def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
                  memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None) -> None:
         """Allocate the buffers ``buffer_ids`` on ``device``; those found in
@@ -44,6 +45,9 @@ class AtenProgram:
         if memory_limit is not None and need > memory_limit:
             raise BackendError(f"{device}: plan needs {need} bytes of buffers, budget is {memory_limit} "
                                f"(short by {need - memory_limit})")
+        self.cap = memory_limit if memory_limit is not None else default_cap(device)
+        if need > self.cap:
+            raise KernelRefused(f"{device}: plan needs {need} bytes of buffers, over the memory cap of {self.cap}")
         self.arena: dict[int, torch.Tensor] = {b: shared[b] for b in ids if b in shared}
         for b in own:
             self.arena[b] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, device=device)
@@ -59,6 +63,7 @@ class AtenProgram:
             base = self.arena[b]
         except KeyError:
             raise BackendError(f"buffer {b} is not resident on {self.device}") from None
+        _check_view(ref, item, base.numel())
         return torch.empty(0, dtype=dtype, device=self.device).set_(
             base.untyped_storage(), off // item, tuple(shape), tuple(stride))
 
@@ -100,9 +105,9 @@ class AtenProgram:
             if "dev" in v:
                 return self.device
             if "layout" in v:
-                return getattr(torch, v["layout"])
+                return _torch_constant(v["layout"], torch.layout)
             if "mf" in v:
-                return getattr(torch, v["mf"])
+                return _torch_constant(v["mf"], torch.memory_format)
             raise BackendError(f"unknown argument record {v!r}")
         if isinstance(v, list):
             return [self._arg(x) for x in v]
@@ -120,6 +125,7 @@ class AtenProgram:
         op = resolve_op(p["op"])
         args = self._arg(p["args"])
         kwargs = {n: self._arg(v) for n, v in p["kwargs"].items()}
+        check_allocation(p["op"], op, args, kwargs, self.cap)
         copies = [(i, self.view(o["ref"]["t"])) for i, o in enumerate(p["outs"])
                   if o is not None and not o["alias"]]
         if not copies:
@@ -140,3 +146,23 @@ class AtenProgram:
     def run(self, kernel_ids: Iterable[int]) -> None:
         for kid in kernel_ids:
             self.bind(kid)()
+
+
+def _torch_constant(name, kind: type):
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, kind):
+        raise KernelRefused(f"{name!r} is not a torch {kind.__name__}")
+    return value
+
+
+def _check_view(ref, item: int, storage_bytes: int) -> None:
+    """A tensor reference must stay inside its buffer (no negative strides or offsets)."""
+    _, off, shape, stride, _ = ref
+    if not (isinstance(off, int) and off >= 0 and off % item == 0 and len(shape) == len(stride)
+            and all(isinstance(x, int) and x >= 0 for x in (*shape, *stride))):
+        raise KernelRefused(f"malformed tensor reference {ref!r}")
+    if 0 in shape:
+        return
+    last = off + item * (1 + sum((n - 1) * s for n, s in zip(shape, stride)))
+    if last > storage_bytes:
+        raise KernelRefused(f"tensor reference {ref!r} reaches byte {last} of a {storage_bytes}-byte buffer")

@@ -18,6 +18,7 @@ import torch
 from tessera_actors.capture import inductor_hooks as hooks
 from tessera_actors.capture.inductor_match import triton_source
 
+from .allow import check_triton_record
 from .aten import AtenProgram, BackendError
 
 
@@ -26,14 +27,15 @@ class TritonProgram(AtenProgram):
         k = self.graph.kernels[kid]
         if k.kind != "ptx":
             return super()._bind(kid)
-        if self.device.type != "cuda":
-            raise BackendError(f"kernel {kid} ({k.name}) is a Triton kernel: it needs a CUDA device, "
-                               f"not {self.device}")
         p = k.payload
         if not isinstance(p, dict) or "triton" not in p:
             raise BackendError(f"kernel {kid} ({k.name}): payload is not a Triton launch record")
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         source = triton_source(self.graph, p.get("key", ""))
+        file = check_triton_record(p, bool(source))
+        if self.device.type != "cuda":
+            raise BackendError(f"kernel {kid} ({k.name}) is a Triton kernel: it needs a CUDA device, "
+                               f"not {self.device}")
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         args = [self._arg(a) for a in p["args"]]
         kwargs = {n: self._arg(v) for n, v in (p.get("kwargs") or {}).items()}
         loaded: list = []
@@ -43,7 +45,7 @@ class TritonProgram(AtenProgram):
             from .cuda import current_green
             green = current_green()
             try:
-                loaded.append(hooks.load_autotuner(p.get("file", ""), p["triton"], source, p.get("config") or {},
+                loaded.append(hooks.load_autotuner(file, p["triton"], source, p.get("config") or {},
                                                    device=index, context=green))
             except Exception as e:
                 raise BackendError(f"kernel {kid} ({k.name}): cannot load the Triton kernel: {e}") from e

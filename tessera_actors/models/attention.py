@@ -15,6 +15,10 @@ tensor ops, so one recorded program serves every position, chunked prefill
 included (a prompt chunk at positions p..p+T-1 is causal within itself and
 sees the cache before it); stale slots are masked, never read.  Rows are
 independent sequences, so rows may sit at different positions.
+``kv_window`` (an attribute, 0 = the whole cache; serving sets it while
+capturing a bucket) limits what is read to the first ``kv_window`` slots:
+a step whose positions all lie below it needs no more, so a short context
+costs a short attention.  Writes still go to the whole cache.
 
 GQA (``gqa``):
   ``"fold"`` (default): the ``G = n_heads / n_kv_heads`` query heads of a KV
@@ -65,6 +69,7 @@ class CachedAttention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.row_base = 0  # without ``rows``: the batch uses cache rows row_base .. row_base+B-1
+        self.kv_window = 0  # > 0: read only the first kv_window slots (every position of the step is below it)
         # sinks: one zero slot for the sink logit, padded so rows stay 16-element aligned for the kernels
         slots = max_seq + ((16 - max_seq % 16) if sinks else 0)
         register_state(self, "k_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
@@ -85,13 +90,24 @@ class CachedAttention(nn.Module):
         # [rows, S, KV, hd] views: (row, position) index pairs address [KV, hd] slices
         k_cache.transpose(1, 2).index_put_((where, positions), k.to(k_cache.dtype))
         v_cache.transpose(1, 2).index_put_((where, positions), v.to(v_cache.dtype))
+        W = self._window()
         if rows is not None:
-            k_cache, v_cache = self.k_cache.index_select(0, rows), self.v_cache.index_select(0, rows)
+            k_cache, v_cache = (self.k_cache[:, :, :W].index_select(0, rows),
+                                self.v_cache[:, :, :W].index_select(0, rows))
+        elif W < self.k_cache.shape[2]:
+            k_cache, v_cache = k_cache[:, :, :W], v_cache[:, :, :W]
         return k_cache, v_cache
+
+    def _window(self) -> int:
+        if not self.kv_window:
+            return self.k_cache.shape[2]
+        if self.sinks is not None:
+            raise ValueError("kv_window is not supported with attention sinks")
+        return min(self.kv_window, self.max_seq)
 
     def _mask(self, positions: Tensor, dtype: torch.dtype) -> Tensor:
         """[B, 1, T, S] bool (True = attend), or additive with the sink column."""
-        S = self.max_seq
+        S = self.max_seq if not self.kv_window else self._window()
         slots = torch.arange(S, device=positions.device)
         pos = positions[:, None, :, None]
         mask = slots <= pos

@@ -34,6 +34,7 @@ class EngineConfig:
     max_queue: int = 256
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     prefill_buckets: tuple[int, ...] = (32, 128)
+    kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
     planner: str = "contiguous"
     mode: str = "auto"
     groups: int = 2
@@ -66,6 +67,10 @@ class EngineConfig:
         if any(b < 1 for b in self.prefill_buckets):
             raise bad(f"prefill_buckets must be positive sizes, got {self.prefill_buckets}")
         self.prefill_buckets = tuple(b for b in self.prefill_buckets if b < self.max_model_len)
+        if self.kv_windows is None:
+            self.kv_windows = (512,) if self.max_model_len > 512 else ()
+        self.kv_windows = tuple(sorted({int(w) for w in self.kv_windows if 0 < int(w) < self.max_model_len}
+                                       | {self.max_model_len}))
         if self.mode not in ("latency", "throughput", "auto"):
             raise bad(f"mode must be latency, throughput or auto, got {self.mode!r}")
         if self.groups < 1:

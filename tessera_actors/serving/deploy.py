@@ -7,7 +7,10 @@ A *bucket* is one captured shape of the model's forward:
 * ``prefill:C`` - a chunk of ``C`` prompt tokens of one sequence into its
   own KV row (inputs ``input_ids`` [1, C], ``positions`` [1, C], ``rows``
   [1], ``last`` [1]: only the logits of the chunk's last real token are
-  computed).
+  computed);
+* either with ``~W``: attention reads only the first ``W`` cache slots
+  (``kv_windows``; the engine picks the smallest window above the step's
+  positions), so short contexts cost short attentions.
 
 Every bucket is captured on the meta device (no arithmetic, so capturing a
 real-size model takes well under a second per bucket), and its weight and
@@ -37,10 +40,25 @@ class Bucket:
     kind: str          # "decode" | "prefill"
     size: int          # rows (decode) or tokens (prefill)
     base: int = 0      # first KV row (decode)
+    window: int = 0    # attention reads the first ``window`` KV slots (0: all)
 
     @property
     def name(self) -> str:
-        return f"decode:{self.size}@{self.base}" if self.kind == "decode" else f"prefill:{self.size}"
+        return bucket_name(self.kind, self.size, self.base, self.window)
+
+
+def bucket_name(kind: str, size: int, base: int = 0, window: int = 0) -> str:
+    name = f"decode:{size}@{base}" if kind == "decode" else f"prefill:{size}"
+    return f"{name}~{window}" if window else name
+
+
+def window_for(cfg: EngineConfig, last_position: int) -> int:
+    """The window of a step whose largest real position is ``last_position``
+    (0 = the whole cache)."""
+    for w in cfg.kv_windows:
+        if last_position < w < cfg.max_model_len:
+            return w
+    return 0
 
 
 def decode_sizes(cfg: EngineConfig, limit: int) -> list[int]:
@@ -55,15 +73,17 @@ def buckets_for(cfg: EngineConfig) -> list[Bucket]:
     the reference the planner places first."""
     ref = Bucket("decode", cfg.max_seqs, 0)
     seen: dict[str, Bucket] = {ref.name: ref}
+    windows = [w for w in cfg.kv_windows if w < cfg.max_model_len] + [0]
     layouts = [1] if cfg.mode == "latency" else ([cfg.groups] if cfg.mode == "throughput" else [1, cfg.groups])
-    for groups in layouts:
-        for lo, hi in cfg.group_bounds(groups):
-            for size in decode_sizes(cfg, hi - lo):
-                b = Bucket("decode", size, lo)
-                seen.setdefault(b.name, b)
-    for size in cfg.prefill_buckets:
-        b = Bucket("prefill", size)
-        seen.setdefault(b.name, b)
+    for w in windows:
+        for groups in layouts:
+            for lo, hi in cfg.group_bounds(groups):
+                for size in decode_sizes(cfg, hi - lo):
+                    b = Bucket("decode", size, lo, w)
+                    seen.setdefault(b.name, b)
+        for size in cfg.prefill_buckets:
+            b = Bucket("prefill", size, 0, w)
+            seen.setdefault(b.name, b)
     return list(seen.values())
 
 
@@ -78,17 +98,24 @@ def bucket_inputs(bucket: Bucket, device: str | torch.device = "meta") -> dict[s
 
 
 @contextlib.contextmanager
-def row_base(model: torch.nn.Module, base: int):
-    """Decode into KV rows ``base ..`` while capturing (attention ``row_base``)."""
+def shaped(model: torch.nn.Module, bucket: Bucket):
+    """Capture-time constants of a bucket on the attention modules: the first
+    KV row of a decode group (``row_base``) and the window (``kv_window``)."""
     mods = [m for m in model.modules() if hasattr(m, "row_base")]
-    old = [m.row_base for m in mods]
+    if bucket.window and any(not hasattr(m, "kv_window") for m in mods):
+        raise EngineError("this model's attention has no kv_window; serve it with kv_windows=()")
+    old = [(m.row_base, getattr(m, "kv_window", 0)) for m in mods]
     for m in mods:
-        m.row_base = base
+        m.row_base = bucket.base
+        if hasattr(m, "kv_window"):
+            m.kv_window = bucket.window
     try:
         yield
     finally:
-        for m, b in zip(mods, old):
+        for m, (b, w) in zip(mods, old):
             m.row_base = b
+            if hasattr(m, "kv_window"):
+                m.kv_window = w
 
 
 @dataclass
@@ -128,15 +155,23 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
     try:
-        key = tuple(sorted(kw.items()))
-        try:
-            hash(key)
-        except TypeError:   # an unhashable override (a dict): build it afresh
-            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+        if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
+            from ..models import hf
+            cfg.kv_windows = (cfg.max_model_len,)   # its attention reads the whole cache
+            real = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   **cfg.overrides)
+            meta = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   device="meta", **cfg.overrides)
         else:
-            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
-        meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
-    except (KeyError, TypeError) as e:
+            key = tuple(sorted(kw.items()))
+            try:
+                hash(key)
+            except TypeError:   # an unhashable override (a dict): build it afresh
+                real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+            else:
+                real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
+            meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
     params = inspect.signature(real.forward).parameters
     if not {"input_ids", "positions", "rows", "last"} <= set(params):
@@ -147,7 +182,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
     state = set(real.state_names())
     graphs, values, buckets = {}, {}, {}
     for b in buckets_for(cfg):
-        with row_base(meta, b.base):
+        with shaped(meta, b):
             cap = capture_module(meta, bucket_inputs(b))
         vals = {}
         for buf in cap.graph.buffers.values():
@@ -161,7 +196,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
                 raise EngineError(f"bucket {b.name}: {buf.name!r} is written but is not a state buffer")
         graphs[b.name], values[b.name], buckets[b.name] = cap.graph, vals, b
     meta_gguf = None
-    if cfg.model == "smollm2":
+    if cfg.model in ("smollm2", "hf:smollm2"):
         from ..models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0

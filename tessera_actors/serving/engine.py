@@ -36,7 +36,7 @@ from typing import AsyncIterator
 from ..planning.monitor import Monitor
 from .batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
 from .config import EngineConfig
-from .deploy import decode_sizes, load_served_model
+from .deploy import bucket_name, decode_sizes, load_served_model, window_for
 from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from .runtime import Runtime, StepFailed
 from .text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
@@ -298,7 +298,7 @@ class AsyncEngine:
         if "prefill" not in busy and self._prefill:
             req = self._prefill[0]
             size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
-            bucket = f"prefill:{size}"
+            bucket = bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
             inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
@@ -308,7 +308,7 @@ class AsyncEngine:
             lo, hi = self.slots.bounds[g]
             size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
                                                  self.max_model_len)
-            bucket = f"decode:{size}@{lo}"
+            bucket = bucket_name("decode", size, lo, window_for(self.cfg, max(r.seq.position for r in reqs)))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
             inflight[task] = (key, reqs, 0, bucket)
 

@@ -1,0 +1,229 @@
+"""Weights homed in host memory and streamed to the device ahead of use: the
+executor side of ``tessera_actors/planning/offload.py``.
+
+A plan made by the offload planner says in ``meta["offload"]`` which weight
+buffers the budgeted device streams (``streamed``, in the order of their
+readers), into how many staging slots (``slots``) of ``slot_bytes`` each.
+:func:`program_for` gives that device a :class:`StreamingProgram`: an
+:class:`~actors.backends.aten.AtenProgram` whose streamed weights live in
+host memory (pinned on CUDA) and whose kernels read them from a slot.
+
+Contract of a step (every method runs on the device actor's worker thread):
+
+* copy ``i`` goes to slot ``i % slots`` on the program's own copy stream,
+  after the event recorded behind the reader of copy ``i - slots`` (a slot is
+  never overwritten while a kernel may still read it);
+* the reader of copy ``i`` waits on the compute stream for the event behind
+  copy ``i``, so the copy overlaps the kernels before it;
+* copies ``0 .. slots-1`` of a step are queued when its first kernel on this
+  device runs, each later one right after the reader of the copy it
+  replaces, so the copy stream stays ``slots - 1`` weights ahead.
+
+On CPU the copies run when queued and every event is complete at once, so CI
+runs this same order.  The device's ``mem=`` budget counts the resident
+buffers and the slots, not the host homes.  The segment runner does not
+capture a streaming program's chunks (``capturable = False``); the program
+captures the pieces *between* streamed readers itself (eager the first
+time, one CUDA graph the second, replayed after; ``graphs`` from the
+runner), so copies and events stay outside graphs and prefetch crosses
+chunks (copies overlap the CPU's kernels between two GPU chunks).
+
+:class:`Throttle` slows a program down by a factor (``cpu?slow=4``): every
+kernel run is followed by a sleep of ``(slow - 1)`` times its duration, the
+stand-in for another process taking the cores, for load-aware re-planning.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from actors.backends.aten import AtenProgram, BackendError
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import Plan
+
+
+def streamed_buffers(plan: Plan, device: int) -> list[int]:
+    """The weight buffers device ``device`` streams under ``plan`` (copy order)."""
+    off = plan.meta.get("offload") or {}
+    return list(off.get("streamed", ())) if off.get("device") == device else []
+
+
+class StreamingProgram(AtenProgram):
+    capturable = False
+
+    def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
+                 streamed: Sequence[int], slots: int, slot_bytes: int, backend: Any,
+                 memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None,
+                 graphs: bool = False) -> None:
+        ids = set(buffer_ids)
+        self.streamed = [b for b in streamed if b in ids]
+        if self.streamed and slots < 1:
+            raise BackendError(f"{device}: {len(self.streamed)} streamed weights but no staging slot")
+        staging = slots * slot_bytes if self.streamed else 0
+        own = sum(graph.buffers[b].nbytes for b in ids - set(self.streamed) if b not in (shared or {}))
+        if memory_limit is not None and own + staging > memory_limit:
+            raise BackendError(f"{device}: plan needs {own} bytes of buffers and {staging} of staging, "
+                               f"budget is {memory_limit} (short by {own + staging - memory_limit})")
+        super().__init__(graph, device, ids - set(self.streamed), memory_limit, shared)
+        self.nbytes = own + staging
+        self.backend, self.slots = backend, slots
+        pin = device.type == "cuda"
+        self.home = {b: torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+                     for b in self.streamed}
+        self.slot = [torch.zeros(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
+        for i, b in enumerate(self.streamed):
+            if graph.buffers[b].nbytes > slot_bytes:
+                raise BackendError(f"weight {b} ({graph.buffers[b].nbytes} bytes) exceeds a slot of {slot_bytes}")
+            self.arena[b] = self.slot[i % slots]   # views bind to the slot's own storage
+        self.index = {}                             # reader kernel -> copy indices
+        for k in graph.kernels:
+            for a in k.accesses:
+                if a.buffer in self.home:
+                    i = self.streamed.index(a.buffer)
+                    if i not in self.index.get(k.id, []):
+                        self.index.setdefault(k.id, []).append(i)
+        readers: dict[int, int] = {}
+        for idx in self.index.values():
+            for i in idx:
+                readers[i] = readers.get(i, 0) + 1
+        many = [self.streamed[i] for i, n in readers.items() if n > 1]
+        if many:
+            raise BackendError(f"streamed weights {many[:4]} have several reader kernels; a slot is freed after "
+                               "the one reader of its weight")
+        self.copy_stream = backend.stream(priority=-1) if self.streamed else None
+        self.copied: list[Any] = [None] * len(self.streamed)   # event behind copy i of this step
+        self.freed: list[Any] = [None] * max(slots, 1)          # (event,) behind the last reader of a slot
+        self.first: int | None = None                           # first kernel of this device in a step
+        self.copies = 0
+        self.copied_bytes = 0
+        # pieces between streamed readers: None = warmed up (eager), else a replay
+        self.units: dict[tuple[int, int], Any] = {}
+        self.graphs = graphs
+        self.pool = None
+        self.replays = self.graphs_failed = 0
+        self.capture_error = ""
+
+    def load(self, values: dict[int, torch.Tensor]) -> None:
+        for b, v in values.items():
+            if b in self.home:
+                self.home[b][: v.numel()].copy_(v.reshape(-1).view(torch.uint8))
+        super().load({b: v for b, v in values.items() if b not in self.home})
+
+    def bind(self, kid: int):
+        self.first = kid if self.first is None else min(self.first, kid)
+        return super().bind(kid)
+
+    def _issue(self, i: int) -> None:
+        be, b = self.backend, self.streamed[i]
+        slot = self.slot[i % self.slots]
+        if self.freed[i % self.slots] is not None:
+            be.wait(self.copy_stream, self.freed[i % self.slots][0])
+        n = self.graph.buffers[b].nbytes
+        be.copy(self.copy_stream, slot[:n], self.home[b][:n])
+        self.copied[i] = (be.record(self.copy_stream),)   # a tuple: the CPU seam's events are None
+        self.copies += 1
+        self.copied_bytes += n
+
+    def run(self, kernel_ids: Iterable[int]) -> None:
+        if not self.streamed:
+            return super().run(kernel_ids)
+        be = self.backend
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        m, S = len(self.streamed), self.slots
+        piece: list[int] = []
+        for kid in kernel_ids:
+            if kid == self.first:   # a new step: the first copies go out at once
+                self.copied = [None] * m
+                for i in range(min(S, m)):
+                    self._issue(i)
+            mine = self.index.get(kid, ())
+            if not mine:
+                piece.append(kid)
+                continue
+            self._piece(piece, compute)
+            piece = []
+            for i in mine:
+                if self.copied[i] is None:
+                    raise BackendError(f"kernel {kid} reads streamed weight {self.streamed[i]} before its copy "
+                                       "was queued (plan out of copy order)")
+                be.wait(compute, self.copied[i][0])
+            self._piece([kid], compute)
+            for i in mine:
+                self.freed[i % S] = (be.record(compute),)
+                if i + S < m:
+                    self._issue(i + S)
+        self._piece(piece, compute)
+
+    def _piece(self, kernels: list[int], compute) -> None:
+        """Run kernels between two streamed readers: eagerly the first time,
+        captured (one CUDA graph, one memory pool for all pieces) the second,
+        replayed from then on; copies and events stay outside the graphs."""
+        if not kernels:
+            return
+        key = (kernels[0], len(kernels))
+        unit = self.units.get(key)
+        if unit is not None:
+            unit()
+            self.replays += 1
+            return
+
+        def eager() -> None:
+            for kid in kernels:
+                self.bind(kid)()
+        if not self.graphs or key not in self.units:
+            eager()
+            self.units.setdefault(key, None)
+            return
+        if self.pool is None and self.device.type == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            unit = self.backend.replayable(eager, compute, pool=self.pool, warmup=False)
+        except Exception as e:   # e.g. a kernel that syncs with the host: this piece stays eager
+            self.capture_error = f"{key}: {type(e).__name__}: {e}"
+            self.graphs_failed += 1
+            self.units[key] = None
+            self.graphs = self.graphs and self.graphs_failed < 4
+            eager()
+            return
+        self.units[key] = unit
+        unit()
+        self.replays += 1
+
+
+class Throttle:
+    """Wraps a program's ``run``: each call takes ``slow`` times as long."""
+
+    def __init__(self, prog: AtenProgram, slow: float) -> None:
+        self.prog, self.slow = prog, slow
+        self._run = prog.run
+        prog.run = self.run
+
+    def run(self, kernel_ids: Iterable[int]) -> None:
+        t0 = time.perf_counter()
+        self._run(kernel_ids)
+        spent = time.perf_counter() - t0
+        time.sleep(spent * (self.slow - 1))
+
+
+def program_for(cls: type[AtenProgram], graph: KernelGraph, plan: Plan, device: int, runner: Any,
+                memory_limit: int | None, shared: dict[int, torch.Tensor], slow: float = 1.0) -> AtenProgram:
+    """The program of device ``device`` of ``plan``: a :class:`StreamingProgram`
+    when it streams weights (aten graphs only), else ``cls``; throttled when
+    ``slow > 1``."""
+    streamed = streamed_buffers(plan, device)
+    if streamed:
+        if cls is not AtenProgram:
+            raise BackendError("weight streaming runs aten-captured graphs only")
+        off = plan.meta["offload"]
+        prog = StreamingProgram(graph, runner.device, plan.resident[device], streamed, int(off["slots"]),
+                                int(off["slot_bytes"]), runner.backend, memory_limit, shared, runner.graphs)
+    else:
+        prog = cls(graph, runner.device, plan.resident[device], memory_limit=memory_limit, shared=shared)
+    if slow > 1.0:
+        Throttle(prog, slow)
+    return prog
+
+
+__all__ = ["StreamingProgram", "Throttle", "program_for", "streamed_buffers"]

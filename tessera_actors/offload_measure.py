@@ -1,0 +1,100 @@
+"""Rates for offload planning, measured on the machine: the CPU's GEMV
+DRAM rate beside a pinned host-to-device copy stream and that copy's rate
+(GPU machines), and the cost of one activation hand-off between two device
+actors.  Called by ``tessera bench offload`` before any memory budget caps
+the GPU's allocator."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from . import models
+from .capture import capture_module
+from .devices import DeviceSpec
+from .offload_run import deploy
+from .plan import single_device_plan
+from .system import ActorSystem
+
+
+def measure_rates(threads: int | None, gpu_index: int, seconds: float = 1.5) -> dict:
+    """CPU bf16 GEMV DRAM rate at ``threads`` while a pinned host-to-device
+    copy stream runs beside it, and that copy's rate (DESIGN.md's method:
+    matrices cycled so none stays in cache)."""
+    mats = [torch.full((4096, 4096), 0.01, dtype=torch.bfloat16) for _ in range(40)]   # 1.3 GB
+    x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
+    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(256 << 20, dtype=torch.uint8, device=f"cuda:{gpu_index}")
+    stop = time.perf_counter() + seconds
+    res = {}
+
+    def gemv() -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() < stop:
+            for m in mats:
+                x @ m
+            n += 1
+        res["cpu_gemv_bps"] = n * sum(m.numel() * 2 for m in mats) / (time.perf_counter() - t0)
+
+    def copy() -> None:
+        s = torch.cuda.Stream(gpu_index)
+        n, t0 = 0, time.perf_counter()
+        with torch.cuda.stream(s):
+            while time.perf_counter() < stop:
+                dev.copy_(host, non_blocking=True)
+                s.synchronize()
+                n += 1
+        res["pcie_bps"] = n * host.numel() / (time.perf_counter() - t0)
+    ts = [threading.Thread(target=gemv), threading.Thread(target=copy)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return res
+
+
+async def measure_switch(model: str, dtype: torch.dtype, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:
+    """Seconds one activation hand-off between the two device actors costs:
+    a tiny model's decode step alone on each device and split into many
+    alternating runs; the extra time of the split over the kernel-weighted
+    mean of the two, per device change."""
+    from .plan import build_plan, legal_cuts
+    from .capture.aten import storage_bytes
+    # captured on the meta device: device-neutral kernels (a CPU capture would record CPU-only fused ops)
+    m = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64)
+    meta = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64, device="meta")
+    cap = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()})
+    named = dict(m.named_parameters())
+    named.update(dict(m.named_buffers()))
+    g = cap.graph
+    values = {b.id: storage_bytes(named[b.name]) for b in g.buffers.values()
+              if b.role in ("weight", "state") and b.name in named}
+    ok = legal_cuts(g)
+    assign, d, run = [], 0, 0
+    for k in range(len(g.kernels)):
+        if run >= 6 and ok[k]:
+            d, run = 1 - d, 0
+        assign.append(d)
+        run += 1
+    plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name
+    split = build_plan(g, [plain, cpu.name], assign, name="switch")
+    switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
+    times = []
+    for plan in (single_device_plan(g, plain), single_device_plan(g, cpu.name), split):
+        async with ActorSystem("offload-switch") as system:
+            dep = await deploy(system, g, plan, values)
+            for i in range(3 + steps):
+                if i == 3:
+                    dep.reset_counters()
+                await dep.step({"input_ids": torch.tensor([[1 + i % 7]]), "positions": torch.tensor([i])},
+                               outputs=False)
+            times.append(dep.wall_s / dep.counted)
+            await dep.close()
+    f = assign.count(1) / len(assign)
+    return max(times[2] - ((1 - f) * times[0] + f * times[1]), 0.0) / max(switches, 1)
+
+
+__all__ = ["measure_rates", "measure_switch"]

@@ -1,0 +1,415 @@
+"""Placement of a model bigger than the GPU's memory budget (ATSInfer's
+problem): every *heavy* weight gets one of three homes per step -
+
+* ``R``: resident on the GPU (counts against the budget);
+* ``S``: homed in pinned host memory and streamed into one of ``slots``
+  GPU staging buffers on the copy stream ahead of its (single) reader,
+  which then runs on the GPU; copy ``i`` goes to slot ``i % slots`` and
+  starts once the reader of copy ``i - slots`` has finished (double
+  buffering for ``slots = 2``);
+* ``C``: homed on the CPU, whose kernels read it there.
+
+The budget is a hard constraint on everything the GPU device allocates:
+resident weights, KV cache, activations, the staging slots and ``reserve``
+bytes for transient op results.  Light kernels (no heavy weight, no state)
+run on the CPU only between two CPU kernels; state kernels (KV cache) stay on
+the GPU.  Choices come from measured rates: a :class:`CostTable` (kernel
+times on both devices, activation links) and ``pcie_bps``, the pinned
+host-to-device rate while the CPU computes.  :func:`estimate_rates` gives the
+DESIGN.md numbers when nothing was measured.
+
+The step model (:func:`simulate`) is a chain in program order: a kernel
+starts when the previous one ended (plus a link latency and the bytes of
+its inputs when the device changes) and, if it reads a streamed weight, when
+that copy ended; the copy engine runs copies one at a time in order.
+
+Baselines from the same rates and the same model live in
+``offload_baselines.py`` (GPU-only, layer offload, streaming, the ideal).
+Pure Python; no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..devices import DeviceSpec
+from ..graph import KernelGraph
+from ..plan import Plan, PlanError, build_plan
+from .costs import CostTable, DeviceModel, device_model
+
+# DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
+# beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
+CPU_GEMV_BPS = {1: 6e9, 2: 11e9, 4: 22e9, 8: 47e9, 12: 46e9, 16: 14.5e9}
+PCIE_BPS = 55e9
+
+
+def host_model(threads: int | None) -> DeviceModel:
+    """CPU rates at ``threads`` (None: 16) while a copy stream runs beside it."""
+    t = min(threads or 16, 16)
+    known = sorted(CPU_GEMV_BPS)
+    lo = max(k for k in known if k <= t)
+    hi = min(k for k in known if k >= t)
+    bw = CPU_GEMV_BPS[lo] if lo == hi else (
+        CPU_GEMV_BPS[lo] + (t - lo) / (hi - lo) * (CPU_GEMV_BPS[hi] - CPU_GEMV_BPS[lo]))
+    return DeviceModel(f"cpu-t{t}", 1.0e12 * t / 16, bw, 5e-6)
+
+
+SWITCH_S = 200e-6   # one activation hand-off between two device actors (messages, not the wire)
+GATHERS = ("embedding", "index", "index_select", "gather")
+
+
+def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float = SWITCH_S,
+                   cpu_bps: float | None = None) -> CostTable:
+    """Roofline kernel times: cuda devices from the H200 preset, cpu devices
+    from :func:`host_model` at their thread count (``cpu_bps``: a measured
+    DRAM rate of the unbudgeted cpu device instead); a gather (embedding)
+    reads what it writes, not its whole table.  Links: ``switch_s`` latency."""
+    specs = [DeviceSpec.parse(d) for d in devices]
+    models = [host_model(s.threads) if s.kind == "cpu" else device_model(s) for s in specs]
+    if cpu_bps:
+        for i, s in enumerate(specs):
+            if s.kind == "cpu" and s.mem is None:
+                models[i] = DeviceModel(f"cpu-measured-t{s.threads}", models[i].flops_per_s, cpu_bps,
+                                        models[i].launch_s)
+    costs = CostTable.estimate(graph, list(devices), models)
+    for k in graph.kernels:
+        if k.name in GATHERS:
+            nb = 2.0 * sum(a.nbytes for a in k.accesses if a.writes)
+            costs.times[k.id] = [m.launch_s + nb / m.bytes_per_s for m in models]
+    n = len(specs)
+    costs.latency = [[0.0 if a == b else max(costs.latency[a][b], switch_s) for b in range(n)] for a in range(n)]
+    return costs
+
+
+@dataclass
+class Placement:
+    """An offload decision: ``choice[u]`` in R/S/C per heavy unit, the kernel
+    assignment it implies, the streamed buffers in copy order, the slots."""
+
+    assignment: list[int]
+    streamed: list[int]
+    slots: int
+    slot_bytes: int
+    choice: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    busy_s: tuple[float, ...]     # per device
+    pcie_s: float
+    pcie_bytes: int
+
+
+class Offload:
+    """The graph's units and the budget of one (gpu, cpu) pair."""
+
+    def __init__(self, graph: KernelGraph, devices: Sequence[str], costs: CostTable,
+                 pcie_bps: float = PCIE_BPS, reserve: int = 0, heavy_fraction: float = 0.01) -> None:
+        self.graph, self.devices, self.costs, self.pcie_bps, self.reserve = graph, list(devices), costs, pcie_bps, reserve
+        specs = [DeviceSpec.parse(d) for d in devices]
+        budgeted = [i for i, s in enumerate(specs) if s.mem is not None]
+        if len(specs) != 2 or len(budgeted) != 1 or specs[1 - budgeted[0]].kind != "cpu":
+            raise PlanError(f"offload needs one budgeted device (mem=) and one cpu device, got {list(devices)}")
+        self.gpu, self.cpu = budgeted[0], 1 - budgeted[0]
+        self.budget = specs[self.gpu].mem
+        weights: dict[int, int] = {}       # weight buffer -> unit (union of weights read by one kernel)
+        self.readers: dict[int, list[int]] = {}
+        parent: dict[int, int] = {}
+
+        def find(b: int) -> int:
+            while parent[b] != b:
+                parent[b] = parent[parent[b]]
+                b = parent[b]
+            return b
+        for k in graph.kernels:
+            ws = sorted({a.buffer for a in k.accesses if graph.buffers[a.buffer].role == "weight"})
+            for b in ws:
+                parent.setdefault(b, b)
+                self.readers.setdefault(b, []).append(k.id)
+            for b in ws[1:]:
+                parent[find(b)] = find(ws[0])
+        for b in parent:
+            weights[b] = find(b)
+        units: dict[int, list[int]] = {}
+        for b, u in sorted(weights.items()):
+            units.setdefault(u, []).append(b)
+        size = {u: sum(graph.buffers[b].nbytes for b in bs) for u, bs in units.items()}
+        top = max(size.values(), default=0)
+        self.units = {u: bs for u, bs in units.items() if size[u] >= heavy_fraction * top and size[u] > 0}
+        self.size = {u: size[u] for u in self.units}
+        self.kernels = {u: sorted({k for b in bs for k in self.readers[b]}) for u, bs in self.units.items()}
+        self.unit_of = {k: u for u, ks in self.kernels.items() for k in ks}
+        self.state = {k.id for k in graph.kernels
+                      if any(graph.buffers[a.buffer].role == "state" for a in k.accesses)}
+        self.streamable = {u for u, ks in self.kernels.items() if len(ks) == 1 and u_not_state(ks, self.state)}
+        self.groups = graph.state_groups()
+        self.in_edges: list[list] = [[] for _ in graph.kernels]
+        for e in graph.edges:
+            if e.kind == "RAW":
+                self.in_edges[e.dst].append(e)
+
+    # -- unit costs ------------------------------------------------------
+    def t(self, u: int, d: int) -> float:
+        return sum(self.costs.times[k][d] for k in self.kernels[u])
+
+    def stream_s(self, u: int) -> float:
+        return self.size[u] / self.pcie_bps
+
+    # -- from choices to kernels ----------------------------------------
+    def assignment(self, choice: dict[int, str]) -> list[int]:
+        g, gpu, cpu = self.graph, self.gpu, self.cpu
+        n = len(g.kernels)
+        fixed = [None] * n
+        for u, c in choice.items():
+            for k in self.kernels[u]:
+                fixed[k] = cpu if c == "C" else gpu
+        out = [gpu] * n
+        prev = None
+        nxt = [None] * (n + 1)
+        for k in range(n - 1, -1, -1):
+            nxt[k] = fixed[k] if fixed[k] is not None else nxt[k + 1]
+        for k in range(n):
+            if fixed[k] is not None:
+                out[k] = prev = fixed[k]
+            else:
+                out[k] = cpu if (prev == cpu and nxt[k + 1] == cpu) else gpu
+        for k in g.kernels:   # an indirect kernel keeps its neighbours
+            if k.indirect:
+                for m in (k.id - 1, k.id + 1):
+                    if 0 <= m < n:
+                        out[m] = out[k.id]
+        for group in self.groups:   # a state buffer (KV cache) lives on one device
+            if len({out[k] for k in group}) > 1:
+                for k in group:
+                    out[k] = gpu
+        return out
+
+    def placement(self, choice: dict[int, str], slots: int) -> Placement:
+        streamed = sorted((b for u, c in choice.items() if c == "S" for b in self.units[u]),
+                          key=lambda b: self.readers[b][0])
+        slot_bytes = max((self.graph.buffers[b].nbytes for b in streamed), default=0)
+        return Placement(self.assignment(choice), streamed, slots if streamed else 0, slot_bytes, dict(choice))
+
+    def gpu_bytes(self, p: Placement) -> int:
+        """Bytes the GPU device allocates for placement ``p`` (as the streaming
+        program does: its resident buffers but the streamed ones, the slots)."""
+        g, gpu = self.graph, self.gpu
+        held = {a.buffer for k in g.kernels if p.assignment[k.id] == gpu for a in k.accesses}
+        for k in g.kernels:   # bytes received from the cpu
+            if p.assignment[k.id] == gpu:
+                held.update(e.buffer for e in self.in_edges[k.id] if p.assignment[e.src] != gpu)
+        held -= set(p.streamed)
+        return sum(g.buffers[b].nbytes for b in held) + p.slots * p.slot_bytes + self.reserve
+
+    # -- the step model --------------------------------------------------
+    def simulate(self, p: Placement) -> StepTime:
+        g, costs, gpu = self.graph, self.costs, self.gpu
+        a, streamed, S = p.assignment, p.streamed, max(p.slots, 1)
+        idx = {b: i for i, b in enumerate(streamed)}
+        nbytes = [g.buffers[b].nbytes for b in streamed]
+        copy_end: dict[int, float] = {}
+        slot_free = [0.0] * S
+        engine = [0.0]
+
+        def issue(i: int) -> None:
+            start = max(engine[0], slot_free[i % S])
+            engine[0] = copy_end[i] = start + nbytes[i] / self.pcie_bps
+        for i in range(min(S, len(streamed))):
+            issue(i)
+        busy = [0.0, 0.0]
+        arrived: set = set()
+        end, prev = 0.0, None
+        for k in g.kernels:
+            d = a[k.id]
+            t = end
+            moved = 0
+            for e in self.in_edges[k.id]:
+                if a[e.src] != d and (e.src, d, e.buffer) not in arrived:
+                    arrived.add((e.src, d, e.buffer))
+                    moved += e.nbytes
+            if moved or (prev is not None and prev != d):
+                t += costs.comm_s(1 - d, d, moved)
+            mine = [idx[b] for b in self._streamed_reads(k.id, idx)] if d == gpu else []
+            for i in mine:
+                t = max(t, copy_end[i])
+            end = t + costs.times[k.id][d]
+            busy[d] += costs.times[k.id][d]
+            for i in mine:
+                slot_free[i % S] = end
+                if i + S < len(streamed):
+                    issue(i + S)
+            prev = d
+        pcie_bytes = sum(nbytes)
+        return StepTime(end, tuple(busy), pcie_bytes / self.pcie_bps, pcie_bytes)
+
+    def _streamed_reads(self, k: int, idx: dict[int, int]) -> list[int]:
+        u = self.unit_of.get(k)
+        return [b for b in self.units[u] if b in idx] if u is not None else []
+
+    # -- choosing --------------------------------------------------------
+    def resident_fill(self, capacity: int, order: Sequence[int] | None = None) -> set[int]:
+        """Units made resident greedily (by time saved per byte, or in
+        ``order``) while they fit in ``capacity`` bytes."""
+        gpu, cpu = self.gpu, self.cpu
+        if order is None:
+            def gain(u: int) -> float:
+                away = min(self.t(u, cpu), self.t(u, gpu) + self.stream_s(u)) if u in self.streamable else self.t(u, cpu)
+                return (away - self.t(u, gpu)) / max(self.size[u], 1)
+            order = sorted(self.units, key=lambda u: (-gain(u), u))
+        out, used = set(), 0
+        for u in order:
+            if used + self.size[u] <= capacity:
+                out.add(u)
+                used += self.size[u]
+        return out
+
+    def fixed_bytes(self) -> int:
+        """GPU bytes of the placement with every heavy unit on the CPU."""
+        return self.gpu_bytes(self.placement({u: "C" for u in self.units}, 0))
+
+    def fit(self, choose, slots: int, staging: int = 0,
+            order: Sequence[int] | None = None) -> tuple[Placement, StepTime] | None:
+        """Shrink the resident capacity (from the budget less the fixed bytes
+        and ``staging``) until ``choose(resident) -> choice`` gives a
+        placement within the budget."""
+        capacity = self.budget - self.fixed_bytes() - staging
+        for _ in range(50):
+            if capacity < 0:
+                return None
+            choice = choose(self.resident_fill(capacity, order))
+            p = self.placement(choice, slots)
+            over = self.gpu_bytes(p) - self.budget
+            if over <= 0:
+                return p, self.simulate(p)
+            capacity -= over
+        return None
+
+
+def u_not_state(kernels: Sequence[int], state: set[int]) -> bool:
+    return not any(k in state for k in kernels)
+
+
+def _best(cands) -> tuple[Placement, StepTime] | None:
+    cands = [c for c in cands if c is not None]
+    return min(cands, key=lambda c: c[1].step_s) if cands else None
+
+
+def _pattern(o: Offload, rest: Sequence[int], frac: float, run: int, limit: int) -> dict[int, str]:
+    """Error diffusion over ``rest`` (program order): blocks of ``run``
+    streamable units (of at most ``limit`` bytes) are streamed while the
+    streamed bytes stay within ``frac`` of the bytes seen, else computed on
+    the CPU."""
+    choice, seen, sent, block = {}, 0, 0, []
+    for u in rest:
+        if u not in o.streamable or o.size[u] > limit:
+            choice[u] = "C"
+            continue
+        block.append(u)
+        if len(block) == run or u == rest[-1]:
+            nb = sum(o.size[v] for v in block)
+            go = sent + nb <= frac * (seen + nb) + nb / 2
+            for v in block:
+                choice[v] = "S" if go else "C"
+            seen += nb
+            sent += nb if go else 0
+            block = []
+    for v in block:
+        choice[v] = "C"
+    return choice
+
+
+def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Sequence[int] = (1, 2, 3, 4, 6),
+            polish: int = 1) -> tuple[Placement, StepTime]:
+    """The three-way choice: residents by time saved per byte; the rest, in
+    program order, split between CPU and streaming by error diffusion at
+    the fraction where both finish together (and a few around it, in runs
+    of 1..6 units); the best on the step model is then polished by flipping
+    single units between C and S.  The layer-offload and streaming plans are
+    candidates too, so the result is never worse than them on the model."""
+    first = {u: o.kernels[u][0] for u in o.units}
+    # a slot holds the largest streamed weight: try the three largest sizes
+    sizes = sorted({o.size[u] for u in o.streamable}, reverse=True)[:3]
+
+    def best_for(slots: int, limit: int, resident: set[int]) -> tuple[dict[int, str], float]:
+        rest = sorted((u for u in o.units if u not in resident), key=first.get)
+        st = [u for u in rest if u in o.streamable and o.size[u] <= limit]
+        g_s = sum(o.t(u, o.gpu) for u in st)
+        c_s = sum(o.t(u, o.cpu) for u in st)
+        p_s = sum(o.stream_s(u) for u in st)
+        other = sum(o.t(u, o.gpu) for u in resident) + sum(o.t(u, o.cpu) for u in rest if u not in o.streamable)
+        bal = min(1.0, (other + c_s) / max(p_s + c_s - g_s, 1e-12)) if st else 0.0
+        fracs = sorted({0.0, 1.0, *(min(1.0, max(0.0, bal * m)) for m in (0.85, 0.92, 1.0, 1.08, 1.15))})
+        best = None
+        for run in runs:
+            for f in fracs:
+                ch = {u: "R" for u in resident}
+                ch.update(_pattern(o, rest, f, run, limit))
+                t = o.simulate(o.placement(ch, slots)).step_s
+                if best is None or t < best[1]:
+                    best = (ch, t)
+        return best
+
+    def choose_for(slots: int, limit: int, rounds: int):
+        def choose(resident: set[int]) -> dict[int, str]:
+            ch, t = best_for(slots, limit, resident)
+            for _ in range(rounds):
+                improved = False
+                for u in sorted((u for u in ch if ch[u] != "R" and u in o.streamable and o.size[u] <= limit),
+                                key=first.get):
+                    ch[u] = "S" if ch[u] == "C" else "C"
+                    t2 = o.simulate(o.placement(ch, slots)).step_s
+                    if t2 < t - 1e-12:
+                        t, improved = t2, True
+                    else:
+                        ch[u] = "S" if ch[u] == "C" else "C"
+                if not improved:
+                    break
+            return ch
+        return choose
+    options = [(0, 0)] + [(s, b) for s in slot_options for b in sizes]   # (0, 0): nothing streamed
+    tried = [((s, b), o.fit(choose_for(s, b, 0), s, s * b)) for s, b in options]
+    tried = [(sb, r) for sb, r in tried if r is not None]
+    if not tried:
+        raise PlanError(f"offload: {o.devices[o.gpu]} cannot hold even the KV cache and activations "
+                        f"({o.fixed_bytes()} bytes, budget {o.budget})")
+    s, b = min(tried, key=lambda x: x[1][1].step_s)[0]
+    from .offload_baselines import layer_offload, streaming   # coarse plans are candidates too
+    return _best([o.fit(choose_for(s, b, polish), s, s * b), *(r for _, r in tried), layer_offload(o),
+                  streaming(o, slot_options)])
+
+
+def to_plan(o: Offload, p: Placement, name: str, st: StepTime | None = None) -> Plan:
+    """A plan whose ``meta["offload"]`` tells the budgeted device which
+    weights it streams (``actors/streaming.py``)."""
+    plan = build_plan(o.graph, o.devices, p.assignment, name=name)
+    plan.predicted_step_s = st.step_s if st else None
+    plan.meta["offload"] = {"device": o.gpu, "streamed": list(p.streamed), "slots": p.slots,
+                            "slot_bytes": p.slot_bytes, "gpu_bytes": o.gpu_bytes(p), "budget": o.budget,
+                            "choices": "".join(p.choice[u] for u in sorted(p.choice))}
+    return plan
+
+
+class OffloadPlanner:
+    """``Planner`` for a budgeted GPU beside a CPU: :func:`tessera` on the
+    given rates (``costs``: measured; None: :func:`estimate_rates`)."""
+
+    def __init__(self, costs: CostTable | None = None, pcie_bps: float = PCIE_BPS, reserve: int = 0,
+                 slot_options: Sequence[int] = (2, 3, 4, 6, 8)) -> None:
+        self.costs, self.pcie_bps, self.reserve, self.slot_options = costs, pcie_bps, reserve, tuple(slot_options)
+
+    def offload(self, graph: KernelGraph, devices: Sequence[str]) -> Offload:
+        costs = self.costs if self.costs is not None else estimate_rates(graph, devices)
+        costs.check_graph(graph)
+        return Offload(graph, devices, costs, self.pcie_bps, self.reserve)
+
+    def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
+        o = self.offload(graph, devices)
+        p, st = tessera(o, self.slot_options)
+        return to_plan(o, p, "offload", st)
+
+
+from .offload_baselines import gpu_only, ideal, layer_offload, streaming  # noqa: E402  (re-exported)
+
+__all__ = ["CPU_GEMV_BPS", "Offload", "OffloadPlanner", "PCIE_BPS", "Placement", "StepTime", "estimate_rates",
+           "gpu_only", "host_model", "ideal", "layer_offload", "streaming", "tessera", "to_plan"]

@@ -1,0 +1,162 @@
+"""Offload plans executed by device actors on CPU: a budgeted device
+(``cpu?threads=1&mem=...``, the GPU's stand-in) streams weights from host
+homes into staging slots while ``cpu`` computes others where they live;
+greedy tokens equal one device's, the budget holds (staging counted), and a
+throttled CPU device moves work to streaming at the next re-plan."""
+import dataclasses
+
+import pytest
+import torch
+
+from tessera_actors import models
+from tessera_actors.capture import capture_module
+from tessera_actors.errors import RemoteError
+from tessera_actors.offload_run import adapt, deploy, greedy, predicted_busy
+from tessera_actors.plan import single_device_plan
+from tessera_actors.planning.offload import Offload, OffloadPlanner, estimate_rates
+from tessera_actors.system import ActorSystem
+
+PROMPT = [1, 2, 3]
+PCIE = 3e8   # the rates below give a plan with all three homes
+
+
+def tiny_model(dtype):
+    m = models.get("llama", "tiny", dtype=dtype, seed=0, max_seq=64)
+    cap = capture_module(m, m.example_inputs("decode", batch=1))
+    g = cap.graph
+    w = sum(b.nbytes for b in g.buffers.values() if b.role == "weight")
+    rest = sum(b.nbytes for b in g.buffers.values() if b.role != "weight")
+    budget = rest + w // 3
+    return cap, budget, [f"cpu?threads=1&mem={budget}", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(torch.float32)
+
+
+def plan_for(g, devices, costs=None):
+    costs = costs or estimate_rates(g, devices, switch_s=1e-5)
+    return OffloadPlanner(costs=costs, pcie_bps=PCIE).plan(g, devices), costs
+
+
+async def run(g, plan, values, new=8, prefix=""):
+    async with ActorSystem("t") as system:
+        dep = await deploy(system, g, plan, values, prefix=prefix)
+        tokens, logits = await greedy(dep, PROMPT, new)
+        return tokens, logits, dep
+
+
+async def test_split_decode_streams_and_computes_on_the_cpu_with_single_device_tokens(tiny):
+    cap, budget, devices = tiny
+    g = cap.graph
+    plan, _ = plan_for(g, devices)
+    off = plan.meta["offload"]
+    assert set(off["choices"]) == {"R", "S", "C"}, off["choices"]
+    assert off["streamed"] and plan.kernels_per_device()[1] > 0 and plan.transfers
+    want, want_logits, _ = await run(g, single_device_plan(g, "cpu"), cap.values)
+    tokens, logits, dep = await run(g, plan, cap.values)
+    assert tokens == want
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+    # the budgeted device allocated its resident buffers and the slots, within the budget
+    assert dep.installed[0].resident_bytes == off["gpu_bytes"] <= budget
+    streamed = sum(g.buffers[b].nbytes for b in off["streamed"])
+    assert sum(g.buffers[b].nbytes for b in plan.resident[0]) - streamed + off["slots"] * off["slot_bytes"] \
+        == dep.installed[0].resident_bytes
+
+
+async def test_the_budget_is_enforced_and_staging_counts(tiny):
+    cap, budget, devices = tiny
+    g = cap.graph
+    plan, _ = plan_for(g, devices)
+    held = dataclasses.replace(plan, meta={})   # the streamed weights resident instead: over the budget
+    with pytest.raises(RemoteError, match="budget"):
+        await run(g, held, cap.values, new=1)
+    off = dict(plan.meta["offload"], slots=64)  # staging alone over the budget
+    big = dataclasses.replace(plan, meta={"offload": off})
+    with pytest.raises(RemoteError, match="staging"):
+        await run(g, big, cap.values, new=1)
+
+
+async def test_a_throttled_cpu_device_moves_its_share_to_streaming_at_the_next_replan(tiny):
+    cap, budget, devices = tiny
+    g = cap.graph
+    plan, costs = plan_for(g, devices)
+
+    async def observed(plan, devices):
+        async with ActorSystem("t") as system:
+            p = dataclasses.replace(plan, devices=devices)
+            dep = await deploy(system, g, p, cap.values)
+            await greedy(dep, PROMPT, 2)          # warm-up
+            dep.reset_counters()
+            tokens, _ = await greedy(dep, [4], 6)
+            return [b / dep.counted for b in dep.busy_s], tokens
+
+    # calibrate both devices on an unthrottled run, re-plan
+    busy, _ = await observed(plan, devices)
+    costs, _ = adapt(costs, predicted_busy(Offload(g, devices, costs, PCIE), plan), busy, tolerance=1.0)
+    calm, _ = plan_for(g, devices, costs)
+    on_cpu = calm.kernels_per_device()[1]
+    assert on_cpu > 0 and "C" in calm.meta["offload"]["choices"]
+    # the CPU device slowed down 50x: the share it computed goes to streaming
+    slow = [devices[0], "cpu?slow=50"]
+    busy, tokens = await observed(calm, slow)
+    costs, factors = adapt(costs, predicted_busy(Offload(g, devices, costs, PCIE), calm), busy)
+    assert factors[1] > 5   # the busy box may move the other device's factor too; the throttle dominates
+    moved, _ = plan_for(g, devices, costs)
+    assert moved.kernels_per_device()[1] < on_cpu
+    assert moved.meta["offload"]["choices"].count("C") < calm.meta["offload"]["choices"].count("C")
+    assert len(moved.meta["offload"]["streamed"]) > len(calm.meta["offload"]["streamed"])
+
+
+def test_slow_option_round_trips_and_is_checked():
+    from tessera_actors.devices import DeviceSpec, DeviceSpecError
+    spec = DeviceSpec.parse("cpu?threads=2&slow=4")
+    assert spec.slow == 4.0 and DeviceSpec.parse(spec.name) == spec
+    with pytest.raises(DeviceSpecError, match="slow"):
+        DeviceSpec.parse("cpu?slow=0.5")
+
+
+def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_pieces(tiny):
+    from actors.backends.aten import AtenProgram
+    from actors.backends.base import CpuBackend
+    from actors.streaming import StreamingProgram
+    from tessera_actors.devices import DeviceSpec
+    from tessera_actors.runner import write_inputs
+    cap, budget, devices = tiny
+    g = cap.graph
+    plan, _ = plan_for(g, devices)
+    off = plan.meta["offload"]
+    cpu = torch.device("cpu")
+    everything = sorted(g.buffers)
+    ref = AtenProgram(g, cpu, everything)
+    prog = StreamingProgram(g, cpu, everything, off["streamed"], off["slots"], off["slot_bytes"],
+                            CpuBackend(DeviceSpec.parse("cpu")), graphs=True)
+    for p in (ref, prog):
+        p.load(cap.values)
+        for k in range(len(g.kernels)):
+            p.bind(k)
+    out = g.meta["output_views"][0]
+    for step in range(3):
+        inputs = {"input_ids": torch.tensor([[5 + step]]), "positions": torch.tensor([step])}
+        for p in (ref, prog):
+            write_inputs(p, g, inputs, [b for b in g.buffers if g.buffers[b].role == "input"])
+            p.run(range(len(g.kernels)))
+        assert torch.equal(ref.view(out), prog.view(out))
+    m = len(off["streamed"])
+    assert prog.copies == 3 * m
+    assert prog.copied_bytes == 3 * sum(g.buffers[b].nbytes for b in off["streamed"])
+    pieces = len(prog.units)
+    # step 1 eager, step 2 captured and run, step 3 replayed
+    assert pieces >= m and prog.replays == 2 * pieces
+
+
+async def test_split_decode_in_bfloat16_equals_single_device():
+    cap, budget, devices = tiny_model(torch.bfloat16)
+    g = cap.graph
+    plan, _ = plan_for(g, devices)
+    assert plan.kernels_per_device()[1] > 0 and plan.transfers
+    want, want_logits, _ = await run(g, single_device_plan(g, "cpu"), cap.values)
+    tokens, logits, _ = await run(g, plan, cap.values)
+    assert tokens == want
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))

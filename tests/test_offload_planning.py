@@ -1,0 +1,132 @@
+"""Offload planning on literal graphs: the three choices per weight under a
+GPU budget, exact plans from given rates, and the baselines and bound."""
+import pytest
+
+from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
+from tessera_actors.plan import PlanError
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.offload import (Offload, OffloadPlanner, gpu_only, ideal, layer_offload, streaming,
+                                             tessera)
+
+MS = 1e-3
+W = 1000      # bytes of each weight
+A = 16        # bytes of each activation
+
+
+def chain(n):
+    """x -> k0 -> t0 -> k1 -> ... -> out; kernel i reads weight 100+i; layer i."""
+    bufs = {0: Buffer(0, A, "input")}
+    ks = []
+    for i in range(n):
+        bufs[1 + i] = Buffer(1 + i, A, "output" if i == n - 1 else "temp")
+        bufs[100 + i] = Buffer(100 + i, W, "weight", name=f"w{i}")
+        ks.append(Kernel(i, f"k{i}", "library", (Access(i, 0, A, "r"), Access(100 + i, 0, W, "r"),
+                                                   Access(1 + i, 0, A, "w")), layer=i))
+    return KernelGraph(ks, bufs, inputs={"x": 0}, outputs=[n])
+
+
+def rates(devs, gpu_ms, cpu_ms, latency=0.0):
+    """times[k] = [gpu, cpu] in device order of ``devs`` (gpu first)."""
+    times = [[g * MS, c * MS] for g, c in zip(gpu_ms, cpu_ms)]
+    lat = [[0.0, latency], [latency, 0.0]]
+    bw = [[float("inf")] * 2 for _ in range(2)]
+    return CostTable(list(devs), times, lat, bw, [None, None], "profile")
+
+
+def offload(n, budget, gpu_ms, cpu_ms, pcie_bps=W / MS, latency=0.0):
+    devs = [f"cuda:0?mem={budget}", "cpu?threads=12"]
+    g = chain(n)
+    return Offload(g, devs, rates(devs, gpu_ms, cpu_ms, latency), pcie_bps=pcie_bps)
+
+
+def letters(p):
+    return "".join(p.choice[u] for u in sorted(p.choice))
+
+
+def test_a_model_that_fits_stays_resident():
+    o = offload(4, 4 * W + 5 * A, [0.1] * 4, [1.0] * 4)
+    p, st = tessera(o)
+    assert letters(p) == "RRRR" and p.streamed == [] and p.assignment == [0, 0, 0, 0]
+    assert st.step_s == pytest.approx(0.4 * MS)
+    assert gpu_only(o)[1].step_s == pytest.approx(0.4 * MS)
+    assert ideal(o) == pytest.approx(0.4 * MS)
+
+
+def test_non_resident_weights_split_between_cpu_and_streaming():
+    # room for 2 resident weights and 2 staging slots: w0, w1 resident; of
+    # w2..w5 (1 ms on the cpu, 1 ms over pcie) two run on the cpu while the
+    # other two stream beside them
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6)
+    p, st = tessera(o)
+    assert o.gpu_bytes(p) <= o.budget
+    assert letters(p)[:2] == "RR" and letters(p).count("C") == 2 and letters(p).count("S") == 2
+    assert p.slots == 2 and p.slot_bytes == W
+    # the cpu computes 2 ms while the two copies (2 ms) run beside it from t=0
+    assert st.step_s == pytest.approx((0.2 + 2.0 + 0.2) * MS)
+    lay = layer_offload(o)[1]     # 4 weights resident (no staging), 2 on the cpu
+    assert lay.step_s == pytest.approx((0.4 + 2.0) * MS)
+    stream = streaming(o)[1]       # 2 resident, 4 streamed one after the other
+    assert stream.step_s == pytest.approx((4.0 + 0.1) * MS)
+    assert gpu_only(o) is None
+    assert ideal(o) <= st.step_s
+
+
+def test_expected_plan_exactly():
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6)
+    p, st = tessera(o)
+    # ties (2.4 ms) go to the first pattern tried: w2 on the cpu while w3 and
+    # w5 stream from t=0 into the two slots
+    assert letters(p) == "RRCSCS" and p.assignment == [0, 0, 1, 0, 1, 0]
+    assert p.streamed == [103, 105]
+    plan = OffloadPlanner(costs=o.costs, pcie_bps=o.pcie_bps).plan(o.graph, o.devices)
+    assert plan.assignment == p.assignment and plan.meta["offload"]["streamed"] == [103, 105]
+    assert plan.meta["offload"]["gpu_bytes"] <= plan.meta["offload"]["budget"]
+
+
+def test_a_slow_cpu_shifts_the_share_to_streaming():
+    # the same budget with a cpu 4x slower: everything not resident streams
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [4.0] * 6)
+    p, _ = tessera(o)
+    assert letters(p) == "RRSSSS"
+    fast, _ = tessera(offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6))
+    assert letters(fast).count("C") > letters(p).count("C")
+
+
+def test_switch_latency_keeps_cpu_work_together():
+    # 1 ms per hand-off between the devices: alternating C/S costs more than a
+    # cpu run of two weights
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6, latency=1 * MS)
+    p, st = tessera(o)
+    a = p.assignment
+    assert sum(a[i] != a[i - 1] for i in range(1, len(a))) <= 2
+
+
+def test_a_budget_below_any_weight_runs_everything_on_the_cpu():
+    o = offload(4, A, [0.1] * 4, [1.0] * 4)
+    p, st = tessera(o)
+    assert letters(p) == "CCCC" and p.assignment == [1, 1, 1, 1] and o.gpu_bytes(p) == 0
+    assert st.step_s == pytest.approx(4.0 * MS)
+
+
+def test_needs_one_budgeted_device_and_a_cpu():
+    g = chain(2)
+    with pytest.raises(PlanError, match="one budgeted device"):
+        OffloadPlanner().plan(g, ["cuda:0", "cpu"])
+
+
+def test_tessera_is_between_the_ideal_and_the_coarse_policies():
+    import random
+    rng = random.Random(3)
+    for trial in range(12):
+        n = rng.randint(3, 9)
+        gpu_ms = [rng.uniform(0.05, 0.3) for _ in range(n)]
+        cpu_ms = [rng.uniform(0.5, 3.0) for _ in range(n)]
+        budget = (n + 1) * A + rng.randint(0, n) * W
+        o = offload(n, budget, gpu_ms, cpu_ms, pcie_bps=rng.uniform(0.5, 2.0) * W / MS,
+                    latency=rng.choice([0.0, 0.1 * MS]))
+        p, st = tessera(o)
+        assert o.gpu_bytes(p) <= o.budget, trial
+        for base in (layer_offload(o), streaming(o), gpu_only(o)):
+            if base is not None:
+                assert st.step_s <= base[1].step_s + 1e-12, trial
+        assert ideal(o) <= st.step_s + 1e-12, trial
