@@ -320,6 +320,14 @@ def test_bench_serve_against_the_server(server, tmp_path, capsys):
     assert s["prompt_tokens_exact"] == 4            # prompts built to the server's own token counts
     assert doc["provenance"]["git_commit"] and doc["provenance"]["command"] and doc["provenance"]["machine"]["cpus"]
     assert doc["config"]["requests"] == 4 and doc["config"]["url"] == server.url
+    # a conversation: each turn resends the chat so far (the real replies) through /v1/chat/completions
+    rc = main(["bench", "serve", "--url", server.url, "--api-key", KEY, "--trace", "conversation", "--requests", "4",
+               "--turns", "2", "--rate", "20", "--prompt-tokens", "5-10", "--output-tokens", "3-5",
+               "--out", str(tmp_path), "--name", "c"])
+    assert rc == 0, capsys.readouterr().out
+    recs = json.loads((tmp_path / "c.json").read_text())["records"]["http"]
+    assert all(r["error"] is None for r in recs)
+    assert recs[1]["prompt_tokens"] > recs[0]["prompt_tokens"]     # turn 2 carries turn 1 and its reply
     assert "output tok/s" in table and "TPOT p99 ms" in table
 
 
