@@ -152,7 +152,8 @@ def provenance() -> dict:
     return {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")),
             "command": " ".join(["tessera" if sys.argv[0].endswith("cli.py") else sys.argv[0]] + sys.argv[1:]),
             "machine": {"node": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version(), "gpu": gpu},
+                        "python": platform.python_version(), "gpu": gpu,
+                        "load_avg_1m": os.getloadavg()[0]},      # a busy shared box skews every number
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -180,7 +181,8 @@ def write_png(path: Path, records: dict[str, list[Record]], slo_tpot: float) -> 
     axes[1].axhline(slo_tpot * 1000, color="red", linestyle="--", linewidth=1, label="TPOT SLO")
     for ax, label in zip(axes, ("TTFT (ms)", "TPOT (ms)", "end-to-end (ms)")):
         ax.set_ylabel(label)
-        ax.grid(alpha=.3)
+        ax.set_yscale("log")                 # queueing makes latencies span decades
+        ax.grid(alpha=.3, which="both")
     axes[0].legend(loc="upper left", fontsize=8)
     axes[1].legend(loc="upper left", fontsize=8)
     axes[-1].set_xlabel("request sent at (s since start)")

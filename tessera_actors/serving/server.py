@@ -226,10 +226,14 @@ async def _generate(request: web.Request, parse) -> web.StreamResponse:
         await resp.write(oa.sse("[DONE]"))
         await resp.write_eof()
         return resp
-    except (asyncio.CancelledError, ConnectionResetError):
-        finish = "abort"                     # the client went away: free its slot now
+    except asyncio.CancelledError:           # the client went away (handler cancellation): free its slot now
+        finish = "abort"
         await st.engine.abort(rid)
         raise
+    except ConnectionResetError:             # ... or a write found the connection closed
+        finish = "abort"
+        await st.engine.abort(rid)
+        return resp
     finally:
         st.inflight.discard(rid)
         await gen.aclose()
