@@ -42,7 +42,7 @@ class EngineConfig:
     monitor_beta: float = 1.5
     step_timeout: float = 60.0
     heartbeat_s: float = 0.25
-    lost_after_s: float = 1.5
+    lost_after_s: float = 1.0
     watch_processes: bool = True   # node processes the engine started: their exit is a loss at once
     seed: int = 0
     profile: bool = False       # time the reference bucket's kernels on each in-process device for the planner

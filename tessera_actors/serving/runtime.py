@@ -160,20 +160,41 @@ class Runtime:
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
         return Placed(plan_id, plan, refs, dep.routes)
 
-    async def place_all(self) -> None:
-        """Place every bucket (see the module docstring)."""
+    async def place_all(self, eager: bool = True) -> None:
+        """Place the reference bucket, then (``eager``) every other bucket;
+        otherwise the others are placed when a step first needs them (after
+        a loss: the requests continue as soon as the buckets they need are
+        in place, not after all of them)."""
         ref_name = self.reference_bucket()
         ref = await self._place(ref_name, {})
         homes = state_homes(self.served.graphs[ref_name], ref.plan.assignment)
-        pins = {name: ref.routes[d][1:] for name, d in homes.items()}
-        placed = {ref_name: ref}
-        for name in self.served.graphs:
-            if name != ref_name:
-                placed[name] = await self._place(name, pins)
-        self.placed = placed
+        self.pins = {name: ref.routes[d][1:] for name, d in homes.items()}
+        self.placed = {ref_name: ref}
+        self._placing = {}
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
         self.since = time.monotonic()
-        log.info("placed %d buckets (generation %d): %s", len(placed), self.generation, ref.plan.name)
+        if eager:
+            for name in self.served.graphs:
+                if name != ref_name:
+                    self.placed[name] = await self._place(name, self.pins)
+        log.info("placed %d buckets (generation %d): %s", len(self.placed), self.generation, ref.plan.name)
+
+    async def _placed(self, bucket: str) -> Placed:
+        """The bucket's plan, placed now if it is not yet (one placement per
+        bucket even when several steps ask at once)."""
+        p = self.placed.get(bucket)
+        if p is not None:
+            return p
+        if bucket not in self.served.graphs:
+            raise StepFailed(f"no bucket {bucket!r}")
+        generation = self.generation
+        task = self._placing.get(bucket)
+        if task is None:
+            task = self._placing[bucket] = asyncio.ensure_future(self._place(bucket, self.pins))
+        p = await asyncio.shield(task)
+        if generation == self.generation:
+            self.placed[bucket] = p
+        return p
 
     async def replace(self, lost: list[str]) -> None:
         """Report ``lost`` node endpoints and place everything on the survivors."""
@@ -183,7 +204,7 @@ class Runtime:
             await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=30)
         self.generation += 1
         self.placed = {}
-        await self.place_all()
+        await self.place_all(eager=False)
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:
@@ -192,9 +213,10 @@ class Runtime:
 
     # -- steps ----------------------------------------------------------------
     async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = ()) -> StepResult:
-        p = self.placed.get(bucket)
-        if p is None:
-            raise StepFailed(f"bucket {bucket} is not placed (re-placement in progress)")
+        try:
+            p = await self._placed(bucket)
+        except ActorError as e:
+            raise StepFailed(f"bucket {bucket} could not be placed: {e}") from e
         step = p.steps
         p.steps += 1
         t0 = time.perf_counter()
