@@ -13,7 +13,7 @@ Contract:
 * Torch work never runs on the event loop: it goes to the device's single
   worker thread, so the actor keeps answering while a segment runs, and a
   step costs O(segments) loop work.
-* On the worker, a :class:`~actors.segments.SegmentRunner` owns the device
+* On the worker, a :class:`~tessera_actors.execution.segments.SegmentRunner` owns the device
   (``backend_for(spec)``: a green context for ``cuda:1?sms=32``, the
   ``mem=`` cap) and its compute and communication streams.  Each run of
   kernels between transfers runs eagerly on the first step and is captured
@@ -46,15 +46,15 @@ import torch
 from actors.backends.aten import AtenProgram, BackendError
 from actors.chunks import sub_ranges
 from actors.inbox import Inbox
-from actors.segments import SegmentRunner, graphs_from_env, program_class
+from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from actors.streaming import program_for, streamed_buffers
-from tessera_actors.actor import Actor, handler
+from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
-from tessera_actors.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
+from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
                                      Ship, Stats, StepDone, Uninstall)
 from tessera_actors.plan import Plan, plan_from_dict
-from tessera_actors.runner import write_inputs
+from tessera_actors.execution.runner import write_inputs
 
 log = logging.getLogger("tessera_actors.device")
 

@@ -11,9 +11,9 @@ from typing import Mapping
 
 import msgpack
 
-from tessera_actors.actor import Actor, handler
+from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.graph import KernelGraph
-from tessera_actors.messages import GetGraph, GraphBlob
+from tessera_actors.runtime.messages import GetGraph, GraphBlob
 
 
 class GraphActor(Actor):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from tessera_actors.actor import Actor, handler
-from tessera_actors.messages import Heartbeat, Ok
+from tessera_actors.runtime.actor import Actor, handler
+from tessera_actors.runtime.messages import Heartbeat, Ok
 
 LEASE_SUFFIX = "-lease"
 

@@ -32,10 +32,10 @@ import msgpack
 import torch
 
 from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
-from tessera_actors.actor import Actor, ActorRef, handler
-from tessera_actors.errors import ActorDead, ActorError
+from tessera_actors.runtime.actor import Actor, ActorRef, handler
+from tessera_actors.runtime.errors import ActorDead, ActorError
 from tessera_actors.graph import KernelGraph
-from tessera_actors.messages import (Deploy, Deployment, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
+from tessera_actors.runtime.messages import (Deploy, Deployment, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
                                      LoadValues, Ok, Place, Register, Registered, ReportLost, Routes, Stats,
                                      Uninstall)
 from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_from_dict, plan_to_dict

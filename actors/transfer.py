@@ -36,10 +36,10 @@ import torch
 
 from actors.chunks import DEFAULT_CHUNK_BYTES, chunk_spans
 from actors.links import LinkHub, backend_available
-from tessera_actors.actor import Actor, ActorRef, handler
+from tessera_actors.runtime.actor import Actor, ActorRef, handler
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.errors import ActorError
-from tessera_actors.messages import Deliver, GetStats, Incoming, Ok, Routes, Ship, Stats
+from tessera_actors.runtime.errors import ActorError
+from tessera_actors.runtime.messages import Deliver, GetStats, Incoming, Ok, Routes, Ship, Stats
 
 log = logging.getLogger("tessera_actors.transfer")
 

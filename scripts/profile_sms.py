@@ -6,7 +6,7 @@ decode and prefill buckets as ``tessera advise`` plans them (decode 64
 sequences with a 2048-token cache - VLM 32 -, prefill one 1024-token
 request - Mamba2 a 16-token one, its prefill being an unrolled loop -, DiT
 denoise 16), captured as aten kernel graphs (the kernels advise's graphs
-hold) and timed kernel by kernel (``tessera_actors.profile``: each kernel a
+hold) and timed kernel by kernel (``tessera_actors.execution.profile``: each kernel a
 CUDA graph of ``--reps`` launches on the device's stream) on partitions of
 GPU 0 with ``--sms`` SMs each (default 8,16,32,64,132; CUDA green contexts,
 ``GreenContext.create(num_sms=N, device_id=0)``; the whole GPU for its full
@@ -77,7 +77,7 @@ def main() -> int:
     from actors.backends.base import backend_for
     from tessera_actors.capture.aten import capture_module
     from tessera_actors.capture.inductor_buckets import bucket_name, parse_bucket
-    from tessera_actors.profile import profile_kernels
+    from tessera_actors.execution.profile import profile_kernels
     if not torch.cuda.is_available():
         print("profile_sms: needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -127,7 +127,7 @@ def profile_to_costs(res, inputs, devices: list[str], graph_path: str) -> str:
     and save the cost table next to the graph (``tessera plan`` reads it)."""
     from actors.backends.base import backend_for
     from .planning.costs import CostTable, costs_path_for
-    from .profile import measured_links, profile_kernels
+    from tessera_actors.execution.profile import measured_links, profile_kernels
     backends = [backend_for(d) for d in devices]
     program_cls = None
     if any(k.kind == "ptx" for k in res.graph.kernels):

@@ -3,7 +3,7 @@
 ``check(model, inputs, devices=["cpu", "cpu"], orders=20)`` takes a module
 and the keyword inputs a user passes to ``model(**inputs)`` (any pytree;
 plain keywords are constants of the bucket), captures one forward pass and
-replays it through the product's :class:`~tessera_actors.runner.PlanRunner`:
+replays it through the product's :class:`~tessera_actors.execution.runner.PlanRunner`:
 
 =====================  ==============================================
 case                   compared with
@@ -41,8 +41,8 @@ from .capture.pytree import flatten_outputs
 from .devices import DeviceSpec
 from .plan import Plan, Segment, build_plan, single_device_plan
 from .planners import get_planner
-from .runner import PlanRunner
-from .testing import random_assignment, random_topological_order
+from tessera_actors.execution.runner import PlanRunner
+from tessera_actors.runtime.testing import random_assignment, random_topological_order
 
 _COSINE_MIN = 0.9999
 

@@ -29,12 +29,12 @@ from actors.scheduler import SchedulerActor
 from actors.transfer import DATA_PLANES
 from .cluster import LocalCluster
 from .devices import parse_bytes, parse_devices
-from .engine import Engine
+from tessera_actors.execution.stepper import Engine
 from .graph import KernelGraph
-from .messages import GetStats, Place
+from tessera_actors.runtime.messages import GetStats, Place
 from .plan import Plan, plan_from_dict
 from .planners import get_planner
-from .system import ActorSystem
+from tessera_actors.runtime.system import ActorSystem
 
 
 @dataclass

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 from actors.device import DeviceActor
 from actors.transfer import DATA_PLANES, TransferActor, TransferConfig
-from tessera_actors.actor import Actor, handler
+from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
 from actors.lease import LEASE_SUFFIX
-from tessera_actors.errors import ActorError, RemoteError
-from tessera_actors.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
-from tessera_actors.system import ActorSystem
+from tessera_actors.runtime.errors import ActorError, RemoteError
+from tessera_actors.runtime.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
+from tessera_actors.runtime.system import ActorSystem
 from transport import auth
 from transport.auth import AuthError, ClusterKeys
 

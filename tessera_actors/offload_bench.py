@@ -43,7 +43,7 @@ from .offload_run import adapt, deploy, predicted_busy
 from .plan import single_device_plan
 from .planning.offload import (Offload, estimate_rates, gpu_only, ideal, layer_offload, streaming, tessera,
                                to_plan)
-from .system import ActorSystem
+from tessera_actors.runtime.system import ActorSystem
 
 POLICIES = ("gpu_only", "layer_offload", "streaming", "tessera")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

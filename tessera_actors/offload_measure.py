@@ -15,7 +15,7 @@ from .capture import capture_module
 from .devices import DeviceSpec
 from .offload_run import deploy
 from .plan import single_device_plan
-from .system import ActorSystem
+from tessera_actors.runtime.system import ActorSystem
 
 
 def measure_rates(threads: int | None, gpu_index: int, seconds: float = 1.5) -> dict:

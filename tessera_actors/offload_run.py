@@ -21,11 +21,11 @@ from actors.device import DeviceActor
 from actors.transfer import TransferActor
 from .devices import DeviceSpec
 from .graph import KernelGraph
-from .messages import InstallPlan, LoadValues, Routes, RunStep, StepDone, Uninstall
+from tessera_actors.runtime.messages import InstallPlan, LoadValues, Routes, RunStep, StepDone, Uninstall
 from .plan import Plan, plan_to_dict
 from .planning.costs import CostTable
 from .planning.offload import Offload, Placement
-from .runner import assemble_outputs
+from tessera_actors.execution.runner import assemble_outputs
 
 
 @dataclass

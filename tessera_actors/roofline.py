@@ -190,9 +190,9 @@ async def device_actor_step(graph, values, inputs, device: str, steps: int) -> f
     from actors.device import DeviceActor
     from actors.transfer import TransferActor
     from .devices import DeviceSpec
-    from .messages import InstallPlan, LoadValues, RunStep
+    from tessera_actors.runtime.messages import InstallPlan, LoadValues, RunStep
     from .plan import plan_to_dict, single_device_plan
-    from .system import ActorSystem
+    from tessera_actors.runtime.system import ActorSystem
     plan = single_device_plan(graph, device)
     feed = {k: v.cpu() for k, v in inputs.items()}
     async with ActorSystem("roofline") as system:
@@ -265,6 +265,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _git_commit() -> str:
+    """``TESSERA_GIT_COMMIT`` when set (a work tree copied to a GPU machine may
+    carry a stale ``.git``), else ``git rev-parse HEAD``."""
+    import os
+    if os.environ.get("TESSERA_GIT_COMMIT"):
+        return os.environ["TESSERA_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):

@@ -3,11 +3,11 @@ import asyncio
 
 import pytest
 
-from tessera_actors.actor import Actor, handler
-from tessera_actors.errors import (ActorDead, AskTimeout, MailboxFull, NameTaken, NoSuchActor,
+from tessera_actors.runtime.actor import Actor, handler
+from tessera_actors.runtime.errors import (ActorDead, AskTimeout, MailboxFull, NameTaken, NoSuchActor,
                                    RemoteError, UnknownMessage)
-from tessera_actors.messages import Ok, Ping, Pong, message
-from tessera_actors.system import ActorSystem
+from tessera_actors.runtime.messages import Ok, Ping, Pong, message
+from tessera_actors.runtime.system import ActorSystem
 
 
 @message

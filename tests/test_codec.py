@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from tessera_actors import messages
-from tessera_actors.errors import CodecError
-from tessera_actors.messages import ErrorReply, Ping, message
+from tessera_actors.runtime import messages
+from tessera_actors.runtime.errors import CodecError
+from tessera_actors.runtime.messages import ErrorReply, Ping, message
 from transport import codec
 from transport.codec import OP_ASK, Envelope, decode, encode
 
@@ -161,7 +161,7 @@ def test_unknown_fields_ignored_and_missing_fields_defaulted():
 
 
 def test_codec_does_not_import_torch():
-    code = ("import sys, transport.codec as c, tessera_actors.messages as m;"
+    code = ("import sys, transport.codec as c, tessera_actors.runtime.messages as m;"
             "c.decode(c.encode(m.Ping(b'x'))); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

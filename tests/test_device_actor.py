@@ -13,19 +13,19 @@ import pytest
 import torch
 
 from actors.device import DeviceActor
-from actors.segments import GRAPHS_ENV, SegmentRunner, graphs_from_env, program_class
+from tessera_actors.execution.segments import GRAPHS_ENV, SegmentRunner, graphs_from_env, program_class
 from actors.transfer import TransferActor
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.engine import Engine, greedy_decode
-from tessera_actors.errors import RemoteError
+from tessera_actors.execution.stepper import Engine, greedy_decode
+from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.graph import KernelGraph
-from tessera_actors.messages import GetStats, InstallPlan, LoadValues, Routes, Uninstall
+from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes, Uninstall
 from tessera_actors.plan import ContiguousPlanner, build_plan, plan_to_dict, single_device_plan
-from tessera_actors.runner import PlanRunner, write_inputs
-from tessera_actors.system import ActorSystem
-from tessera_actors.testing import random_assignment
+from tessera_actors.execution.runner import PlanRunner, write_inputs
+from tessera_actors.runtime.system import ActorSystem
+from tessera_actors.runtime.testing import random_assignment
 
 PROMPT = [1, 2, 3]
 

@@ -256,7 +256,7 @@ def cuda_llama():
 
 def _replay(res, inp, order, device="cuda"):
     from actors.backends.triton import TritonProgram
-    from tessera_actors.runner import write_inputs
+    from tessera_actors.execution.runner import write_inputs
     g = res.graph
     prog = TritonProgram(g, torch.device(device), g.buffers)
     prog.load(res.values)
@@ -294,7 +294,7 @@ def test_whole_model_and_block_compilation_both_replay_to_the_model_output():
 
 @pytest.mark.gpu
 def test_cuda_program_order_and_random_orders_replay_bitwise(cuda_llama):
-    from tessera_actors.testing import random_topological_order
+    from tessera_actors.runtime.testing import random_topological_order
     res, inp = cuda_llama
     got = _replay(res, inp, range(len(res.graph.kernels)))
     assert all(torch.equal(a, b) for a, b in zip(got, res.outputs))
@@ -347,7 +347,7 @@ def _inductor_writes(graph, kernel):
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_cuda_fixture_is_a_complete_kernel_graph(path):
-    from tessera_actors.testing import program_order_is_topological
+    from tessera_actors.runtime.testing import program_order_is_topological
     g = KernelGraph.load(path)
     assert g.meta["device"].startswith("cuda") and g.meta["backend"] == "triton"
     ptx = [k for k in g.kernels if k.kind == "ptx"]

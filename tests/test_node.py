@@ -9,8 +9,8 @@ from pathlib import Path
 
 
 from tessera_actors.cluster import LocalCluster
-from tessera_actors.messages import Describe, GetStats, Shutdown
-from tessera_actors.system import ActorSystem
+from tessera_actors.runtime.messages import Describe, GetStats, Shutdown
+from tessera_actors.runtime.system import ActorSystem
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,11 +10,11 @@ import torch
 
 from tessera_actors import models
 from tessera_actors.capture import capture_module
-from tessera_actors.errors import RemoteError
+from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.offload_run import adapt, deploy, greedy, predicted_busy
 from tessera_actors.plan import single_device_plan
 from tessera_actors.planning.offload import Offload, OffloadPlanner, estimate_rates
-from tessera_actors.system import ActorSystem
+from tessera_actors.runtime.system import ActorSystem
 
 PROMPT = [1, 2, 3]
 PCIE = 3e8   # the rates below give a plan with all three homes
@@ -122,7 +122,7 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
     from actors.backends.base import CpuBackend
     from actors.streaming import StreamingProgram
     from tessera_actors.devices import DeviceSpec
-    from tessera_actors.runner import write_inputs
+    from tessera_actors.execution.runner import write_inputs
     cap, budget, devices = tiny
     g = cap.graph
     plan, _ = plan_for(g, devices)

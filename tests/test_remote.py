@@ -12,10 +12,10 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tessera_actors.actor import Actor, handler
-from tessera_actors.errors import ActorDead, AskTimeout, CodecError, RemoteError, UnknownMessage
-from tessera_actors.messages import ErrorReply, Ping, Pong, message
-from tessera_actors.system import ActorSystem
+from tessera_actors.runtime.actor import Actor, handler
+from tessera_actors.runtime.errors import ActorDead, AskTimeout, CodecError, RemoteError, UnknownMessage
+from tessera_actors.runtime.messages import ErrorReply, Ping, Pong, message
+from tessera_actors.runtime.system import ActorSystem
 from transport import auth, codec
 from transport.codec import OP_ASK, OP_FAILED, OP_REPLY, Envelope
 
@@ -256,9 +256,9 @@ def test_local_and_remote_under_uvloop():
 
 CHILD = textwrap.dedent("""
     import asyncio, signal, sys
-    from tessera_actors.actor import Actor, handler
-    from tessera_actors.messages import message
-    from tessera_actors.system import ActorSystem
+    from tessera_actors.runtime.actor import Actor, handler
+    from tessera_actors.runtime.messages import message
+    from tessera_actors.runtime.system import ActorSystem
 
     @message
     class RemoteSum:

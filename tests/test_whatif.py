@@ -81,7 +81,7 @@ def test_fit_recovers_known_parameters():
     from tessera_actors.advise import load_graph
     g = load_graph("dit", "denoise-b16")
     truth = W.Params(eff_c={**W.Params().eff_c, "gemm": 0.6}, eff_m={**W.Params().eff_m, "pointwise": 0.7},
-                     bw_sm=30e9, p=3.0, power=0.1, l2_gain=1.5, wave_s=0.3e-6)
+                     bw_sm=30e9, p=2.0, power=0.1, l2_gain=1.5, wave_s=0.3e-6)
     spec = get_spec("H200")
     feats = W.graph_features(g)
     profiles = [W.Profile(g, "H200", s, [W.roofline_time(f, spec, s, truth) for f in feats]) for s in (8, 32, 132)]
@@ -117,3 +117,15 @@ def test_triton_launch_geometry_bounds_bytes():
     f = W.kernel_features(g, 7)
     assert g.kernels[7].bytes > 2e8 and f.bytes < 1e6
     assert f.cls == "t_pointwise" and f.ctas == 256       # 65536 elements / XBLOCK 256
+
+
+def test_fused_attention_is_a_tensor_core_gemm():
+    """cuDNN SDPA in a captured decode graph (GQA: 4 query rows per KV head):
+    4 * Lq * Lk * D FLOPs per head, not the capture's elementwise count."""
+    from pathlib import Path
+    g = KernelGraph.load(Path(__file__).parents[1] / "benchmarks/results/whatif_h200/llama-decode-b64.tgraph")
+    k = next(k for k in g.kernels if k.name == "_scaled_dot_product_cudnn_attention")
+    f = W.kernel_features(g, k.id)
+    assert f.cls == "gemm" and f.tensor and f.dtype == "bf16"
+    assert f.flops == 4.0 * (64 * 8 * 4 * 128) * 2048
+    assert f.ctas >= 64 * 8 and f.resident == 1

@@ -45,7 +45,7 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
-from tessera_actors.errors import ActorError
+from tessera_actors.runtime.errors import ActorError
 
 log = logging.getLogger("tessera_actors.auth")
 

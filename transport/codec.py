@@ -7,7 +7,7 @@ Frames of one encoded message::
     1: body    msgpack [op, request_id, target, kind, fields]
     2..: raw tensor bytes, one frame per tensor, referenced from the body
 
-``value`` is usually a registered message (see ``tessera_actors.messages``) but
+``value`` is usually a registered message (see ``tessera_actors.runtime.messages``) but
 may be any msgpack-able value (a handler's reply).  Messages, tuples and tensors
 are msgpack ext types.  Tensor frames are ``memoryview``s of the (contiguous)
 tensor storage: nothing is copied when encoding, so the sender must not mutate
@@ -30,8 +30,8 @@ from typing import Any, NamedTuple, Sequence
 
 import msgpack
 
-from tessera_actors import messages as _messages
-from tessera_actors.errors import CodecError
+from tessera_actors.runtime import messages as _messages
+from tessera_actors.runtime.errors import CodecError
 from transport.msgscan import scan as _scan
 
 MAGIC = b"TSRA"

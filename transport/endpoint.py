@@ -27,10 +27,10 @@ from typing import Any, Callable
 
 import zmq
 
-from tessera_actors.actor import ActorRef, LocalRef
-from tessera_actors.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
+from tessera_actors.runtime.actor import ActorRef, LocalRef
+from tessera_actors.runtime.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
-from tessera_actors.messages import ErrorReply, Ok
+from tessera_actors.runtime.messages import ErrorReply, Ok
 from transport import auth, codec, shm
 from transport.channel import Channel
 from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,

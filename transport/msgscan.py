@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 
-from tessera_actors.errors import CodecError
+from tessera_actors.runtime.errors import CodecError
 
 NESTED_EXT_CODES = frozenset((1, 2, 3))   # ext payloads that are msgpack documents themselves
 

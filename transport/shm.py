@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from tessera_actors.errors import CodecError
+from tessera_actors.runtime.errors import CodecError
 
 log = logging.getLogger("tessera_actors.transport")
 

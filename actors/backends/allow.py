@@ -34,13 +34,14 @@ import torch
 DENIED = frozenset({
     "from_file", "_from_file", "set_", "_set_", "_nested_view_from_buffer",
     "_nested_view_from_buffer_copy", "_nested_tensor_from_tensor_list", "_reshape_alias", "_reshape_alias_copy",
-    "bincount", "repeat_interleave", "_pin_memory", "pin_memory", "share_memory_", "_share_memory_",
+    "bincount", "_pin_memory", "pin_memory", "share_memory_", "_share_memory_",
     "_cufft_set_plan_cache_max_size", "_cufft_clear_plan_cache",
 })
 _FILE_ARGS = frozenset({"filename", "path", "file", "f"})
 _SIZE_LISTS = frozenset({"size", "sizes", "repeats", "pad", "output_size", "shape"})
+_DATA_SIZED = frozenset({"repeat_interleave"})   # allowed only with a fixed output_size when repeats is a tensor
 _RANGES = frozenset({"arange", "range", "linspace", "logspace"})   # their number arguments set the length
-_SIZE_SCALARS = frozenset({"minlength", "num_samples", "output_size", "bins", "steps", "n", "m", "row", "col"})
+_SIZE_SCALARS = frozenset({"repeats", "minlength", "num_samples", "output_size", "bins", "steps", "n", "m", "row", "col"})
 
 
 class KernelRefused(RuntimeError):
@@ -81,11 +82,15 @@ def resolve_allowed(name: Any):
 
 
 def check_allocation(name: str, fn, args: list, kwargs: dict, cap: int) -> None:
-    """Refuse size-like arguments that ask for more elements than ``cap`` bytes."""
+    """Refuse size-like arguments that ask for more elements than ``cap``
+    bytes, and output sizes that tensor values would decide."""
     schema = fn._schema.arguments
     factory = not any("Tensor" in str(a.type) for a in schema)
     values = dict(zip((a.name for a in schema), args))
     values.update(kwargs)
+    if name.split(".")[1] in _DATA_SIZED and any("Tensor" in str(a.type) for a in schema if a.name == "repeats") \
+            and values.get("output_size") is None:
+        raise KernelRefused(f"op {name!r}: tensor repeats without output_size make the output size data-dependent")
     for arg in schema:
         if arg.name not in values:
             continue

@@ -23,7 +23,7 @@ def new_program(res: CaptureResult, device: torch.device | str = "cuda"):
 def replay(prog, res: CaptureResult, inputs: dict[str, torch.Tensor], order: Sequence[int],
            reload: bool = True) -> list[torch.Tensor]:
     """Reset weights/state (``reload``), write ``inputs``, run ``order``; outputs (clones)."""
-    from tessera_actors.runner import write_inputs
+    from tessera_actors.execution.runner import write_inputs
     g = res.graph
     if reload:
         prog.load(res.values)
@@ -51,7 +51,7 @@ def soundness(res: CaptureResult, inputs: dict[str, torch.Tensor], orders: int =
               deadline: float | None = None, device: str = "cuda") -> dict[str, Any]:
     """Program order, then ``orders`` random topological orders; each compared
     with the compiled model's output from the capture (``res.outputs``)."""
-    from tessera_actors.testing import random_topological_order
+    from tessera_actors.runtime.testing import random_topological_order
     t0 = time.perf_counter()
     prog = new_program(res, device)
     g = res.graph

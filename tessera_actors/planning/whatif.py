@@ -56,7 +56,11 @@ class Params:
     floor: dict[str, float] = field(default_factory=lambda: {c: 1e-6 for c in CLASSES})
     sm_eff: dict[str, float] = field(default_factory=lambda: {c: 1.0 for c in CLASSES})
     bw_sm: float = 40e9          # bytes/s one SM pulls per GHz (H200 copy at 8 SMs, DESIGN.md: 0.65 TB/s)
-    p: float = 3.0               # sharpness of the bandwidth saturation
+    # sharpness of the bandwidth saturation, held near 2 by the fit's bounds: the knee of
+    # H200's copy bandwidth vs SM count (DESIGN.md: 0.65/1.23/2.25/3.75/4.19 TB/s at
+    # 8/16/32/66/132 SMs is p ~ 2); fitted freely on partitions up to 64 SMs it goes sharp
+    # (8) and the model then saturates every kernel too early (leave-132-out step +30..45%)
+    p: float = 2.0
     power: float = 0.15          # clock loss at full occupancy of the chip
     l2_gain: float = 2.0         # L2 bandwidth over HBM bandwidth for activations
     wave_s: float = 0.5e-6       # extra seconds per additional wave
@@ -99,8 +103,8 @@ class Params:
 
 
 _NC = len(CLASSES)
-_LO = np.array([0.05] * _NC + [0.05] * _NC + [0.0] * _NC + [0.1] * _NC + [1.0, 1.0, 0.0, 1.0, 0.0])
-_HI = np.array([1.0] * _NC + [1.0] * _NC + [50.0] * _NC + [3.0] * _NC + [200.0, 8.0, 1.0, 6.0, 20.0])
+_LO = np.array([0.05] * _NC + [0.05] * _NC + [0.0] * _NC + [0.1] * _NC + [1.0, 1.9, 0.0, 1.0, 0.0])
+_HI = np.array([1.0] * _NC + [1.0] * _NC + [50.0] * _NC + [3.0] * _NC + [200.0, 2.1, 1.0, 6.0, 20.0])
 
 
 def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> float:
@@ -121,6 +125,45 @@ def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> floa
     tm = (f.bytes - l2) / bw + l2 / (bw * p.l2_gain)
     cycles = REF_GHZ / spec.boost_ghz       # floors and wave tails are fixed cycle counts
     return spec.launch_s + (p.floor[f.cls] + p.wave_s * (waves - 1)) * cycles + max(tc, tm)
+
+
+class _Rows:
+    """Kernel rows ``(features, spec, sms)`` as arrays: :func:`roofline_time`
+    over all of them at once (the fit's inner loop)."""
+
+    def __init__(self, rows: Sequence[tuple[KernelFeatures, GpuSpec, int]]) -> None:
+        a = lambda xs: np.array(list(xs), dtype=float)       # noqa: E731
+        self.cls = np.array([CLASSES.index(f.cls) for f, _, _ in rows], dtype=int)
+        self.gemm = self.cls == CLASSES.index("gemm")
+        full = a(sp.sms for _, sp, _ in rows)
+        self.s = np.clip(a(n for _, _, n in rows), 1, full)
+        self.frac = self.s / full
+        slots = self.s * np.where(self.gemm, 1.0, a(f.resident for f, _, _ in rows))
+        ctas = a(f.ctas for f, _, _ in rows)
+        self.waves = np.ceil(ctas / slots)
+        self.wave_eff = np.where(self.gemm, np.minimum(1.0, ctas / (self.waves * slots)), 1.0)
+        self.peak = a((sp.tensor_peak(f.dtype) if f.tensor else sp.fp32) for f, sp, _ in rows) * self.frac
+        self.flops = a(f.flops for f, _, _ in rows)
+        self.active = np.minimum(self.s, ctas)
+        self.mem_bw = a(sp.mem_bw for _, sp, _ in rows)
+        self.boost = a(sp.boost_ghz for _, sp, _ in rows)
+        self.bytes = a(f.bytes for f, _, _ in rows)
+        act = a(f.act_bytes for f, _, _ in rows)
+        self.l2 = np.where(act <= a(sp.l2_bytes for _, sp, _ in rows) / 2, act, 0.0)
+        self.launch = a(sp.launch_s for _, sp, _ in rows)
+
+    def times(self, p: Params) -> np.ndarray:
+        pick = lambda d: np.array([d[c] for c in CLASSES])[self.cls]      # noqa: E731
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tc = np.where(self.flops > 0, self.flops / (self.peak * pick(p.eff_c) * self.wave_eff
+                                                        / (1 + p.power * self.frac)), 0.0)
+            hbm = self.mem_bw * pick(p.eff_m)
+            sm_bw = self.active * p.bw_sm * pick(p.sm_eff) * self.boost
+            r = hbm / sm_bw
+            bw = np.where(r < 1e3, hbm / (1 + np.minimum(r, 1e3) ** p.p) ** (1 / p.p), sm_bw)
+        tm = (self.bytes - self.l2) / bw + self.l2 / (bw * p.l2_gain)
+        cycles = REF_GHZ / self.boost
+        return self.launch + (pick(p.floor) + p.wave_s * (self.waves - 1)) * cycles + np.maximum(tc, tm)
 
 
 def correction(p: Params, key: str, sms: int) -> float:
@@ -170,35 +213,49 @@ class StepProfile:
 
 
 def fit(profiles: Sequence[Profile], start: Params | None = None, corrections: bool = True,
-        prior_weight: float = 0.3, steps: Sequence[StepProfile] = (), step_weight: float = 3.0) -> Params:
+        prior_weight: float = 0.3, steps: Sequence[StepProfile] = (), step_weight: float = 3.0,
+        profile_steps: float = 1.0) -> Params:
     """Least squares on log(predicted / measured) over every kernel of every
-    profile (robust loss), plus ``step_weight`` x log(predicted / measured)
-    of every whole step in ``steps`` (graphs timed only as a whole), with a
-    weak pull (``prior_weight``) towards ``start`` (default
+    profile (robust loss), plus ``profile_steps`` x sqrt(its kernels) x
+    log(predicted / measured) of each profile's whole step (so the few
+    kernels that make up most of a step are fitted by the roofline, not only
+    by their corrections: the corrections cannot carry a kernel's SM scaling
+    beyond the profiled SM counts), plus ``step_weight`` x log(predicted /
+    measured) of every whole step in ``steps`` (graphs timed only as a
+    whole), with a weak pull (``prior_weight``) towards ``start`` (default
     :class:`Params`), then per-kernel corrections (see module docstring)."""
     from scipy.optimize import least_squares
     rows = []
+    groups = []         # (first row, end row, log measured step, weight) per profile
     for pr in profiles:
         spec = get_spec(pr.gpu)
+        first = len(rows)
         for f, t in zip(graph_features(pr.graph), pr.times):
             if t > 0:
                 rows.append((f, spec, pr.sms, math.log(t)))
+        if profile_steps > 0 and len(rows) > first:
+            meas = sum(t for t in pr.times if t > 0)
+            groups.append((first, len(rows), math.log(meas), profile_steps * math.sqrt(len(rows) - first)))
     whole = [(graph_features(st.graph), get_spec(st.gpu), st.sms, math.log(st.step_s)) for st in steps]
     if not rows and not whole:
         raise ValueError("fit: no measured kernel times")
     prior = np.clip((start or Params()).vector(), _LO + 1e-9, _HI - 1e-9)
     span = _HI - _LO
+    ys = np.array([y for *_, y in rows])
+    vec = _Rows([(f, s, n) for f, s, n, _ in rows])
 
     def resid(v: np.ndarray) -> np.ndarray:
-        p = Params.from_vector(v)
-        return np.array([math.log(roofline_time(f, s, n, p)) - y for f, s, n, y in rows])
+        return np.log(vec.times(Params.from_vector(v))) - ys
 
     def objective(v: np.ndarray) -> np.ndarray:
         # a weak pull to the prior keeps terms the profiles do not constrain
         # (a class that never occurs, SM scaling from one count) at it
         p = Params.from_vector(v)
+        r = resid(v)
+        pred = np.exp(r + ys)
+        own = [w * (math.log(pred[a:b].sum()) - y) for a, b, y, w in groups]
         st = [step_weight * (math.log(sum(roofline_time(f, sp, n, p) for f in fs)) - y) for fs, sp, n, y in whole]
-        return np.concatenate([resid(v), np.array(st), prior_weight * (v - prior) / span])
+        return np.concatenate([r, np.array(own), np.array(st), prior_weight * (v - prior) / span])
     res = least_squares(objective, prior, bounds=(_LO, _HI), loss="soft_l1", f_scale=0.2, max_nfev=200,
                         x_scale="jac")
     out = Params.from_vector(res.x)

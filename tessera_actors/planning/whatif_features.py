@@ -159,6 +159,20 @@ def kernel_features(graph: KernelGraph, k: int, ptx_cache: dict | None = None) -
         name = kern.name
         cls = "gemm" if tensor or "_tem_" in name else ("t_reduction" if ("_red_" in name or "_per_" in name)
                                                          else "t_pointwise")
+    elif "scaled_dot_product" in op or op.endswith("_attention") or "_attention_forward" in op:
+        # fused attention (flash / efficient / cuDNN SDPA): tensor-core GEMMs QK^T and PV,
+        # 4 * Lq * Lk * D FLOPs per head (the capture's count is not that); a CTA per
+        # 128 query rows per head, split over the keys when that leaves SMs idle
+        cls, tensor, resident = "gemm", dtype in ("bf16", "fp16", "fp8"), 1
+        q, kv = (ts[0], ts[1]) if len(ts) >= 2 and len(ts[0][2]) >= 2 and len(ts[1][2]) >= 2 else (None, None)
+        if q is not None:
+            lk, heads_rows = kv[2][-2], _numel(q) // max(q[2][-1], 1)
+            flops = max(flops, 4.0 * _numel(q) * lk)
+            tiles = int(math.prod(q[2][:-2])) * math.ceil(q[2][-2] / 128) if len(q[2]) > 2 else \
+                math.ceil(heads_rows / 128)
+            ctas = tiles * max(1, min(lk // 256, math.ceil(264 / max(tiles, 1))))
+        else:
+            ctas = 1
     elif any(op == g or op.startswith(g) for g in _GEMM_OPS):
         cls, tensor = "gemm", dtype in ("bf16", "fp16", "fp8")
         batch, m, n, kk = _gemm_geometry(op, ts)

@@ -49,6 +49,7 @@ class _Request:
         self.seq, self.detok = seq, detok
         self.out: asyncio.Queue = asyncio.Queue()
         self.finished: str | None = None
+        self.in_step = False   # its row is part of a step in flight: its KV slot is freed only when that lands
 
 
 class AsyncEngine:
@@ -209,21 +210,38 @@ class AsyncEngine:
         if req.finished is None:
             self._finish(req, "abort")
 
-    def _finish(self, req: _Request, reason: str, final_text: str = "") -> None:
-        seq = req.seq
+    def _finish(self, req: _Request, reason: str) -> None:
+        """End ``req`` now (abort, shutdown): its stream gets a last piece."""
         req.finished = reason
+        self._retire(req)
+        req.out.put_nowait(RequestOutput(req.seq.rid, "", [], reason,
+                                         Usage(len(req.seq.prompt), len(req.seq.generated))))
+
+    def _retire(self, req: _Request) -> None:
+        """Bookkeeping of a request that ended: out of the queues and the
+        table; its KV slot freed now, or - while a step in flight still
+        writes its row - when that step lands (a new request must not get
+        the row before the old step's writes are done)."""
+        seq = req.seq
         seq.phase = "done"
-        if seq.slot >= 0:
-            self.slots.release(seq.slot)
         for lst in (self._waiting, self._prefill):
             if req in lst:
                 lst.remove(req)
         self._requests.pop(seq.rid, None)
-        req.out.put_nowait(RequestOutput(seq.rid, final_text, [], reason,
-                                         Usage(len(seq.prompt), len(seq.generated))))
-        if reason in ("stop", "length"):
-            self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
+        if seq.slot >= 0 and not req.in_step:
+            self.slots.release(seq.slot)
+            seq.slot = -1
         self._wake.set()
+
+    def _landed(self, reqs: list[_Request]) -> None:
+        """The step carrying ``reqs`` finished (or was dropped): rows of
+        requests that ended meanwhile free their slots."""
+        for req in reqs:
+            req.in_step = False
+            if req.finished is not None and req.seq.slot >= 0:
+                self.slots.release(req.seq.slot)
+                req.seq.slot = -1
+                self._wake.set()
 
     # -- the loop -------------------------------------------------------------------
     def _on_lost(self, endpoints: list[str]) -> None:
@@ -300,6 +318,7 @@ class AsyncEngine:
             size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
             bucket = bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
+            req.in_step = True
             inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
             key = f"decode{g}"
@@ -310,12 +329,17 @@ class AsyncEngine:
                                                  self.max_model_len)
             bucket = bucket_name("decode", size, lo, window_for(self.cfg, max(r.seq.position for r in reqs)))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            for r in reqs:
+                r.in_step = True
             inflight[task] = (key, reqs, 0, bucket)
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:
         key, reqs, n, bucket = info
+        self._landed(reqs)
         try:
             result = task.result()
+        except asyncio.CancelledError:
+            return
         except StepFailed as e:
             if self.runtime.lost or self._lost:
                 return   # recovery will redo the work
@@ -327,7 +351,6 @@ class AsyncEngine:
         acc[0] += 1
         acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
-        live = [r for r in reqs if r.finished is None]
         if key == "prefill":
             req = reqs[0]
             if req.finished is not None:
@@ -344,7 +367,6 @@ class AsyncEngine:
             if req.finished is None:
                 req.seq.exec_s += result.seconds
                 self._accept(req, tok, lp)
-        del live
 
     def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
         for req in reqs:
@@ -353,13 +375,7 @@ class AsyncEngine:
                 self._finish_error(req, EngineError(str(err)))
 
     def _finish_error(self, req: _Request, err: Exception) -> None:
-        seq = req.seq
-        if seq.slot >= 0:
-            self.slots.release(seq.slot)
-        for lst in (self._waiting, self._prefill):
-            if req in lst:
-                lst.remove(req)
-        self._requests.pop(seq.rid, None)
+        self._retire(req)
         req.out.put_nowait(err)
 
     def _accept(self, req: _Request, token: int, logprob: float) -> None:
@@ -383,9 +399,7 @@ class AsyncEngine:
         if reason is None:
             return
         req.finished = reason
-        seq.phase = "done"
-        self.slots.release(seq.slot)
-        self._requests.pop(seq.rid, None)
+        self._retire(req)
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
 
@@ -394,6 +408,8 @@ class AsyncEngine:
         for t in inflight:
             t.cancel()
         await asyncio.gather(*inflight, return_exceptions=True)
+        for _key, reqs, *_ in inflight.values():
+            self._landed(reqs)   # the old plans are uninstalled below: their steps write nothing more
         inflight.clear()
         self.counters["recoveries"] += 1
         log.warning("lost %s: re-placing on the survivors", lost)

@@ -256,6 +256,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default=None, choices=["sequential"],
                    help="in-process: also run the trace through the engine configured as the old sequential "
                         "service (1 KV slot, the prompt fed token by token), side by side")
+    p.add_argument("--baseline-requests", type=int, default=0,
+                   help="the baseline replays only the first N requests of the trace (0: all); a one-at-a-time "
+                        "server's throughput does not depend on how many wait, and it serves 64 slowly")
     p.add_argument("--trace", default="poisson", choices=["poisson", "conversation"])
     p.add_argument("--rate", type=float, default=2.0, help="requests/s (conversation: conversations/s)")
     p.add_argument("--requests", type=int, default=64)
@@ -309,9 +312,10 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
         if a.baseline == "sequential":
             seq_kw = dict(kw, max_seqs=1, decode_buckets=(1,), prefill_buckets=(1,), mode="latency")
             seq_kw.pop("trace_dir", None)
+            n = a.baseline_requests or len(trace)
             async with AsyncEngine(**seq_kw) as seq:
                 await warm_up(EngineClient(seq), prompts, a.warmup)
-                base = await replay(trace, prompts, EngineClient(seq))
+                base = await replay(trace[:n], prompts[:n], EngineClient(seq))
             records = {SEQUENTIAL: base, **records}
             kw = {"engine": kw, "sequential": seq_kw}
             return records, {**kw, "ignore_eos": client.has_ignore_eos}
@@ -333,7 +337,8 @@ def run_command(a: argparse.Namespace) -> int:
     stem = a.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"serve_{a.trace}_{mode}").strip("_")
     out = Path(a.out)
     config = {"trace": a.trace, "requests": a.requests, "rate": a.rate, "seed": a.seed, "turns": a.turns,
-              "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens, **where}
+              "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens,
+              "baseline": a.baseline, "baseline_requests": a.baseline_requests or None, **where}
     write_json(out / f"{stem}.json", config, summaries, records)
     why = write_png(out / f"{stem}.png", records, slo_tpot)
     print(f"wrote {out / (stem + '.json')}" + (f" and {stem}.png" if why is None else f" ({why})"))

@@ -32,15 +32,15 @@ from actors.device import DeviceActor
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
 from actors.transfer import TransferActor
-from ..actor import ActorRef
+from tessera_actors.runtime.actor import ActorRef
 from ..cluster import LocalCluster
 from ..devices import parse_devices
-from ..errors import ActorError
-from ..messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
+from tessera_actors.runtime.errors import ActorError
+from tessera_actors.runtime.messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
 from ..plan import Plan, plan_from_dict
 from ..planners import get_planner
 from ..planning.pinning import state_homes
-from ..system import ActorSystem
+from tessera_actors.runtime.system import ActorSystem
 from .config import EngineConfig
 from .deploy import ServedModel
 from .params import EngineDead
@@ -135,7 +135,7 @@ class Runtime:
         from actors.backends.base import backend_for
         from ..planners import graph_key
         from ..planning.costs import CostTable
-        from ..profile import measured_links, profile_kernels
+        from tessera_actors.execution.profile import measured_links, profile_kernels
         from .deploy import bucket_inputs
         name = self.reference_bucket()
         graph, values = self.served.graphs[name], self.served.values[name]

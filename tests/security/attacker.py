@@ -16,7 +16,7 @@ import sys
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tessera_actors.messages import (Describe, GetStats, InstallPlan, Ping, Register, Shutdown, Uninstall)
+from tessera_actors.runtime.messages import (Describe, GetStats, InstallPlan, Ping, Register, Shutdown, Uninstall)
 from transport import codec
 from transport.codec import OP_ASK, OP_STOP, Envelope
 

@@ -17,8 +17,8 @@ import msgpack
 import numpy as np
 import torch
 
-from tessera_actors.errors import CodecError
-from tessera_actors.messages import ErrorReply, Heartbeat, Ping, Register, Stats
+from tessera_actors.runtime.errors import CodecError
+from tessera_actors.runtime.messages import ErrorReply, Heartbeat, Ping, Register, Stats
 from transport import codec
 from transport.codec import OP_ASK, Envelope
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from tessera_actors.actor import Actor
-from tessera_actors.messages import Describe, Ping, Pong
-from tessera_actors.system import ActorSystem
+from tessera_actors.runtime.actor import Actor
+from tessera_actors.runtime.messages import Describe, Ping, Pong
+from tessera_actors.runtime.system import ActorSystem
 from transport import auth
 from transport.auth import AuthError, ClusterKeys, HandshakeFailed
 

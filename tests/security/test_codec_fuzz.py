@@ -26,7 +26,7 @@ def test_the_724_byte_nested_ext_message_is_a_codec_error():
     sys.path.insert(0, os.path.dirname(PROGRAM))
     from fuzz_codec_main import envelope, nest_ext
     import pytest
-    from tessera_actors.errors import CodecError
+    from tessera_actors.runtime.errors import CodecError
     from transport import codec
     for depth in (17, 195, 400):
         with pytest.raises(CodecError, match="nested deeper"):
@@ -39,8 +39,8 @@ def test_large_bodies_are_bounds_checked_before_unpacking():
 
     import msgpack
     import pytest
-    from tessera_actors.errors import CodecError
-    from tessera_actors.messages import Stats
+    from tessera_actors.runtime.errors import CodecError
+    from tessera_actors.runtime.messages import Stats
     from transport import codec
     sys.path.insert(0, os.path.dirname(PROGRAM))
     from fuzz_codec_main import envelope

@@ -10,10 +10,10 @@ from actors.inbox import Inbox
 from actors.lease import LEASE_SUFFIX
 from actors.scheduler import SchedulerActor
 from tessera_actors.cluster import LocalCluster
-from tessera_actors.errors import RemoteError
-from tessera_actors.messages import GetStats, Heartbeat, Ok, Register, Registered, ReportLost
+from tessera_actors.runtime.errors import RemoteError
+from tessera_actors.runtime.messages import GetStats, Heartbeat, Ok, Register, Registered, ReportLost
 from tessera_actors.plan import ContiguousPlanner
-from tessera_actors.system import ActorSystem
+from tessera_actors.runtime.system import ActorSystem
 
 
 class WatchedScheduler(SchedulerActor):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from tessera_actors.actor import Actor, ActorRef, LocalRef
-from tessera_actors.errors import ActorError, NameTaken, NoSuchActor
+from tessera_actors.runtime.actor import Actor, ActorRef, LocalRef
+from tessera_actors.runtime.errors import ActorError, NameTaken, NoSuchActor
 from transport import auth
 
-log = logging.getLogger("tessera_actors.system")
+log = logging.getLogger("tessera_actors.runtime.system")
 if not auth.insecure_from_environment():
     # settle this process's default keys now, so that children started before
     # the first system (with this environment) share them

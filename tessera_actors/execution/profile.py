@@ -17,8 +17,8 @@ import torch
 
 from actors.backends.aten import AtenProgram
 from actors.backends.base import DeviceBackend
-from .graph import KernelGraph
-from .runner import write_inputs
+from tessera_actors.graph import KernelGraph
+from tessera_actors.execution.runner import write_inputs
 
 
 def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs: dict[str, torch.Tensor],

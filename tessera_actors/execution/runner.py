@@ -13,10 +13,10 @@ from typing import Callable, Sequence
 import torch
 
 from actors.backends.aten import AtenProgram
-from .capture.aten import dtype_from_name
-from .capture.pytree import bind_step_inputs
-from .graph import KernelGraph
-from .plan import Plan, PlanError
+from tessera_actors.capture.aten import dtype_from_name
+from tessera_actors.capture.pytree import bind_step_inputs
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import Plan, PlanError
 
 
 def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.Tensor],

@@ -24,10 +24,10 @@ import logging
 from collections import deque
 from typing import Any, Callable
 
-from tessera_actors.errors import ActorDead, ActorError, AskTimeout, MailboxFull, RemoteError, UnknownMessage
-from tessera_actors.messages import Ping, Pong
+from tessera_actors.runtime.errors import ActorDead, ActorError, AskTimeout, MailboxFull, RemoteError, UnknownMessage
+from tessera_actors.runtime.messages import Ping, Pong
 
-log = logging.getLogger("tessera_actors.actor")
+log = logging.getLogger("tessera_actors.runtime.actor")
 
 RESTART_POLICIES = ("resume", "restart", "stop")
 _YIELD_EVERY = 256   # messages handled back to back before letting other tasks run

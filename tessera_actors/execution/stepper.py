@@ -16,11 +16,11 @@ from typing import Awaitable, Callable, Sequence
 
 import torch
 
-from .actor import ActorRef
-from .graph import KernelGraph
-from .messages import RunStep, StepDone
-from .plan import Plan
-from .runner import assemble_outputs
+from tessera_actors.runtime.actor import ActorRef
+from tessera_actors.graph import KernelGraph
+from tessera_actors.runtime.messages import RunStep, StepDone
+from tessera_actors.plan import Plan
+from tessera_actors.execution.runner import assemble_outputs
 
 
 class StepFailed(RuntimeError):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from .graph import KernelGraph
-from .plan import legal_cuts
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import legal_cuts
 
 
 def random_topological_order(graph: KernelGraph, rng: random.Random) -> list[int]:

@@ -1,0 +1,1 @@
+"""The execution core the device actors run, and its reference forms."""

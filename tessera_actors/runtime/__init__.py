@@ -1,0 +1,1 @@
+"""The actor runtime (torch-free): actors, the system, wire messages, errors."""
