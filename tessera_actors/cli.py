@@ -48,6 +48,10 @@ def _arena(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["node"]:   # the node daemon parses its own flags (argparse's REMAINDER would take --listen)
+        from .node import main as node_main
+        return int(node_main(argv[1:]) or 0)
     ap = argparse.ArgumentParser(prog="tessera", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="command", required=True)
