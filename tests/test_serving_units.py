@@ -111,3 +111,12 @@ def test_engine_config_refuses_bad_values():
     with pytest.raises(ValueError, match="mode"):
         EngineConfig(mode="fast")
     assert EngineConfig(max_seqs=6, decode_buckets=(1, 4, 8)).decode_buckets == (1, 4, 6)
+
+
+async def test_an_engine_that_was_not_started_says_so():
+    from tessera_actors import AsyncEngine
+    from tessera_actors.serving import EngineDead
+    eng = AsyncEngine(model="llama", size="tiny", devices="cpu")
+    with pytest.raises(EngineDead, match="not running"):
+        async for _ in eng.generate([1, 2], SamplingParams(max_tokens=1)):
+            pass

@@ -80,7 +80,7 @@ class AsyncEngine:
         self.tokenizer = None
         self.template = None
         self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
-        self._outbox: list[tuple[_Request, RequestOutput]] = []   # delivered after the next steps are sent
+        self._outbox: list[tuple] = []   # stream pieces, delivered after the next steps are sent (_emit)
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -163,6 +163,8 @@ class AsyncEngine:
         Leaving the iteration early aborts the request and frees its slot."""
         if self._dead:
             raise EngineDead(self._dead)
+        if self._loop_task is None or self._loop_task.done():
+            raise EngineDead("the engine is not running (use `async with AsyncEngine(...)` or `await start()`)")
         params = (params or SamplingParams()).validate()
         ids = [int(t) for t in prompt] if _is_id_list(prompt) else self.encode_prompt(prompt)
         vocab = self.served.vocab_size
