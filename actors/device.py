@@ -130,13 +130,20 @@ class DeviceActor(Actor):
 
         def build() -> AtenProgram:
             shared = {}
+            new = {key: max(graph.buffers[b].nbytes, 1) for b, key in keys.items() if key not in self.shared}
+            held = sum(t.numel() for t in self.shared.values())
+            budget = self.spec.mem
+            if budget is not None and held + sum(new.values()) > budget:
+                raise BackendError(f"{self.spec.name}: the shared weights and state would take "
+                                   f"{held + sum(new.values())} bytes, budget is {budget}")
             for b, key in keys.items():
                 t = self.shared.get(key)
                 if t is None:
-                    t = self.shared[key] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8,
-                                                       device=self.runner.device)
+                    t = self.shared[key] = torch.zeros(new[key], dtype=torch.uint8, device=self.runner.device)
                 shared[b] = t
-            prog = program_for(cls, graph, plan, d, self.runner, self.spec.mem, shared, self.spec.slow)
+            # the plan's own buffers get what the shared ones leave of the budget
+            left = None if budget is None else budget - held - sum(new.values())
+            prog = program_for(cls, graph, plan, d, self.runner, left, shared, self.spec.slow)
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)

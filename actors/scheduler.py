@@ -174,8 +174,10 @@ class SchedulerActor(Actor):
         where = {(self.nodes[self.inventory[d][0]].endpoint, f"device{self.inventory[d][1]}"): i
                  for i, d in enumerate(live)}
         pins = {name: where[tuple(r)] for name, r in msg.pins.items() if tuple(r) in where}
-        if pins and not respects(graph, plan.assignment, pins):
-            assignment = pinned_assignment(graph, pins)
+        weights = {name: {where[tuple(r)] for r in rs if tuple(r) in where} for name, rs in msg.weights.items()}
+        weights = {name: ds for name, ds in weights.items() if ds}
+        if (pins or weights) and not respects(graph, plan.assignment, pins, weights):
+            assignment = pinned_assignment(graph, pins, weights)
             plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)
         return await self._deploy(msg.plan_id, graph, plan, live, blob.data, msg.graph, msg.share)
 

@@ -213,3 +213,15 @@ async def test_a_transformers_llama_with_smollm2s_real_weights_is_served_split_l
         kernels = theirs.stats()["placement"]["kernels_per_device"]
     assert min(kernels) > 0
     assert got[0] == want[0] and got[1] == want[1]
+
+
+async def test_a_device_memory_budget_covers_the_shared_weights_and_kv_cache():
+    cfg = dict(model="llama", size="tiny", max_seqs=4, max_model_len=64, prefill_buckets=(8,))
+    async with AsyncEngine(devices="cpu", **cfg) as eng:
+        held = sum(b.nbytes for b in eng.served.graphs["decode:4@0"].buffers.values() if b.role in ("weight", "state"))
+    with pytest.raises(Exception, match="budget"):
+        async with AsyncEngine(devices=f"cpu?mem={held // 2}", **cfg):
+            pass
+    async with AsyncEngine(devices=f"cpu?mem={held // 2},cpu", planner="milp", **cfg) as split:   # must split
+        toks, _, _ = await _tokens(split, [1, 2, 3], SamplingParams(max_tokens=3))
+        assert len(toks) == 3 and min(split.stats()["placement"]["kernels_per_device"]) > 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
-from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes
+from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes, weight_homes
 from tessera_actors.serving import InvalidRequest, SamplingParams
 from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
 from tessera_actors.serving.config import EngineConfig
@@ -103,6 +103,17 @@ def test_state_pinning_keeps_every_state_on_its_home():
     flipped = pinned_assignment(g, {"kv0": 1, "kv1": 0})
     assert flipped == [1, 1, 1, 0, 0] and respects(g, flipped, {"kv0": 1, "kv1": 0})
     assert not respects(g, [0, 0, 0, 1, 1], {"kv0": 1})
+
+
+def test_weights_held_on_one_device_pin_their_readers_there():
+    bufs = {0: Buffer(0, 64, "input", "x"), 1: Buffer(1, 64, "weight", "w1"), 2: Buffer(2, 64, "weight", "w2"),
+            3: Buffer(3, 64, "temp"), 4: Buffer(4, 64, "output", "y")}
+    ks = [Kernel(0, "a", "library", (Access(0, 0, 64, "r"), Access(1, 0, 64, "r"), Access(3, 0, 64, "w"))),
+          Kernel(1, "b", "library", (Access(3, 0, 64, "r"), Access(2, 0, 64, "r"), Access(4, 0, 64, "w")))]
+    g = KernelGraph(ks, bufs, {"x": 0}, [4])
+    assert weight_homes(g, [0, 1]) == {"w1": {0}, "w2": {1}}
+    assert not respects(g, [0, 0], {}, {"w1": {0}, "w2": {1}})      # w2 would get a second copy on device 0
+    assert pinned_assignment(g, {}, {"w1": {0}, "w2": {1}}) == [0, 1]
 
 
 def test_engine_config_refuses_bad_values():

@@ -40,21 +40,50 @@ def state_homes(graph: KernelGraph, assignment: Sequence[int]) -> dict[str, int]
     return homes
 
 
-def respects(graph: KernelGraph, assignment: Sequence[int], pins: Mapping[str, int]) -> bool:
-    """True when every kernel touching a pinned state runs on its pin."""
-    return all(assignment[k.id] == pins[n] for k in graph.kernels for n in _state_names(graph, k) if n in pins)
+def _weight_names(graph: KernelGraph, kernel) -> set[str]:
+    return {graph.buffers[a.buffer].name for a in kernel.accesses
+            if graph.buffers[a.buffer].role == "weight" and graph.buffers[a.buffer].name}
 
 
-def pinned_assignment(graph: KernelGraph, pins: Mapping[str, int]) -> list[int]:
-    """Kernel -> device under ``pins`` (state name -> device); see the module
-    docstring.  With no pinned kernel at all every kernel goes to the
-    device of the smallest pin (or 0).  Raises :class:`PlanError` when one
-    kernel touches states pinned to two devices."""
+def weight_homes(graph: KernelGraph, assignment: Sequence[int]) -> dict[str, set[int]]:
+    """Named weight -> the devices whose kernels read it (where it is resident)."""
+    homes: dict[str, set[int]] = {}
+    for k in graph.kernels:
+        for name in _weight_names(graph, k):
+            homes.setdefault(name, set()).add(assignment[k.id])
+    return homes
+
+
+def respects(graph: KernelGraph, assignment: Sequence[int], pins: Mapping[str, int],
+             weights: Mapping[str, Sequence[int]] | None = None) -> bool:
+    """True when every kernel touching a pinned state runs on its pin and
+    every kernel reading a placed weight runs where that weight lives (a
+    bucket then adds no weight copy to any device: the budgets hold)."""
+    weights = weights or {}
+    for k in graph.kernels:
+        d = assignment[k.id]
+        if any(d != pins[n] for n in _state_names(graph, k) if n in pins):
+            return False
+        if any(d not in weights[n] for n in _weight_names(graph, k) if n in weights):
+            return False
+    return True
+
+
+def pinned_assignment(graph: KernelGraph, pins: Mapping[str, int],
+                      weights: Mapping[str, Sequence[int]] | None = None) -> list[int]:
+    """Kernel -> device under ``pins`` (state name -> device) and
+    ``weights`` (weight name -> the devices holding it: a weight held on one
+    device pins its readers there too); see the module docstring.  With no
+    pinned kernel at all every kernel goes to the device of the smallest pin
+    (or 0).  Raises :class:`PlanError` when one kernel is pinned to two
+    devices."""
+    weights = weights or {}
     fixed: dict[int, int] = {}
     for k in graph.kernels:
         devs = {pins[n] for n in _state_names(graph, k) if n in pins}
+        devs |= {next(iter(weights[n])) for n in _weight_names(graph, k) if n in weights and len(weights[n]) == 1}
         if len(devs) > 1:
-            raise PlanError(f"kernel {k.id} ({k.name}) touches states pinned to devices {sorted(devs)}")
+            raise PlanError(f"kernel {k.id} ({k.name}) touches state/weights pinned to devices {sorted(devs)}")
         if devs:
             fixed[k.id] = devs.pop()
     if not fixed:

@@ -321,6 +321,7 @@ class Place:
     pins: dict = dataclasses.field(default_factory=dict)
     share: str = ""
     devices: list = dataclasses.field(default_factory=list)
+    weights: dict = dataclasses.field(default_factory=dict)   # weight name -> [[endpoint, actor], ...] holding it
 
 
 @message

@@ -39,7 +39,7 @@ from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
 from ..plan import Plan, plan_from_dict
 from ..planners import get_planner
-from ..planning.pinning import state_homes
+from ..planning.pinning import state_homes, weight_homes
 from tessera_actors.runtime.system import ActorSystem
 from .config import EngineConfig
 from .deploy import ServedModel
@@ -151,11 +151,11 @@ class Runtime:
     def reference_bucket(self) -> str:
         return f"decode:{self.cfg.max_seqs}@0"
 
-    async def _place(self, bucket: str, pins: dict) -> Placed:
+    async def _place(self, bucket: str, pins: dict, weights: dict | None = None) -> Placed:
         sched = self.system.ref("scheduler")
         plan_id = f"g{self.generation}:{bucket}"
-        dep = await sched.ask(Place(plan_id, "throughput", graph=bucket, pins=pins, share=self.served.name),
-                              timeout=600)
+        dep = await sched.ask(Place(plan_id, "throughput", graph=bucket, pins=pins, share=self.served.name,
+                                    weights=weights or {}), timeout=600)
         plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
         return Placed(plan_id, plan, refs, dep.routes)
@@ -169,6 +169,8 @@ class Runtime:
         ref = await self._place(ref_name, {})
         homes = state_homes(self.served.graphs[ref_name], ref.plan.assignment)
         self.pins = {name: ref.routes[d][1:] for name, d in homes.items()}
+        held = weight_homes(self.served.graphs[ref_name], ref.plan.assignment)
+        self.weights = {name: [ref.routes[d][1:] for d in sorted(ds)] for name, ds in held.items()}
         self.placed = {ref_name: ref}
         self._placing = {}
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
@@ -176,7 +178,7 @@ class Runtime:
         if eager:
             for name in self.served.graphs:
                 if name != ref_name:
-                    self.placed[name] = await self._place(name, self.pins)
+                    self.placed[name] = await self._place(name, self.pins, self.weights)
         log.info("placed %d buckets (generation %d): %s", len(self.placed), self.generation, ref.plan.name)
 
     async def _placed(self, bucket: str) -> Placed:
@@ -190,7 +192,7 @@ class Runtime:
         generation = self.generation
         task = self._placing.get(bucket)
         if task is None:
-            task = self._placing[bucket] = asyncio.ensure_future(self._place(bucket, self.pins))
+            task = self._placing[bucket] = asyncio.ensure_future(self._place(bucket, self.pins, self.weights))
         p = await asyncio.shield(task)
         if generation == self.generation:
             self.placed[bucket] = p
