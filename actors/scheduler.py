@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass
 
 import msgpack
-import torch
 
 from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
 from tessera_actors.runtime.actor import Actor, ActorRef, handler

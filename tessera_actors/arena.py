@@ -28,7 +28,7 @@ import asyncio
 import json
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 

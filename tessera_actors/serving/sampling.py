@@ -61,7 +61,6 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Sequence]) -> tupl
         return [], []
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
-    picks = []
     greedy = [i for i, r in enumerate(rows) if float(r[2]) <= 0.0]
     out: list[torch.Tensor | None] = [None] * len(rows)
     if greedy:
