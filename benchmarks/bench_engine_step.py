@@ -24,29 +24,14 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
 from tessera_actors import AsyncEngine, SamplingParams
-
-
-def provenance() -> dict:
-    """Commit (``TESSERA_GIT_COMMIT`` when set: a copied work tree may carry a
-    stale ``.git``), command line, machine, date."""
-    commit = os.environ.get("TESSERA_GIT_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            commit = ""
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    return {"git_commit": commit, "command": " ".join([sys.executable] + sys.argv), "machine": platform.node(),
-            "cpus": os.cpu_count(), "gpu": gpu, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+from tessera_actors.serving.loadgen_report import provenance
 
 
 async def run(a) -> dict:

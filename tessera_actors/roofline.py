@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -265,15 +264,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _git_commit() -> str:
-    """``TESSERA_GIT_COMMIT`` when set (a work tree copied to a GPU machine may
-    carry a stale ``.git``), else ``git rev-parse HEAD``."""
-    import os
-    if os.environ.get("TESSERA_GIT_COMMIT"):
-        return os.environ["TESSERA_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The commit, as every result file records it (``TESSERA_GIT_COMMIT`` first)."""
+    from .serving.loadgen_report import provenance
+    return provenance()["git_commit"] or "unknown"
 
 
 def add_arguments(b) -> None:
