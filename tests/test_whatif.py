@@ -119,13 +119,20 @@ def test_triton_launch_geometry_bounds_bytes():
     assert f.cls == "t_pointwise" and f.ctas == 256       # 65536 elements / XBLOCK 256
 
 
-def test_fused_attention_is_a_tensor_core_gemm():
-    """cuDNN SDPA in a captured decode graph (GQA: 4 query rows per KV head):
-    4 * Lq * Lk * D FLOPs per head, not the capture's elementwise count."""
+def test_fused_attention_classes_decode_and_prefill():
+    """cuDNN SDPA in captured graphs: 4 * Lq * Lk * D FLOPs per head (not the
+    capture's elementwise count); a decode (GQA: 4 query rows per KV head)
+    fills a sliver of a tensor-core tile and is its own CUDA-core class, a
+    prefill's query tiles run on tensor cores."""
     from pathlib import Path
-    g = KernelGraph.load(Path(__file__).parents[1] / "benchmarks/results/whatif_h200/llama-decode-b64.tgraph")
+    res = Path(__file__).parents[1] / "benchmarks/results/whatif_h200"
+    g = KernelGraph.load(res / "llama-decode-b64.tgraph")
     k = next(k for k in g.kernels if k.name == "_scaled_dot_product_cudnn_attention")
     f = W.kernel_features(g, k.id)
-    assert f.cls == "gemm" and f.tensor and f.dtype == "bf16"
+    assert f.cls == "attn_decode" and not f.tensor and f.dtype == "bf16"
     assert f.flops == 4.0 * (64 * 8 * 4 * 128) * 2048
     assert f.ctas >= 64 * 8 and f.resident == 1
+    g = KernelGraph.load(res / "llama-prefill-b1-t1024.tgraph")
+    k = next(k for k in g.kernels if k.name == "_scaled_dot_product_cudnn_attention")
+    f = W.kernel_features(g, k.id)
+    assert f.cls == "attention" and f.tensor and f.flops == 4.0 * (8 * 4096 * 128) * 2048

@@ -9,7 +9,9 @@ pointer argument, a gather reads the rows it outputs), the part of those
 bytes that is activations (may hit L2) and the launch geometry (CTAs: GEMM
 output tiles with split-K, Triton grids, elementwise blocks; CTAs resident
 per SM from ``num_warps``).  Classes: ``gemm`` (tensor-core library kernels
-and Triton kernels with MMA), ``gather``, ``pointwise``, ``strided``
+and Triton kernels with MMA), ``attention`` (fused SDPA with query tiles),
+``attn_decode`` (fused SDPA with a few query rows per KV head: CUDA-core
+rates, since they fill a sliver of a tensor-core tile), ``gather``, ``pointwise``, ``strided``
 (pointwise over a non-contiguous view: a transposing copy) and ``reduction``
 (library/aten kernels), ``t_pointwise`` and ``t_reduction`` (Triton).
 
@@ -43,6 +45,7 @@ from .costs import CostTable
 from .specs import GpuSpec, get_spec, link_between
 from .whatif_features import CLASSES, KernelFeatures, graph_features, kernel_features
 
+TILED = ("gemm", "attention", "attn_decode")   # classes launched as output tiles, one CTA resident per SM
 REF_GHZ = 1.98          # clock the floor and wave terms are expressed at (H100/H200 SXM boost)
 
 
@@ -96,26 +99,28 @@ class Params:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Params":
-        return cls(dict(d["eff_c"]), dict(d["eff_m"]), dict(d["floor"]),
-                   dict(d.get("sm_eff") or {c: 1.0 for c in CLASSES}),
+        base = cls()          # a class missing from an older file keeps the neutral start
+        return cls({**base.eff_c, **d["eff_c"]}, {**base.eff_m, **d["eff_m"]}, {**base.floor, **d["floor"]},
+                   {**base.sm_eff, **(d.get("sm_eff") or {})},
                    *[float(d[k]) for k in cls._SCALARS],
                    {k: [(int(s), float(r)) for s, r in v] for k, v in d.get("corrections", {}).items()})
 
 
 _NC = len(CLASSES)
-_LO = np.array([0.05] * _NC + [0.05] * _NC + [0.0] * _NC + [0.1] * _NC + [1.0, 1.9, 0.0, 1.0, 0.0])
+_LO = np.array([0.05] * _NC + [0.05] * _NC + [0.0] * _NC + [0.02] * _NC + [1.0, 1.9, 0.0, 1.0, 0.0])
 _HI = np.array([1.0] * _NC + [1.0] * _NC + [50.0] * _NC + [3.0] * _NC + [200.0, 2.1, 1.0, 6.0, 20.0])
 
 
 def roofline_time(f: KernelFeatures, spec: GpuSpec, sms: int, p: Params) -> float:
     """Seconds of one kernel on ``sms`` SMs of ``spec``, without corrections."""
     s = max(1, min(int(sms), spec.sms))
-    slots = s * (f.resident if f.cls != "gemm" else 1)
+    tiled = f.cls in TILED
+    slots = s * (f.resident if not tiled else 1)
     waves = math.ceil(f.ctas / slots)
     wave_eff = f.ctas / (waves * slots)
     frac = s / spec.sms
     peak = (spec.tensor_peak(f.dtype) if f.tensor else spec.fp32) * frac
-    tc = f.flops / (peak * p.eff_c[f.cls] * min(1.0, wave_eff if f.cls == "gemm" else 1.0)
+    tc = f.flops / (peak * p.eff_c[f.cls] * min(1.0, wave_eff if tiled else 1.0)
                     / (1 + p.power * frac)) if f.flops else 0.0
     active = min(s, f.ctas)
     hbm, sm_bw = spec.mem_bw * p.eff_m[f.cls], active * p.bw_sm * p.sm_eff[f.cls] * spec.boost_ghz
@@ -134,14 +139,14 @@ class _Rows:
     def __init__(self, rows: Sequence[tuple[KernelFeatures, GpuSpec, int]]) -> None:
         a = lambda xs: np.array(list(xs), dtype=float)       # noqa: E731
         self.cls = np.array([CLASSES.index(f.cls) for f, _, _ in rows], dtype=int)
-        self.gemm = self.cls == CLASSES.index("gemm")
+        self.tiled = np.isin(self.cls, [CLASSES.index(c) for c in TILED])
         full = a(sp.sms for _, sp, _ in rows)
         self.s = np.clip(a(n for _, _, n in rows), 1, full)
         self.frac = self.s / full
-        slots = self.s * np.where(self.gemm, 1.0, a(f.resident for f, _, _ in rows))
+        slots = self.s * np.where(self.tiled, 1.0, a(f.resident for f, _, _ in rows))
         ctas = a(f.ctas for f, _, _ in rows)
         self.waves = np.ceil(ctas / slots)
-        self.wave_eff = np.where(self.gemm, np.minimum(1.0, ctas / (self.waves * slots)), 1.0)
+        self.wave_eff = np.where(self.tiled, np.minimum(1.0, ctas / (self.waves * slots)), 1.0)
         self.peak = a((sp.tensor_peak(f.dtype) if f.tensor else sp.fp32) for f, sp, _ in rows) * self.frac
         self.flops = a(f.flops for f, _, _ in rows)
         self.active = np.minimum(self.s, ctas)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ..graph import KernelGraph
 from .costs import kernel_bytes
 
-CLASSES = ("gemm", "gather", "pointwise", "strided", "reduction", "t_pointwise", "t_reduction")
+CLASSES = ("gemm", "attention", "attn_decode", "gather", "pointwise", "strided", "reduction", "t_pointwise", "t_reduction")
 _GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm",
              "scaled_dot_product", "_flash_attention", "_efficient_attention", "cudnn_convolution")
 _GATHER_OPS = ("embedding", "index", "index_select", "gather", "take", "index_put")
@@ -163,7 +163,7 @@ def kernel_features(graph: KernelGraph, k: int, ptx_cache: dict | None = None) -
         # fused attention (flash / efficient / cuDNN SDPA): tensor-core GEMMs QK^T and PV,
         # 4 * Lq * Lk * D FLOPs per head (the capture's count is not that); a CTA per
         # 128 query rows per head, split over the keys when that leaves SMs idle
-        cls, tensor, resident = "gemm", dtype in ("bf16", "fp16", "fp8"), 1
+        cls, tensor, resident = "attention", dtype in ("bf16", "fp16", "fp8"), 1
         q, kv = (ts[0], ts[1]) if len(ts) >= 2 and len(ts[0][2]) >= 2 and len(ts[1][2]) >= 2 else (None, None)
         if q is not None:
             lk, heads_rows = kv[2][-2], _numel(q) // max(q[2][-1], 1)
@@ -171,6 +171,10 @@ def kernel_features(graph: KernelGraph, k: int, ptx_cache: dict | None = None) -
             tiles = int(math.prod(q[2][:-2])) * math.ceil(q[2][-2] / 128) if len(q[2]) > 2 else \
                 math.ceil(heads_rows / 128)
             ctas = tiles * max(1, min(lk // 256, math.ceil(264 / max(tiles, 1))))
+            if len(q[2]) >= 2 and q[2][-2] < 16:
+                # decode: a few query rows per KV head fill a sliver of a tensor-core tile, so the
+                # kernel runs at CUDA-core rates (H200, cuDNN SDPA: ~13 TFLOP/s at 4 rows)
+                cls, tensor = "attn_decode", False
         else:
             ctas = 1
     elif any(op == g or op.startswith(g) for g in _GEMM_OPS):
