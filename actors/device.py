@@ -50,7 +50,7 @@ from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, pr
 from actors.streaming import program_for, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.graph import KernelGraph
+from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
                                      Ship, Stats, StepDone, Uninstall)
 from tessera_actors.plan import Plan, plan_from_dict
@@ -116,7 +116,7 @@ class DeviceActor(Actor):
     async def install(self, msg: InstallPlan) -> Installed:
         if msg.plan_id in self.plans:
             raise ValueError(f"plan {msg.plan_id!r} is already installed on {self.spec.name}")
-        graph = KernelGraph.from_dict(msgpack.unpackb(msg.graph, strict_map_key=False))
+        graph = graph_from_bytes(msg.graph)
         plan = plan_from_dict(msgpack.unpackb(msg.plan, strict_map_key=False))
         d = msg.device
         if not 0 <= d < len(plan.devices):

@@ -33,7 +33,7 @@ import msgpack
 from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
 from tessera_actors.runtime.actor import Actor, ActorRef, handler
 from tessera_actors.runtime.errors import ActorDead, ActorError
-from tessera_actors.graph import KernelGraph
+from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Deploy, Deployment, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
                                      LoadValues, Ok, Place, Register, Registered, ReportLost, Routes, Stats,
                                      Uninstall)
@@ -161,7 +161,7 @@ class SchedulerActor(Actor):
     @handler(Place)
     async def place(self, msg: Place) -> Deployment:
         blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph))
-        graph = KernelGraph.from_dict(msgpack.unpackb(blob.data, strict_map_key=False))
+        graph = graph_from_bytes(blob.data)
         lost = set(self.lost_nodes())
         live = [d for d, (node, _, _) in enumerate(self.inventory) if node not in lost]
         if msg.devices:
@@ -183,7 +183,7 @@ class SchedulerActor(Actor):
     @handler(Deploy)
     async def deploy(self, msg: Deploy) -> Deployment:
         blob = await self.system.ref(self.graph_actor).ask(GetGraph())
-        graph = KernelGraph.from_dict(msgpack.unpackb(blob.data, strict_map_key=False))
+        graph = graph_from_bytes(blob.data)
         plan = plan_from_dict(msgpack.unpackb(msg.plan, strict_map_key=False))
         if len(plan.devices) > len(self.inventory):
             raise PlanError(f"plan needs {len(plan.devices)} devices, {len(self.inventory)} registered")

@@ -365,6 +365,26 @@ class KernelGraph:
 FILE_MAGIC = b"TSRAGRPH\x00\x02"   # graph files since checksums: magic + sha256(body) + body
 
 
+_PARSED: dict[bytes, KernelGraph] = {}
+_PARSED_MAX = 64
+
+
+def graph_from_bytes(data: bytes) -> KernelGraph:
+    """The graph a msgpack blob holds, parsed once per process: the
+    scheduler and the devices receive the same bucket graphs again on every
+    placement (a re-placement after a loss places every bucket anew), and
+    parsing a real-size graph costs tens of milliseconds.  Callers treat
+    the graph as read-only (plans carry their own annotations)."""
+    key = hashlib.blake2b(data, digest_size=20).digest()
+    g = _PARSED.get(key)
+    if g is None:
+        g = KernelGraph.from_dict(msgpack.unpackb(data, strict_map_key=False))
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.pop(next(iter(_PARSED)))
+        _PARSED[key] = g
+    return g
+
+
 def _records(d: dict, key: str, width: int) -> list:
     rows = _list(d[key], key)
     for r in rows:

@@ -124,12 +124,17 @@ async def test_chat_messages_use_the_models_template_and_stop_strings_end_the_re
         assert stopped[2].finish_reason == "stop" and stopped[1] == full[:full.index(cut)]
 
 
-async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token():
+@pytest.mark.parametrize("detector", ["exit", "refused"])
+async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token(detector):
+    """``exit``: the engine watches the node processes it started;
+    ``refused``: only pings, with a ping timeout far beyond the test's
+    patience - the loss is found because the dead node's port refuses."""
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:8]
     async with AsyncEngine(devices="cpu", max_seqs=8, **SMALL) as single:
         reference = [(await _tokens(single, p, greedy))[0] for p in prompts]
-    async with AsyncEngine(nodes=NODES, max_seqs=8, **SMALL) as eng:
+    detect = {} if detector == "exit" else {"watch_processes": False, "lost_after_s": 900.0}
+    async with AsyncEngine(nodes=NODES, max_seqs=8, **SMALL, **detect) as eng:
         started = asyncio.Event()
         counts = [0] * len(prompts)
 
@@ -145,7 +150,7 @@ async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token():
         await asyncio.wait_for(started.wait(), 120)
         victim = eng.runtime.cluster.nodes[1].proc
         os.kill(victim.pid, signal.SIGKILL)
-        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         stats = eng.stats()
     assert results == reference
     assert stats["recoveries"] == 1 and stats["generation"] == 1
@@ -225,3 +230,14 @@ async def test_a_device_memory_budget_covers_the_shared_weights_and_kv_cache():
     async with AsyncEngine(devices=f"cpu?mem={held // 2},cpu", planner="milp", **cfg) as split:   # must split
         toks, _, _ = await _tokens(split, [1, 2, 3], SamplingParams(max_tokens=3))
         assert len(toks) == 3 and min(split.stats()["placement"]["kernels_per_device"]) > 0
+
+
+async def test_the_detector_tells_a_refused_port_from_a_listening_one():
+    from tessera_actors.serving.runtime import _refused
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    assert not await _refused(f"tcp://127.0.0.1:{port}")
+    server.close()
+    await server.wait_closed()
+    assert await _refused(f"tcp://127.0.0.1:{port}")
+    assert not await _refused("ipc:///tmp/no-such-socket")

@@ -81,11 +81,15 @@ def smallest_bucket(sizes: Seq[int], need: int) -> int:
     raise ValueError(f"no bucket holds {need} (buckets {list(sizes)})")
 
 
-def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int
+def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int, size: int | None = None
                   ) -> tuple[int, dict[str, torch.Tensor], list]:
     """(bucket size, inputs, sample entries) of one decode step of ``seqs``
-    (all in the group whose first row is ``lo``)."""
-    size = smallest_bucket(sizes, max(s.slot for s in seqs) - lo + 1)
+    (all in the group whose first row is ``lo``); ``size``: pad to that
+    many rows instead (a larger bucket standing in for the step's own)."""
+    need = smallest_bucket(sizes, max(s.slot for s in seqs) - lo + 1)
+    if size is not None and size < need:
+        raise ValueError(f"a decode step of {need} rows does not fit a bucket of {size}")
+    size = size or need
     ids = [0] * size
     pos = [max_len - 1] * size
     sample = []
@@ -98,15 +102,25 @@ def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int
                   "positions": torch.tensor(pos, dtype=torch.int64)}, sample
 
 
-def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int
-                   ) -> tuple[int, int, dict[str, torch.Tensor], list]:
-    """(bucket size, real tokens, inputs, sample entries) of the next chunk of
-    ``seq``'s context: the largest bucket while more than it remains, then
-    the smallest bucket that holds the rest; the last chunk samples."""
+def prefill_chunk(seq: Sequence, sizes: Seq[int]) -> tuple[int, int]:
+    """(bucket size, real tokens) of the next chunk of ``seq``'s context:
+    the largest bucket while more than it remains, then the smallest bucket
+    that holds the rest."""
     left = len(seq.context) - seq.prefilled
     biggest = max(sizes)
     size = biggest if left >= biggest else smallest_bucket(sizes, left)
-    n = min(size, left)
+    return size, min(size, left)
+
+
+def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | None = None
+                   ) -> tuple[int, int, dict[str, torch.Tensor], list]:
+    """(bucket size, real tokens, inputs, sample entries) of the next chunk of
+    ``seq``'s context (:func:`prefill_chunk`; ``size``: padded to that many
+    tokens instead); the last chunk samples."""
+    need, n = prefill_chunk(seq, sizes)
+    if size is not None and size < n:
+        raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
+    size = size or need
     start = seq.prefilled
     ids = torch.zeros(1, size, dtype=torch.int64)
     ids[0, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)

@@ -34,7 +34,7 @@ import time
 from typing import AsyncIterator
 
 from ..planning.monitor import Monitor
-from .batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
+from .batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
 from .config import EngineConfig
 from .deploy import bucket_name, decode_sizes, load_served_model, window_for
 from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
@@ -67,6 +67,7 @@ class AsyncEngine:
         self._requests: dict[str, _Request] = {}
         self._waiting: list[_Request] = []
         self._prefill: list[_Request] = []
+        self._catchup: set[str] = set()   # re-prefills after a loss: decode waits until they are done
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._lost: list[str] = []
@@ -226,6 +227,7 @@ class AsyncEngine:
         the row before the old step's writes are done)."""
         seq = req.seq
         seq.phase = "done"
+        self._catchup.discard(seq.rid)
         for lst in (self._waiting, self._prefill):
             if req in lst:
                 lst.remove(req)
@@ -317,23 +319,41 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if "prefill" not in busy and self._prefill:
             req = self._prefill[0]
-            size, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len)
-            bucket = bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1))
+            size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
+            bucket = self.runtime.runnable(bucket_name("prefill", size, 0,
+                                                       window_for(self.cfg, req.seq.prefilled + n - 1)))
+            _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
+                                                  self._rows_of(bucket))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
             req.in_step = True
             inflight[task] = ("prefill", [req], n, bucket)
         for g, reqs in enumerate(self._group_rows()):
             key = f"decode{g}"
-            if key in busy or not reqs:
+            if key in busy or not reqs or self._catchup:
                 continue
             lo, hi = self.slots.bounds[g]
-            size, inputs, sample = decode_inputs([r.seq for r in reqs], lo, decode_sizes(self.cfg, hi - lo),
-                                                 self.max_model_len)
-            bucket = bucket_name("decode", size, lo, window_for(self.cfg, max(r.seq.position for r in reqs)))
+            sizes = decode_sizes(self.cfg, hi - lo)
+            size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
+            bucket = self.runtime.runnable(bucket_name("decode", size, lo, window_for(
+                self.cfg, max(r.seq.position for r in reqs))), (lo, hi))
+            _, inputs, sample = decode_inputs([r.seq for r in reqs], lo, sizes, self.max_model_len,
+                                              self._rows_of(bucket))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
             for r in reqs:
                 r.in_step = True
             inflight[task] = (key, reqs, 0, bucket)
+
+    def _rows_of(self, bucket: str) -> int | None:
+        b = self.runtime.served.buckets.get(bucket)
+        return b.size if b is not None else None
+
+    def _first_prefills(self, reqs: list[_Request]) -> list[str]:
+        """The prefill buckets of the next chunk of each of ``reqs``."""
+        names = []
+        for req in reqs:
+            size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
+            names.append(bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1)))
+        return names
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:
         key, reqs, n, bucket = info
@@ -362,6 +382,7 @@ class AsyncEngine:
             if req.seq.prefilled < len(req.seq.context):
                 return
             self._prefill.remove(req)
+            self._catchup.discard(req.seq.rid)
             req.seq.phase = "decode"
             self._accept(req, result.tokens[0], result.logprobs[0])
             return
@@ -416,10 +437,6 @@ class AsyncEngine:
         self.counters["recoveries"] += 1
         log.warning("lost %s: re-placing on the survivors", lost)
         t0 = time.monotonic()
-        try:
-            await self.runtime.replace(lost)
-        except Exception as e:
-            raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
         for req in list(self._requests.values()):
             seq = req.seq
             if seq.phase in ("prefill", "decode"):
@@ -429,6 +446,13 @@ class AsyncEngine:
                     seq.phase = "prefill"
                     self._prefill.append(req)
         self._prefill.sort(key=lambda r: r.seq.arrival)
+        # every stream stalls until its context is back: re-prefill them all first (the longest
+        # gap is then the loss plus the re-prefills, not plus the decode steps between them)
+        self._catchup = {r.seq.rid for r in self._prefill}
+        try:   # the re-prefills' first buckets at once; decode steps stand in on the reference bucket
+            await self.runtime.replace(lost, self._first_prefills(self._prefill))
+        except Exception as e:
+            raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
 
     def _maybe_switch(self, inflight: dict) -> None:

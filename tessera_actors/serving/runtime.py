@@ -71,6 +71,23 @@ class StepResult:
     spans: list = field(default_factory=list)
 
 
+async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
+    """True when a TCP connection to ``endpoint`` (``tcp://host:port``) is
+    refused: nothing listens on that port (other failures and non-TCP
+    endpoints say nothing)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
 class Runtime:
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
                  trace=None) -> None:
@@ -198,8 +215,55 @@ class Runtime:
             self.placed[bucket] = p
         return p
 
-    async def replace(self, lost: list[str]) -> None:
-        """Report ``lost`` node endpoints and place everything on the survivors."""
+    def runnable(self, want: str, bounds: tuple[int, int] | None = None) -> str:
+        """The bucket a step shaped for ``want`` runs on now: ``want`` when
+        it is placed, or when nothing placed can stand in (the step then
+        waits for its placement); otherwise the smallest placed bucket that
+        runs it padded - a prefill bucket at least as long, a decode bucket
+        from the same first row with at least as many rows, inside the
+        group's row ``bounds`` - with an attention window at least as wide,
+        while ``want`` is placed in the background (after a loss the
+        streams go on at once instead of waiting for each bucket)."""
+        if want in self.placed or want not in self.served.buckets:
+            return want
+        b = self.served.buckets[want]
+        best = None
+        for name in self.placed:
+            c = self.served.buckets.get(name)
+            if c is None or c.kind != b.kind or c.size < b.size:
+                continue
+            if c.window and (not b.window or c.window < b.window):
+                continue
+            if c.kind == "decode" and (c.base != b.base or bounds is None or c.base + c.size > bounds[1]):
+                continue
+            key = (c.size, c.window or self.cfg.max_model_len)
+            if best is None or key < best[0]:
+                best = (key, name)
+        if best is None:
+            return want
+        self._place_soon(want)
+        return best[1]
+
+    def _place_soon(self, bucket: str) -> None:
+        if bucket in self._placing:
+            return
+        generation = self.generation
+        task = self._placing[bucket] = asyncio.ensure_future(self._place(bucket, self.pins, self.weights))
+
+        def done(t: asyncio.Task) -> None:
+            if t.cancelled() or generation != self.generation:
+                return
+            if t.exception() is not None:
+                log.warning("placing bucket %s failed: %s", bucket, t.exception())
+                self._placing.pop(bucket, None)   # a step that needs it exactly tries again
+                return
+            self.placed.setdefault(bucket, t.result())
+        task.add_done_callback(done)
+
+    async def replace(self, lost: list[str], first: Sequence[str] = ()) -> None:
+        """Report ``lost`` node endpoints and place on the survivors the
+        reference bucket and ``first`` (the buckets the first steps after
+        the loss need); the others are placed when steps ask for them."""
         sched = self.system.ref("scheduler")
         for ep in lost:
             self.lost.add(ep)
@@ -207,6 +271,9 @@ class Runtime:
         self.generation += 1
         self.placed = {}
         await self.place_all(eager=False)
+        for name in dict.fromkeys(first):
+            if name in self.served.graphs:
+                await self._placed(name)
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:
@@ -250,9 +317,19 @@ class Runtime:
         return sorted(ep for ep in eps if ep and ep != self.system.address and ep not in self.lost)
 
     async def _ping(self, ep: str) -> bool:
+        """Whether the node at ``ep`` answers a ping within ``lost_after_s``;
+        a ping late by a heartbeat makes the detector knock on the node's
+        TCP port: a refused connection means no process listens there any
+        more (a killed node), a loss at once instead of at the timeout."""
         try:
             ref = await self.system.remote_ref(ep, "node")
-            await ref.ask(Ping(), timeout=self.cfg.lost_after_s)
+            ask = asyncio.ensure_future(ref.ask(Ping(), timeout=self.cfg.lost_after_s))
+            done, _ = await asyncio.wait({ask}, timeout=self.cfg.heartbeat_s)
+            if not done and await _refused(ep):
+                ask.cancel()
+                await asyncio.gather(ask, return_exceptions=True)
+                return False
+            await ask
             return True
         except ActorError:
             return False
