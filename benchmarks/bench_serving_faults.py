@@ -2,7 +2,8 @@
 processes (a program, not a test).
 
 Measures, in one run:
-  idle TTFT   - time to first token of a 290-token prompt on an idle engine;
+  idle TTFT   - time to first token of a 290-token prompt on an idle engine:
+                one in-process device with every core, and the two nodes;
   kill stall  - ``--streams`` concurrent greedy streams on two node
                 processes; one node is killed with SIGKILL mid-stream; the
                 stall is the longest gap between two tokens of any stream
@@ -39,6 +40,16 @@ async def stream(eng, prompt, params, stamps: list | None = None) -> list[int]:
     return toks
 
 
+async def idle_ttft(eng, prompt, times: int = 3) -> list[float]:
+    out = []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        async for _out in eng.generate(prompt, SamplingParams(max_tokens=1)):
+            pass
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 async def run(a) -> dict:
     nodes = [f"cpu?threads={a.threads}"] * 2
     common = dict(model=a.model, size=a.size, max_seqs=max(a.streams, 1), max_model_len=a.context,
@@ -50,16 +61,13 @@ async def run(a) -> dict:
         prompts = [one.tokenizer.encode(f"Story {i}: the weather in the city was") if one.tokenizer else
                    [i + 1, 2, 3, 4, 5] for i in range(a.streams)]
         reference = await asyncio.gather(*(stream(one, p, greedy) for p in prompts))
+        long_prompt = (one.tokenizer.encode(" ".join(["word"] * 400)) if one.tokenizer else list(range(1, 400)))[:290]
+    async with AsyncEngine(devices="cpu", **common) as whole:   # one device with every core
+        res["idle_ttft_290_one_device_s_all"] = await idle_ttft(whole, long_prompt)
+        res["idle_ttft_290_one_device_s"] = min(res["idle_ttft_290_one_device_s_all"])
     async with AsyncEngine(nodes=nodes, **common, **detector) as eng:
-        long_prompt = (eng.tokenizer.encode(" ".join(["word"] * 400)) if eng.tokenizer else list(range(1, 400)))[:290]
-        ttft = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            async for _out in eng.generate(long_prompt, SamplingParams(max_tokens=1)):
-                pass
-            ttft.append(time.perf_counter() - t0)
-        res["idle_ttft_290_s"] = min(ttft)
-        res["idle_ttft_290_s_all"] = ttft
+        res["idle_ttft_290_s_all"] = await idle_ttft(eng, long_prompt)
+        res["idle_ttft_290_s"] = min(res["idle_ttft_290_s_all"])
         stamps = [[] for _ in prompts]
         tasks = [asyncio.ensure_future(stream(eng, p, greedy, stamps[i])) for i, p in enumerate(prompts)]
         while min(len(s) for s in stamps) < a.tokens // 3:
@@ -105,7 +113,9 @@ def main() -> int:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     res = asyncio.run(run(a))
-    rows = [("idle TTFT, 290-token prompt", f"{res['idle_ttft_290_s'] * 1e3:.0f} ms"),
+    rows = [("idle TTFT, 290-token prompt, one device (every core)", f"{res['idle_ttft_290_one_device_s'] * 1e3:.0f} ms"),
+            (f"idle TTFT, 290-token prompt, two nodes (cpu?threads={a.threads} each)",
+             f"{res['idle_ttft_290_s'] * 1e3:.0f} ms"),
             (f"stall after kill -9 of 1 of 2 nodes ({a.streams} streams, detector {a.detector})",
              f"{res['kill_stall_s'] * 1e3:.0f} ms"),
             ("streams identical to a fault-free run", str(res["kill_streams_identical"])),

@@ -70,19 +70,31 @@ def test_decode_step_pads_to_a_bucket_and_samples_only_live_rows():
     assert size == 4 and inp["positions"].tolist() == [63, 63, 1, 63]
 
 
-def test_prefill_chunks_use_big_buckets_then_the_smallest_that_fits():
+def _chunks(length: int, buckets: list[int]) -> tuple[list[int], list[bool]]:
     p = SamplingParams().validate()
-    s = Sequence("a", list(range(300)), p, 0, slot=3, context=list(range(300)))
+    s = Sequence("a", list(range(length)), p, 0, slot=3, context=list(range(length)))
     sizes, samples = [], []
     while s.prefilled < len(s.context):
-        size, n, inp, sample = prefill_inputs(s, [32, 128], max_len=512)
+        size, n, inp, sample = prefill_inputs(s, buckets, max_len=512)
         assert inp["rows"].tolist() == [3] and inp["last"].tolist() == [n - 1]
         assert inp["input_ids"][0, :n].tolist() == s.context[s.prefilled:s.prefilled + n]
         sizes.append(size)
         samples.append(bool(sample))
         s.prefilled += n
-    assert sizes == [128, 128, 128] and samples == [False, False, True]
-    assert len(sizes) <= math.ceil(300 / 128) + 1
+    return sizes, samples
+
+
+@pytest.mark.parametrize("length,buckets,want", [
+    (300, [32, 128], [128, 128, 32, 32]),        # the 44 left: two small chunks pad less than one of 128
+    (290, [32, 128, 256], [256, 32, 32]),
+    (300, [128], [128, 128, 128]),
+    (140, [32, 128], [128, 32]),
+    (120, [32, 128], [128]),                     # one chunk: 96 + 16 (a step) would not pad less
+])
+def test_prefill_chunks_use_big_buckets_then_the_fewest_padded_tokens(length, buckets, want):
+    sizes, samples = _chunks(length, buckets)
+    assert sizes == want and samples == [False] * (len(want) - 1) + [True]
+    assert len(sizes) <= math.ceil(length / max(buckets)) + 1
 
 
 def _graph() -> KernelGraph:

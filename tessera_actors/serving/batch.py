@@ -102,14 +102,28 @@ def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int, s
                   "positions": torch.tensor(pos, dtype=torch.int64)}, sample
 
 
+STEP_TOKENS = 16   # what one more prefill step costs, in padded tokens (the choice of the last chunks)
+
+
 def prefill_chunk(seq: Sequence, sizes: Seq[int]) -> tuple[int, int]:
     """(bucket size, real tokens) of the next chunk of ``seq``'s context:
-    the largest bucket while more than it remains, then the smallest bucket
-    that holds the rest."""
+    the largest bucket while at least that much remains; the rest in one
+    chunk (the smallest bucket that holds it) or in two (the largest bucket
+    it fills, then the smallest that holds what is left) when that pads
+    fewer tokens by more than a step's cost - 290 tokens with buckets 32,
+    128, 256 are 256 + 32 + 32, not 256 + 128.  At most one step more than
+    ``ceil(context / largest bucket)``."""
     left = len(seq.context) - seq.prefilled
     biggest = max(sizes)
-    size = biggest if left >= biggest else smallest_bucket(sizes, left)
-    return size, min(size, left)
+    if left >= biggest:
+        return biggest, biggest
+    one = smallest_bucket(sizes, left)
+    below = [b for b in sizes if b < left]
+    if below:
+        first = max(below)
+        if first + smallest_bucket(sizes, left - first) + STEP_TOKENS < one:
+            return first, first
+    return one, left
 
 
 def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | None = None
