@@ -107,6 +107,10 @@ class DeviceActor(Actor):
         for inst in self.plans.values():
             self._fail_plan(inst, "device stopped")
         self.worker.shutdown(wait=False, cancel_futures=True)
+        # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
+        self.plans.clear()
+        self.shared.clear()
+        self.runner = None
 
     async def _on_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
@@ -182,12 +186,16 @@ class DeviceActor(Actor):
         return Ok(f"{len(msg.buffers)} buffers offered")
 
     @handler(Uninstall)
-    def uninstall(self, msg: Uninstall) -> Ok:
+    async def uninstall(self, msg: Uninstall) -> Ok:
+        """Answered once the plan's units and arena are gone (after the work
+        already queued for it, which keeps the arena alive until then): the
+        memory is free for the next plan when the caller hears back."""
         inst = self.plans.pop(msg.plan_id, None)
         if inst is not None:
             self._fail_plan(inst, "plan uninstalled")
-            # after the work already queued for it; the program's arena stays alive until then
-            self.worker.submit(self.runner.forget, msg.plan_id, inst.prog)
+            if self.runner is not None:
+                await self._on_worker(self.runner.forget, msg.plan_id, inst.prog)
+            inst.prog = None
         return Ok()
 
     @handler(GetStats)

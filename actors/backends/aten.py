@@ -88,9 +88,13 @@ class AtenProgram:
             # the copy below is queued, not done: keep the sender's block from
             # being reused until the stream that reads it got past the copy
             data.record_stream(torch.cuda.current_stream(data.device))
+        # into device memory the copy is ordered on the stream the kernels run on; into host memory
+        # the CPU kernels read it next, so it must be done when this returns (a device-to-host copy
+        # into pageable memory is not guaranteed synchronous with non_blocking)
+        queued = a.is_cuda
         pos = 0
         for s, e in ranges:
-            a[s:e].copy_(data[pos:pos + e - s], non_blocking=True)
+            a[s:e].copy_(data[pos:pos + e - s], non_blocking=queued)
             pos += e - s
         if pos != data.numel():
             raise BackendError(f"buffer {buffer}: received {data.numel()} bytes for ranges of {pos}")
