@@ -155,8 +155,8 @@ async def run_plan(cfg: OffloadConfig, name: str, kind: str, batch: int, seq: in
     (decode): row 0's next input at each step is ``forced[step]`` (the
     reference's greedy token) instead of its own argmax."""
     cuda = gpu.kind == "cuda"
+    free_gpu(gpu, quiet=True)
     if cuda:
-        torch.cuda.synchronize(gpu.index)
         torch.cuda.reset_peak_memory_stats(gpu.index)
     tokens, logits = [], []
     async with ActorSystem(f"offload-{name}") as system:
@@ -202,15 +202,20 @@ async def run_plan(cfg: OffloadConfig, name: str, kind: str, batch: int, seq: in
             "gpu_peak_bytes": peak, "tokens": tokens, "logits": logits}
 
 
-def free_gpu(gpu: DeviceSpec) -> None:
+def free_gpu(gpu: DeviceSpec, quiet: bool = False) -> None:
     """Drop what a finished deployment left (its actors are gone) and say
-    if anything stays allocated: it would count against the next budget."""
+    if anything stays allocated: it would count against the next budget.
+    cuBLAS keeps a workspace per stream it ran on (32 MiB on an H200), and
+    every deployment has new streams: those go too."""
     gc.collect()
     if gpu.kind == "cuda":
         torch.cuda.synchronize(gpu.index)
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
         left = torch.cuda.memory_allocated(gpu.index)
-        if left > 64 << 20:
+        if left > 64 << 20 and not quiet:
             log(f"warning: {left / 2**20:.0f} MiB still allocated on {gpu.name} after a deployment")
 
 
@@ -278,11 +283,17 @@ async def bench(cfg: OffloadConfig) -> dict:
             p, st = got
             plan = to_plan(o, p, pol, st)
             forced = ref["tokens"] if kind == "decode" and batch == 1 else None   # same contexts as the reference
+            error = None
             try:
                 r = await run_plan(cfg, f"{name}-{pol}", kind, batch, seq, graph, plan, values, gpu, forced)
             except Exception as e:   # one policy failing (e.g. out of memory) must not lose the others
-                log(f"{name} {pol}: FAILED: {type(e).__name__}: {e}")
-                row["policies"][pol] = {"error": f"{type(e).__name__}: {e}", "predicted_step_s": st.step_s}
+                error = f"{type(e).__name__}: {e}"
+            if error is not None:
+                # out of the except clause: the exception's frames (holding the failed deployment's
+                # tensors) are gone, so the next policy gets the whole budget
+                log(f"{name} {pol}: FAILED: {error}")
+                row["policies"][pol] = {"error": error, "predicted_step_s": st.step_s,
+                                        "planned_gpu_bytes": o.gpu_bytes(p)}
                 row[f"{pol}_tok_s"] = None
                 free_gpu(gpu)
                 continue
