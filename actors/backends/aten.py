@@ -22,6 +22,38 @@ class BackendError(RuntimeError):
     """A kernel that cannot be bound or run on this device."""
 
 
+_OUT: dict[Any, Any] = {}
+
+
+def out_variant(op):
+    """The ``out=`` overload of ``op`` (``mm.default`` -> ``mm.out``,
+    ``where.self`` -> ``where.self_out``) when it takes exactly ``op``'s
+    arguments plus one written ``out`` tensor, else None.  Running a kernel
+    into its output buffer this way skips the fresh result tensor and its
+    copy (on CPU a large fresh tensor also costs page faults)."""
+    if op in _OUT:
+        return _OUT[op]
+    found = None
+    try:
+        name = op._overloadname
+        packet = op.overloadpacket
+        want = [(a.name, str(a.type)) for a in op._schema.arguments]
+        for cand in ([f"{name}_out"] if name != "default" else []) + ["out"]:
+            if cand not in packet.overloads():
+                continue
+            o = getattr(packet, cand)
+            written = [a for a in o._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+            rest = [(a.name, str(a.type)) for a in o._schema.arguments
+                    if not (a.alias_info is not None and a.alias_info.is_write)]
+            if [a.name for a in written] == ["out"] and rest == want and len(o._schema.returns) == 1:
+                found = o
+                break
+    except (AttributeError, RuntimeError):
+        found = None
+    _OUT[op] = found
+    return found
+
+
 def resolve_op(name: str):
     """``aten.mm.default`` -> ``torch.ops.aten.mm.default``, for ops on the
     allow-list only (``actors.backends.allow``; else ``KernelRefused``)."""
@@ -139,7 +171,8 @@ class AtenProgram:
 
             def run_one() -> None:
                 dst.copy_(op(*args, **kwargs))
-            return run_one
+            into = out_variant(op)
+            return run_one if into is None else _Into(into, args, kwargs, dst, run_one)
 
         def run_many() -> None:
             res = op(*args, **kwargs)
@@ -150,6 +183,41 @@ class AtenProgram:
     def run(self, kernel_ids: Iterable[int]) -> None:
         for kid in kernel_ids:
             self.bind(kid)()
+
+
+class _Into:
+    """A kernel run into its output buffer (``out=``).  The first run checks
+    that the op wrote into the buffer as it is - same storage, offset, shape
+    and strides (a resize would detach the view from the arena) - and if
+    not, restores the view and falls back to the result-and-copy run for
+    good."""
+
+    __slots__ = ("fn", "into", "args", "kwargs", "dst", "copy")
+
+    def __init__(self, into, args, kwargs, dst: torch.Tensor, copy: Callable[[], None]) -> None:
+        self.into, self.args, self.kwargs, self.dst, self.copy = into, args, kwargs, dst, copy
+        self.fn = self._first
+
+    def __call__(self) -> None:
+        self.fn()
+
+    def _run(self) -> None:
+        self.into(*self.args, **self.kwargs, out=self.dst)
+
+    def _first(self) -> None:
+        d = self.dst
+        storage, where = d.untyped_storage(), (d.data_ptr(), d.storage_offset(), d.shape, d.stride())
+        try:
+            self._run()
+            ok = (d.data_ptr(), d.storage_offset(), d.shape, d.stride()) == where
+        except (RuntimeError, TypeError):
+            ok = False
+        if ok:
+            self.fn = self._run
+            return
+        d.set_(storage, where[1], where[2], where[3])
+        self.fn = self.copy
+        self.copy()
 
 
 def _torch_constant(name, kind: type):
