@@ -90,6 +90,7 @@ def _chunks(length: int, buckets: list[int]) -> tuple[list[int], list[bool]]:
     (300, [128], [128, 128, 128]),
     (140, [32, 128], [128, 32]),
     (120, [32, 128], [128]),                     # one chunk: 96 + 16 (a step) would not pad less
+    (300, [32, 256, 2048], [256, 256]),          # the rest of a split is not split again
 ])
 def test_prefill_chunks_use_big_buckets_then_the_fewest_padded_tokens(length, buckets, want):
     sizes, samples = _chunks(length, buckets)
@@ -143,3 +144,25 @@ async def test_an_engine_that_was_not_started_says_so():
     with pytest.raises(EngineDead, match="not running"):
         async for _ in eng.generate([1, 2], SamplingParams(max_tokens=1)):
             pass
+
+
+async def test_a_failed_placement_is_tried_again_by_the_next_step_that_needs_it():
+    """(After a loss every bucket is placed anew; one failed attempt - a
+    timeout, a full device - must not fail every later step at once.)"""
+    import types
+    from tessera_actors.serving.runtime import Runtime
+    rt = Runtime.__new__(Runtime)
+    rt.placed, rt._placing, rt.generation, rt.pins, rt.weights = {}, {}, 0, {}, {}
+    rt.served = types.SimpleNamespace(graphs={"prefill:32": object()})
+    calls = []
+
+    async def place(bucket, pins, weights):
+        calls.append(bucket)
+        if len(calls) == 1:
+            raise RuntimeError("device busy")
+        return "placed"
+    rt._place = place
+    with pytest.raises(RuntimeError):
+        await rt._placed("prefill:32")
+    assert await rt._placed("prefill:32") == "placed" and calls == ["prefill:32"] * 2
+    assert rt.placed["prefill:32"] == "placed"

@@ -35,6 +35,9 @@ def out_variant(op):
         return _OUT[op]
     found = None
     try:
+        if any(t in op.tags for t in (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)):
+            _OUT[op] = None   # its result's size depends on the values: out= would resize the buffer
+            return None
         name = op._overloadname
         packet = op.overloadpacket
         want = [(a.name, str(a.type)) for a in op._schema.arguments]

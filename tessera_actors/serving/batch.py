@@ -28,6 +28,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0                 # tokens of ``context`` already in the KV cache
     context: list[int] = field(default_factory=list)   # what prefill must feed (prompt [+ tokens so far])
+    tail: tuple[int, int] | None = None  # (tokens left, bucket): the second of two last chunks, once chosen
     phase: str = "waiting"             # waiting | prefill | decode | done
     arrival: float = 0.0
     first_token_at: float | None = None
@@ -108,22 +109,28 @@ STEP_TOKENS = 16   # what one more prefill step costs, in padded tokens (the cho
 def prefill_chunk(seq: Sequence, sizes: Seq[int]) -> tuple[int, int]:
     """(bucket size, real tokens) of the next chunk of ``seq``'s context:
     the largest bucket while at least that much remains; the rest in one
-    chunk (the smallest bucket that holds it) or in two (the largest bucket
-    it fills, then the smallest that holds what is left) when that pads
-    fewer tokens by more than a step's cost - 290 tokens with buckets 32,
-    128, 256 are 256 + 32 + 32, not 256 + 128.  At most one step more than
-    ``ceil(context / largest bucket)``."""
+    chunk (the smallest bucket that holds it) or in two (a bucket it fills,
+    then the smallest that holds what is left) when that pads fewer tokens
+    by more than a step's cost - 290 tokens with buckets 32, 128, 256 are
+    256 + 32 + 32, not 256 + 128.  The second of two last chunks is kept on
+    the sequence (``tail``), so the rest is never split again: at most one
+    step more than ``ceil(context / largest bucket)``.  Calling it again
+    before the chunk is done gives the same answer."""
     left = len(seq.context) - seq.prefilled
+    if seq.tail is not None and seq.tail[0] == left:
+        return seq.tail[1], left
     biggest = max(sizes)
     if left >= biggest:
         return biggest, biggest
-    one = smallest_bucket(sizes, left)
-    below = [b for b in sizes if b < left]
-    if below:
-        first = max(below)
-        if first + smallest_bucket(sizes, left - first) + STEP_TOKENS < one:
-            return first, first
-    return one, left
+    best, split = smallest_bucket(sizes, left), None
+    for first in (b for b in sizes if b < left):
+        second = smallest_bucket(sizes, left - first)
+        if first + second + STEP_TOKENS < best:
+            best, split = first + second + STEP_TOKENS, (first, second)
+    if split is None:
+        return best, left
+    seq.tail = (left - split[0], split[1])
+    return split[0], split[0]
 
 
 def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | None = None

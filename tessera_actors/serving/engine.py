@@ -326,7 +326,7 @@ class AsyncEngine:
                                                   self._rows_of(bucket))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
             req.in_step = True
-            inflight[task] = ("prefill", [req], n, bucket)
+            inflight[task] = ("prefill", [req], n, bucket, self.runtime.generation)
         for g, reqs in enumerate(self._group_rows()):
             key = f"decode{g}"
             if key in busy or not reqs or self._catchup:
@@ -341,7 +341,7 @@ class AsyncEngine:
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
             for r in reqs:
                 r.in_step = True
-            inflight[task] = (key, reqs, 0, bucket)
+            inflight[task] = (key, reqs, 0, bucket, self.runtime.generation)
 
     def _rows_of(self, bucket: str) -> int | None:
         b = self.runtime.served.buckets.get(bucket)
@@ -356,15 +356,15 @@ class AsyncEngine:
         return names
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:
-        key, reqs, n, bucket = info
+        key, reqs, n, bucket, generation = info
         self._landed(reqs)
         try:
             result = task.result()
         except asyncio.CancelledError:
             return
         except StepFailed as e:
-            if self.runtime.lost or self._lost:
-                return   # recovery will redo the work
+            if self._lost or generation != self.runtime.generation:
+                return   # a loss is pending, or the step belonged to a placement since replaced: recovery redoes it
             log.warning("%s", e)
             self._lost_or_fail(reqs, e)
             return
@@ -442,6 +442,7 @@ class AsyncEngine:
             if seq.phase in ("prefill", "decode"):
                 seq.context = list(seq.prompt) + list(seq.generated)
                 seq.prefilled = 0
+                seq.tail = None
                 if seq.phase == "decode":
                     seq.phase = "prefill"
                     self._prefill.append(req)

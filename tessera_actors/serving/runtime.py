@@ -190,6 +190,7 @@ class Runtime:
         self.weights = {name: [ref.routes[d][1:] for d in sorted(ds)] for name, ds in held.items()}
         self.placed = {ref_name: ref}
         self._placing = {}
+        self._unplaceable: set[str] = set()
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
         self.since = time.monotonic()
         if eager:
@@ -210,7 +211,12 @@ class Runtime:
         task = self._placing.get(bucket)
         if task is None:
             task = self._placing[bucket] = asyncio.ensure_future(self._place(bucket, self.pins, self.weights))
-        p = await asyncio.shield(task)
+        try:
+            p = await asyncio.shield(task)
+        except Exception:
+            if self._placing.get(bucket) is task:
+                self._placing.pop(bucket)   # the next step that needs it tries afresh
+            raise
         if generation == self.generation:
             self.placed[bucket] = p
         return p
@@ -245,17 +251,24 @@ class Runtime:
         return best[1]
 
     def _place_soon(self, bucket: str) -> None:
-        if bucket in self._placing:
+        """Place ``bucket`` in the background (once per generation: a bucket
+        whose placement failed keeps its stand-in, it is not retried every step)."""
+        if bucket in self._placing or bucket in self._unplaceable:
             return
         generation = self.generation
         task = self._placing[bucket] = asyncio.ensure_future(self._place(bucket, self.pins, self.weights))
 
         def done(t: asyncio.Task) -> None:
-            if t.cancelled() or generation != self.generation:
+            if t.cancelled():
                 return
-            if t.exception() is not None:
-                log.warning("placing bucket %s failed: %s", bucket, t.exception())
-                self._placing.pop(bucket, None)   # a step that needs it exactly tries again
+            err = t.exception()   # retrieved in every case
+            if generation != self.generation:
+                return
+            if err is not None:
+                log.warning("placing bucket %s failed: %s; its steps keep running in a larger bucket", bucket, err)
+                self._unplaceable.add(bucket)
+                if self._placing.get(bucket) is t:
+                    self._placing.pop(bucket)
                 return
             self.placed.setdefault(bucket, t.result())
         task.add_done_callback(done)
@@ -267,7 +280,7 @@ class Runtime:
         sched = self.system.ref("scheduler")
         for ep in lost:
             self.lost.add(ep)
-            await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=30)
+            await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=120)
         self.generation += 1
         self.placed = {}
         await self.place_all(eager=False)
