@@ -108,7 +108,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--detector", default="ping", choices=["ping", "exit"],
-                    help="ping: heartbeat pings alone (0.25 s, lost after 1.0 s), as for nodes on other machines; "
+                    help="ping: heartbeat pings alone (0.25 s, lost after 1.0 s, or at once when a late node's "
+                         "port refuses a connection), as for nodes on other machines; "
                          "exit: also the exit of the node processes the engine started")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
