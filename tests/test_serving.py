@@ -172,7 +172,10 @@ async def test_served_tokens_are_the_eager_pytorch_models_tokens():
                            prefill_buckets=(4, 16)) as eng:
         got, _, last = await _tokens(eng, prompt, SamplingParams(max_tokens=n))
         assert len(eng.stats()["placement"]["kernels_per_device"]) == 2
+        ops = {k.name for g in eng.runtime.served.graphs.values() for k in g.kernels}
     assert got == want and last.finish_reason == "length"
+    # CPU devices only: the fused CPU attention kernel eager PyTorch runs, not SDPA's math decomposition
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "_safe_softmax" not in ops
 
 
 async def test_a_trace_of_served_steps_is_valid_trace_event_json_with_spans_per_device(tmp_path):

@@ -166,3 +166,11 @@ async def test_a_failed_placement_is_tried_again_by_the_next_step_that_needs_it(
         await rt._placed("prefill:32")
     assert await rt._placed("prefill:32") == "placed" and calls == ["prefill:32"] * 2
     assert rt.placed["prefill:32"] == "placed"
+
+
+def test_only_an_all_cpu_deployment_captures_the_fused_cpu_attention():
+    from tessera_actors.serving.deploy import cpu_only
+    assert cpu_only(EngineConfig(devices="cpu,cpu?threads=1"))
+    assert cpu_only(EngineConfig(nodes=("cpu?threads=1", "cpu")))
+    assert not cpu_only(EngineConfig(devices="cpu,cuda:0"))       # a GPU could get an attention kernel
+    assert not cpu_only(EngineConfig(nodes=("cuda:0",)))

@@ -70,6 +70,10 @@ class CachedAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.row_base = 0  # without ``rows``: the batch uses cache rows row_base .. row_base+B-1
         self.kv_window = 0  # > 0: read only the first kv_window slots (every position of the step is below it)
+        # CPU-only deployments: call the fused CPU kernel that eager CPU SDPA runs (a capture on the meta
+        # device would otherwise record SDPA's math decomposition); not with sinks or a sliding window,
+        # whose masks can leave a padding row without a key (the math path's safe softmax gives zeros there)
+        self.cpu_fused = False
         # sinks: one zero slot for the sink logit, padded so rows stay 16-element aligned for the kernels
         slots = max_seq + ((16 - max_seq % 16) if sinks else 0)
         register_state(self, "k_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
@@ -144,6 +148,11 @@ class CachedAttention(nn.Module):
             mf = mask if T == 1 else mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
         else:
             mf = mask.view(B, KV, G * T, mask.shape[-1])                                 # heads h = kv*G + g
-        out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mf)         # [B, KV, G*T, hd]
+        if self.cpu_fused and self.sinks is None and self.sliding_window is None:
+            add = torch.zeros((), dtype=q.dtype, device=mf.device).masked_fill(~mf, float("-inf"))  # as SDPA does
+            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qf, k_cache, v_cache, 0.0, False, attn_mask=add)[0]
+        else:
+            out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mf)     # [B, KV, G*T, hd]
         out = out.view(B, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         return self.wo(out)

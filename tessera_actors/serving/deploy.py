@@ -98,24 +98,41 @@ def bucket_inputs(bucket: Bucket, device: str | torch.device = "meta") -> dict[s
 
 
 @contextlib.contextmanager
-def shaped(model: torch.nn.Module, bucket: Bucket):
+def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
     """Capture-time constants of a bucket on the attention modules: the first
-    KV row of a decode group (``row_base``) and the window (``kv_window``)."""
+    KV row of a decode group (``row_base``), the window (``kv_window``) and,
+    for a deployment on CPU devices only, the fused CPU attention kernel
+    (``cpu_fused``)."""
     mods = [m for m in model.modules() if hasattr(m, "row_base")]
     if bucket.window and any(not hasattr(m, "kv_window") for m in mods):
         raise EngineError("this model's attention has no kv_window; serve it with kv_windows=()")
-    old = [(m.row_base, getattr(m, "kv_window", 0)) for m in mods]
+    old = [(m.row_base, getattr(m, "kv_window", 0), getattr(m, "cpu_fused", None)) for m in mods]
     for m in mods:
         m.row_base = bucket.base
         if hasattr(m, "kv_window"):
             m.kv_window = bucket.window
+        if hasattr(m, "cpu_fused"):
+            m.cpu_fused = cpu_only
     try:
         yield
     finally:
-        for m, (b, w) in zip(mods, old):
+        for m, (b, w, f) in zip(mods, old):
             m.row_base = b
             if hasattr(m, "kv_window"):
                 m.kv_window = w
+            if f is not None:
+                m.cpu_fused = f
+
+
+def cpu_only(cfg: EngineConfig) -> bool:
+    """Whether every device of the deployment is a CPU (devices, or the
+    node processes' devices); anything unparsable counts as not."""
+    from ..devices import parse_devices
+    try:
+        specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
+    except Exception:   # noqa: BLE001 - an unusual device string only loses the fused CPU kernel
+        return False
+    return bool(specs) and all(s.kind == "cpu" for s in specs)
 
 
 @dataclass
@@ -181,8 +198,9 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
     named.update(dict(real.named_buffers()))
     state = set(real.state_names())
     graphs, values, buckets = {}, {}, {}
+    fused = cpu_only(cfg)
     for b in buckets_for(cfg):
-        with shaped(meta, b):
+        with shaped(meta, b, fused):
             cap = capture_module(meta, bucket_inputs(b))
         vals = {}
         for buf in cap.graph.buffers.values():
