@@ -59,6 +59,9 @@ from tessera_actors.execution.runner import write_inputs
 log = logging.getLogger("tessera_actors.device")
 
 
+_INITIAL_THREADS = torch.get_num_threads()
+
+
 @dataclass
 class _Installed:
     graph: KernelGraph
@@ -87,11 +90,13 @@ class DeviceActor(Actor):
         self.busy_s = 0.0
 
     async def on_start(self) -> None:
-        threads = self.spec.threads
+        # a thread starts with the intra-op thread count last set in the process: a device without
+        # threads= gets the process's initial count, whatever a cpu?threads=1 device set before it
+        threads = self.spec.threads or _INITIAL_THREADS
 
         def init() -> None:
-            if threads:
-                torch.set_num_threads(threads)
+            torch.get_num_threads()          # this thread's lazy intra-op init first (it would reset the count
+            torch.set_num_threads(threads)   # to the process's latest one at the thread's first op)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"dev-{self.spec.name}", initializer=init)
         self.transfer = self.system.ref(self.transfer_name)
         # streams and green contexts belong to the thread that uses them: open the device there

@@ -209,3 +209,16 @@ async def test_cuda_split_decoding_with_captured_chunks_matches_single_device(de
         assert st["capture_failures"] == 0, st["last_capture_error"]
         assert (st["eager_runs"], st["captures"]) == (n, n), st
         assert st["replays"] == n * (steps - 1), st
+
+
+async def test_a_device_without_threads_gets_the_process_count_whatever_another_device_set():
+    """A new thread starts with the intra-op thread count last set anywhere in
+    the process: a ``cpu?threads=1`` device must not make a later ``cpu``
+    device single-threaded."""
+    from actors.device import _INITIAL_THREADS
+    async with ActorSystem("t") as system:
+        await system.spawn(TransferActor(), "transfer")
+        one = await system.spawn(DeviceActor(DeviceSpec.parse("cpu?threads=1")), "one")
+        every = await system.spawn(DeviceActor(DeviceSpec.parse("cpu")), "every")
+        counts = [ref._actor.worker.submit(torch.get_num_threads).result() for ref in (one, every)]
+    assert counts == [1, _INITIAL_THREADS]
