@@ -192,14 +192,19 @@ class DeviceActor(Actor):
 
     @handler(Uninstall)
     async def uninstall(self, msg: Uninstall) -> Ok:
-        """Answered once the plan's units and arena are gone (after the work
-        already queued for it, which keeps the arena alive until then): the
-        memory is free for the next plan when the caller hears back."""
+        """The plan's units and arena go after the work already queued for it
+        (which keeps the arena alive until then); with ``wait`` the answer
+        comes once they are gone, so the memory is free for the next plan
+        (a loss's clean-up does not wait: the survivors' queued steps would
+        hold up the recovery)."""
         inst = self.plans.pop(msg.plan_id, None)
         if inst is not None:
             self._fail_plan(inst, "plan uninstalled")
             if self.runner is not None:
-                await self._on_worker(self.runner.forget, msg.plan_id, inst.prog)
+                done = asyncio.get_running_loop().run_in_executor(self.worker, self.runner.forget, msg.plan_id,
+                                                                  inst.prog)
+                if msg.wait:
+                    await done
             inst.prog = None
         return Ok()
 

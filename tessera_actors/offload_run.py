@@ -65,7 +65,7 @@ class Deployed:
 
     async def close(self) -> None:
         for ref in self.refs:
-            await ref.ask(Uninstall(self.plan_id), timeout=60)
+            await ref.ask(Uninstall(self.plan_id, wait=True), timeout=60)
 
 
 async def deploy(system, graph: KernelGraph, plan: Plan, values: dict, plan_id: str = "offload",

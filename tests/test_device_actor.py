@@ -128,7 +128,7 @@ async def test_uninstall_drops_the_captured_chunks(tiny):
         dev = engine.devices[0]
         assert (await dev.ask(GetStats())).values["units"] == chunks(plan, 0)
         arena = weakref.ref(next(iter(dev._actor.plans["p"].prog.arena.values())))
-        await dev.ask(Uninstall("p"))   # answered once the plan's memory is let go
+        await dev.ask(Uninstall("p", wait=True))   # answered once the plan's memory is let go
         st = (await dev.ask(GetStats())).values
         assert st["units"] == 0 and st["plans"] == []
         gc.collect()

@@ -278,7 +278,10 @@ class Stats:
 
 @message
 class Uninstall:
+    """Drop plan ``plan_id``; ``wait``: answer only once its memory is free
+    (after the work already queued on the device), else at once."""
     plan_id: str
+    wait: bool = False
 
 
 @message
