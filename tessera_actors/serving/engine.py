@@ -319,9 +319,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if "prefill" not in busy and self._prefill:
             req = self._prefill[0]
-            size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
-            bucket = self.runtime.runnable(bucket_name("prefill", size, 0,
-                                                       window_for(self.cfg, req.seq.prefilled + n - 1)))
+            bucket = self.runtime.runnable(self._prefill_bucket(req))
             _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
                                                   self._rows_of(bucket))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
@@ -347,13 +345,10 @@ class AsyncEngine:
         b = self.runtime.served.buckets.get(bucket)
         return b.size if b is not None else None
 
-    def _first_prefills(self, reqs: list[_Request]) -> list[str]:
-        """The prefill buckets of the next chunk of each of ``reqs``."""
-        names = []
-        for req in reqs:
-            size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
-            names.append(bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1)))
-        return names
+    def _prefill_bucket(self, req: _Request) -> str:
+        """The bucket of the next prompt chunk of ``req`` (its own, before any stand-in)."""
+        size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
+        return bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1))
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:
         key, reqs, n, bucket, generation = info
@@ -451,7 +446,7 @@ class AsyncEngine:
         # gap is then the loss plus the re-prefills, not plus the decode steps between them)
         self._catchup = {r.seq.rid for r in self._prefill}
         try:   # the re-prefills' first buckets at once; decode steps stand in on the reference bucket
-            await self.runtime.replace(lost, self._first_prefills(self._prefill))
+            await self.runtime.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
         except Exception as e:
             raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
