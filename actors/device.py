@@ -273,6 +273,7 @@ class DeviceActor(Actor):
         if feed:
             await self._on_worker(write_inputs, prog, graph, msg.inputs, feed)
         program = plan.programs[d]
+        staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
         i = 0
         while i < len(program):
             st = program[i]
@@ -280,8 +281,10 @@ class DeviceActor(Actor):
                 t = transfers[st.ref]
 
                 async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
-                    ranges = sub_ranges(t.ranges, offset, data.numel() * data.element_size())
-                    await self._on_worker(prog.write, t.buffer, ranges, data)
+                    # written by the worker call that runs the kernels after it (one thread hop per
+                    # device change, not one per transfer and chunk)
+                    staged.append((t.buffer, sub_ranges(t.ranges, offset, data.numel() * data.element_size()),
+                                   data))
                 what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
                 started = time.time()
                 wait += await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
@@ -302,14 +305,17 @@ class DeviceActor(Actor):
                     sends.append(program[j].ref)
                 j += 1
 
-            def work(chunk=i, kernels=kernels, sends=sends) -> tuple[list[Any], float, float]:
+            def work(chunk=i, kernels=kernels, sends=sends, writes=staged) -> tuple[list[Any], float, float]:
                 started = time.time()
                 t0 = time.perf_counter()
+                for buffer, ranges, data in writes:
+                    prog.write(buffer, ranges, data)
                 if kernels:
                     runner.run((plan_id, chunk), prog, kernels)
                 pieces = [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
                 out = runner.read(prog, pieces) if sends else []   # settled: the peer may read them at once
                 return out, time.perf_counter() - t0, started
+            staged = []
             payloads, spent, started = await self._on_worker(work)
             busy += spent
             if spans is not None:
@@ -319,6 +325,8 @@ class DeviceActor(Actor):
             for tag, data in zip(sends, payloads):
                 await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
             i = j
+        if staged:   # the program ends with receives (e.g. outputs computed elsewhere)
+            await self._on_worker(lambda writes=staged: [prog.write(*w) for w in writes])
         mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
         tokens: list[int] = []
         logprobs: list[float] = []

@@ -84,7 +84,8 @@ class Inbox:
             while True:
                 t0 = time.perf_counter()
                 try:
-                    offset, data, error = await asyncio.wait_for(q.get(), timeout)
+                    # wait_for wraps the get in a task: only when nothing has arrived yet
+                    offset, data, error = q.get_nowait() if not q.empty() else await asyncio.wait_for(q.get(), timeout)
                 except asyncio.TimeoutError:
                     raise TransferFailed(f"{what} of step {step}: {got} of {nbytes} bytes arrived, then nothing "
                                          f"within {timeout:g} s") from None
