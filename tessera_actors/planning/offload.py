@@ -248,13 +248,17 @@ class Offload:
         return [b for b in self.units[u] if b in idx] if u is not None else []
 
     # -- choosing --------------------------------------------------------
-    def resident_fill(self, capacity: int, order: Sequence[int] | None = None) -> set[int]:
+    def resident_fill(self, capacity: int, order: Sequence[int] | None = None,
+                      limit: int | None = None) -> set[int]:
         """Units made resident greedily (by time saved per byte, or in
-        ``order``) while they fit in ``capacity`` bytes."""
+        ``order``) while they fit in ``capacity`` bytes.  A unit can be
+        streamed only when it fits a slot (``limit`` bytes; None: any), so
+        one bigger than that (an LM head) saves its CPU time, not its copy's."""
         gpu, cpu = self.gpu, self.cpu
         if order is None:
             def gain(u: int) -> float:
-                away = min(self.t(u, cpu), self.t(u, gpu) + self.stream_s(u)) if u in self.streamable else self.t(u, cpu)
+                movable = u in self.streamable and (limit is None or self.size[u] <= limit)
+                away = min(self.t(u, cpu), self.t(u, gpu) + self.stream_s(u)) if movable else self.t(u, cpu)
                 return (away - self.t(u, gpu)) / max(self.size[u], 1)
             order = sorted(self.units, key=lambda u: (-gain(u), u))
         out, used = set(), 0
@@ -268,16 +272,17 @@ class Offload:
         """GPU bytes of the placement with every heavy unit on the CPU."""
         return self.gpu_bytes(self.placement({u: "C" for u in self.units}, 0))
 
-    def fit(self, choose, slots: int, staging: int = 0,
-            order: Sequence[int] | None = None) -> tuple[Placement, StepTime] | None:
+    def fit(self, choose, slots: int, staging: int = 0, order: Sequence[int] | None = None,
+            limit: int | None = None) -> tuple[Placement, StepTime] | None:
         """Shrink the resident capacity (from the budget less the fixed bytes
         and ``staging``) until ``choose(resident) -> choice`` gives a
-        placement within the budget."""
+        placement within the budget (``limit``: the slot size, for
+        :meth:`resident_fill`)."""
         capacity = self.budget - self.fixed_bytes() - staging
         for _ in range(50):
             if capacity < 0:
                 return None
-            choice = choose(self.resident_fill(capacity, order))
+            choice = choose(self.resident_fill(capacity, order, limit))
             p = self.placement(choice, slots)
             over = self.gpu_bytes(p) - self.budget
             if over <= 0:
@@ -320,7 +325,7 @@ def _pattern(o: Offload, rest: Sequence[int], frac: float, run: int, limit: int)
 
 
 def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Sequence[int] = (1, 2, 3, 4, 6),
-            polish: int = 1) -> tuple[Placement, StepTime]:
+            polish: int = 3) -> tuple[Placement, StepTime]:
     """The three-way choice: residents by time saved per byte; the rest, in
     program order, split between CPU and streaming by error diffusion at
     the fraction where both finish together (and a few around it, in runs
@@ -368,14 +373,14 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
             return ch
         return choose
     options = [(0, 0)] + [(s, b) for s in slot_options for b in sizes]   # (0, 0): nothing streamed
-    tried = [((s, b), o.fit(choose_for(s, b, 0), s, s * b)) for s, b in options]
+    tried = [((s, b), o.fit(choose_for(s, b, 0), s, s * b, limit=b)) for s, b in options]
     tried = [(sb, r) for sb, r in tried if r is not None]
     if not tried:
         raise PlanError(f"offload: {o.devices[o.gpu]} cannot hold even the KV cache and activations "
                         f"({o.fixed_bytes()} bytes, budget {o.budget})")
     s, b = min(tried, key=lambda x: x[1][1].step_s)[0]
     from .offload_baselines import layer_offload, streaming   # coarse plans are candidates too
-    return _best([o.fit(choose_for(s, b, polish), s, s * b), *(r for _, r in tried), layer_offload(o),
+    return _best([o.fit(choose_for(s, b, polish), s, s * b, limit=b), *(r for _, r in tried), layer_offload(o),
                   streaming(o, slot_options)])
 
 
