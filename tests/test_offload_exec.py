@@ -69,7 +69,9 @@ async def test_the_budget_is_enforced_and_staging_counts(tiny):
     cap, budget, devices = tiny
     g = cap.graph
     plan, _ = plan_for(g, devices)
-    held = dataclasses.replace(plan, meta={})   # the streamed weights resident instead: over the budget
+    # the streamed weights resident instead, on a device whose budget is a byte short of them
+    need = sum(g.buffers[b].nbytes for b in plan.resident[0])
+    held = dataclasses.replace(plan, meta={}, devices=[f"cpu?threads=1&mem={need - 1}", plan.devices[1]])
     with pytest.raises(RemoteError, match="budget"):
         await run(g, held, cap.values, new=1)
     off = dict(plan.meta["offload"], slots=64)  # staging alone over the budget

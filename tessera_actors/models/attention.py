@@ -87,13 +87,15 @@ class CachedAttention(nn.Module):
             if base + B > self.k_cache.shape[0]:
                 raise ValueError(f"rows {base}..{base + B - 1} exceed the KV cache's max_batch {self.k_cache.shape[0]}")
             k_cache, v_cache = self.k_cache[base:base + B], self.v_cache[base:base + B]
-            where = torch.arange(B, device=k.device)[:, None].expand(B, T)
+            where = (torch.arange(B, device=k.device) + base)[:, None].expand(B, T)
         else:
             k_cache, v_cache = self.k_cache, self.v_cache
             where = rows[:, None].expand(B, T)
-        # [rows, S, KV, hd] views: (row, position) index pairs address [KV, hd] slices
-        k_cache.transpose(1, 2).index_put_((where, positions), k.to(k_cache.dtype))
-        v_cache.transpose(1, 2).index_put_((where, positions), v.to(v_cache.dtype))
+        # (row, position) index pairs on dims 0 and 2 of the whole cache address [KV, hd] slices.  Written
+        # into the buffer itself, not a view of it: a compiler then scatters in place, where a write
+        # through a sliced, transposed view becomes a copy of the whole cache (slice_scatter) each step
+        self.k_cache[where, :, positions] = k.to(self.k_cache.dtype)
+        self.v_cache[where, :, positions] = v.to(self.v_cache.dtype)
         W = self._window()
         if rows is not None:
             k_cache, v_cache = (self.k_cache[:, :, :W].index_select(0, rows),
