@@ -255,9 +255,11 @@ async def bench(cfg: OffloadConfig) -> dict:
         gspec = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads, budget, gpu.price, gpu.label)
         devices = [gspec.name, cpu.name]
         costs = estimate_rates(graph, devices, switch_s, rates["cpu_gemv_bps"])
-        # transients beside the reserve: an output's op result and its snapshot (prefill logits: 2 x 131 MB)
+        # transients beside the reserve, in proportion to the outputs: an output's op result, its snapshot
+        # and the CUDA graphs' pools (prefill 512 on an H200: 320 MiB + 2 x the 131 MB of logits ran out
+        # of memory allocating a third; 768 MiB + 2 x 131 MB ran)
         outs = sum(b.nbytes for b in graph.buffers.values() if b.role == "output")
-        o = Offload(graph, devices, costs, rates["pcie_bps"], reserve + (2 * outs if reserve else 0))
+        o = Offload(graph, devices, costs, rates["pcie_bps"], reserve + (4 * outs if reserve else 0))
         t0 = time.perf_counter()
         chosen = {"gpu_only": gpu_only(o), "layer_offload": layer_offload(o), "streaming": streaming(o),
                   "tessera": tessera(o)}
