@@ -120,21 +120,34 @@ def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tu
     return make, label
 
 
+SCATTERS = ("index_put", "scatter", "index_copy")
+
+
 def step_bytes(graph) -> int:
     """Bytes the step's kernels must move: the union of weight/state ranges
     read plus state/output ranges written (temporaries excluded: an ideal
-    fused step keeps them on chip)."""
+    fused step keeps them on chip).  A scatter into state (a KV-cache write,
+    ``index_put``; any indirect kernel) moves the values it writes, not the
+    whole range its access set allows: its write counts the bytes of its
+    other inputs, at most that range."""
     from .graph import _merge
     read: dict[int, list[tuple[int, int]]] = {}
     written: dict[int, list[tuple[int, int]]] = {}
+    scattered = 0
     for k in graph.kernels:
+        scatter = k.indirect or any(s in k.name for s in SCATTERS)
+        values = sum(a.end - a.start for a in k.accesses
+                     if "r" in a.mode and graph.buffers[a.buffer].role not in ("state", "weight"))
         for a in k.accesses:
             role = graph.buffers[a.buffer].role
             if "r" in a.mode and role in ("weight", "state"):
                 read.setdefault(a.buffer, []).append((a.start, a.end))
             if "w" in a.mode and role in ("state", "output"):
-                written.setdefault(a.buffer, []).append((a.start, a.end))
-    return sum(e - s for ranges in list(read.values()) + list(written.values()) for s, e in _merge(ranges))
+                if scatter and role == "state":
+                    scattered += min(values, a.end - a.start)
+                else:
+                    written.setdefault(a.buffer, []).append((a.start, a.end))
+    return scattered + sum(e - s for ranges in list(read.values()) + list(written.values()) for s, e in _merge(ranges))
 
 
 def _sdpa_flops(q, k, v, *args, out_shape=None, **kwargs) -> int:

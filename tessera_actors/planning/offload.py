@@ -324,6 +324,41 @@ def _pattern(o: Offload, rest: Sequence[int], frac: float, run: int, limit: int)
     return choice
 
 
+def cpu_runs(o: Offload, units: Sequence[int]) -> list[list[int]]:
+    """``units`` (program order) cut where the kernels between two of them
+    cannot join one CPU run: a state kernel (the KV cache stays with its
+    attention) or an indirect one.  A block of a run computed on the CPU
+    costs two device changes, not two per unit (a layer's MLP: gate, up and
+    down with the light kernels between them)."""
+    runs: list[list[int]] = []
+    last = None
+    for u in units:
+        first = o.kernels[u][0]
+        joins = last is not None and not any(
+            k in o.state or o.graph.kernels[k].indirect for k in range(last + 1, first))
+        if joins:
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+        last = o.kernels[u][-1]
+    return runs
+
+
+def _run_pattern(o: Offload, rest: Sequence[int], frac: float, limit: int) -> dict[int, str]:
+    """Error diffusion like :func:`_pattern`, over whole CPU runs
+    (:func:`cpu_runs`) of streamable units of at most ``limit`` bytes."""
+    choice = {u: "C" for u in rest if u not in o.streamable or o.size[u] > limit}
+    seen = sent = 0
+    for run in cpu_runs(o, [u for u in rest if u not in choice]):
+        nb = sum(o.size[u] for u in run)
+        go = sent + nb <= frac * (seen + nb) + nb / 2
+        for u in run:
+            choice[u] = "S" if go else "C"
+        seen += nb
+        sent += nb if go else 0
+    return choice
+
+
 def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Sequence[int] = (1, 2, 3, 4, 6),
             polish: int = 3) -> tuple[Placement, StepTime]:
     """The three-way choice: residents by time saved per byte; the rest, in
@@ -346,10 +381,10 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
         bal = min(1.0, (other + c_s) / max(p_s + c_s - g_s, 1e-12)) if st else 0.0
         fracs = sorted({0.0, 1.0, *(min(1.0, max(0.0, bal * m)) for m in (0.85, 0.92, 1.0, 1.08, 1.15))})
         best = None
-        for run in runs:
+        for run in (0, *runs):   # 0: whole CPU runs
             for f in fracs:
                 ch = {u: "R" for u in resident}
-                ch.update(_pattern(o, rest, f, run, limit))
+                ch.update(_run_pattern(o, rest, f, limit) if run == 0 else _pattern(o, rest, f, run, limit))
                 t = o.simulate(o.placement(ch, slots)).step_s
                 if best is None or t < best[1]:
                     best = (ch, t)
@@ -358,16 +393,26 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
     def choose_for(slots: int, limit: int, rounds: int):
         def choose(resident: set[int]) -> dict[int, str]:
             ch, t = best_for(slots, limit, resident)
+            movable = sorted((u for u in ch if ch[u] != "R" and u in o.streamable and o.size[u] <= limit),
+                             key=first.get)
+            # flips of single units, then of whole CPU runs set to one home (one run computed on the CPU
+            # costs two device changes however many units it holds)
+            blocks = [[u] for u in movable] + [r for r in cpu_runs(o, movable) if len(r) > 1]
             for _ in range(rounds):
                 improved = False
-                for u in sorted((u for u in ch if ch[u] != "R" and u in o.streamable and o.size[u] <= limit),
-                                key=first.get):
-                    ch[u] = "S" if ch[u] == "C" else "C"
-                    t2 = o.simulate(o.placement(ch, slots)).step_s
-                    if t2 < t - 1e-12:
-                        t, improved = t2, True
-                    else:
-                        ch[u] = "S" if ch[u] == "C" else "C"
+                for block in blocks:
+                    old = [ch[u] for u in block]
+                    for home in ("S", "C"):
+                        if all(h == home for h in old):
+                            continue
+                        for u in block:
+                            ch[u] = home
+                        t2 = o.simulate(o.placement(ch, slots)).step_s
+                        if t2 < t - 1e-12:
+                            t, improved = t2, True
+                            break
+                        for u, h in zip(block, old):
+                            ch[u] = h
                 if not improved:
                     break
             return ch

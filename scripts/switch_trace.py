@@ -1,0 +1,105 @@
+"""Where one activation hand-off between two device actors spends its time
+(a diagnostic for the offload planner's ``switch_s``): a tiny model split
+into alternating runs of kernels between two devices, one step traced.
+
+Each line is one worker call of a device actor: when the event loop
+submitted it, when the worker thread started and ended it, when the loop
+had the result back (microseconds from the step's start); ``recv`` lines:
+waiting for a transfer (from the receive's start to its bytes arriving).
+
+    python scripts/switch_trace.py --devices "cuda:0,cpu?threads=12" [--dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import torch
+
+from actors import inbox as inbox_mod
+from actors.device import DeviceActor
+from tessera_actors import models
+from tessera_actors.capture import capture_module
+from tessera_actors.capture.aten import storage_bytes
+from tessera_actors.offload_run import deploy
+from tessera_actors.plan import build_plan, legal_cuts
+from tessera_actors.runtime.system import ActorSystem
+
+EVENTS: list[tuple] = []
+
+
+def instrument() -> None:
+    on_worker = DeviceActor._on_worker
+
+    async def traced(self, fn, *args):
+        submitted, box = time.perf_counter(), {}
+
+        def run(*a):
+            box["start"] = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                box["end"] = time.perf_counter()
+        out = await on_worker(self, run, *args)
+        EVENTS.append((self.spec.name, "hop", submitted, box["start"], box["end"], time.perf_counter()))
+        return out
+    DeviceActor._on_worker = traced
+    receive = inbox_mod.Inbox.receive
+
+    async def traced_receive(self, *a, **k):
+        t = time.perf_counter()
+        out = await receive(self, *a, **k)
+        EVENTS.append(("", "recv", t, time.perf_counter()))
+        return out
+    inbox_mod.Inbox.receive = traced_receive
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", default="cpu?threads=1,cpu?threads=1")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--run", type=int, default=6, help="kernels per run before the device changes")
+    a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
+    devices = a.devices.split(",")
+    m = models.get("llama", "tiny", dtype=dtype, seed=0, max_seq=64)
+    meta = models.get("llama", "tiny", dtype=dtype, seed=0, max_seq=64, device="meta")
+    g = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()}).graph
+    named = dict(m.named_parameters())
+    named.update(dict(m.named_buffers()))
+    values = {b.id: storage_bytes(named[b.name]) for b in g.buffers.values()
+              if b.role in ("weight", "state") and b.name in named}
+    ok = legal_cuts(g)
+    assign, d, run = [], 0, 0
+    for k in range(len(g.kernels)):
+        if run >= a.run and ok[k]:
+            d, run = 1 - d, 0
+        assign.append(d)
+        run += 1
+    plan = build_plan(g, devices, assign, name="switch")
+    switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
+    instrument()
+    async with ActorSystem("switch-trace") as system:
+        dep = await deploy(system, g, plan, values)
+        for i in range(10):
+            await dep.step({"input_ids": torch.tensor([[1 + i % 7]]), "positions": torch.tensor([i])}, outputs=False)
+        EVENTS.clear()
+        t0 = time.perf_counter()
+        await dep.step({"input_ids": torch.tensor([[3]]), "positions": torch.tensor([11])}, outputs=False)
+        step = time.perf_counter() - t0
+        await dep.close()
+    hops = [e for e in EVENTS if e[1] == "hop"]
+    print(f"{len(g.kernels)} kernels, {switches} device changes, step {step * 1e6:.0f} us "
+          f"({step / max(switches, 1) * 1e6:.0f} us per change, kernels included)")
+    wake = [e[3] - e[2] for e in hops]
+    back = [e[5] - e[4] for e in hops]
+    work = [e[4] - e[3] for e in hops]
+    print(f"worker calls {len(hops)}: loop->worker {sum(wake) / len(hops) * 1e6:.0f} us, work "
+          f"{sum(work) / len(hops) * 1e6:.0f} us, worker->loop {sum(back) / len(hops) * 1e6:.0f} us (means)")
+    for e in sorted(EVENTS, key=lambda e: e[2])[:40]:
+        print(f"{e[0]:<16} {e[1]:<5}", " ".join(f"{(x - t0) * 1e6:7.0f}" for x in e[2:]))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
