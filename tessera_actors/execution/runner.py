@@ -37,7 +37,14 @@ def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.
         if list(t.shape) != list(ref[2]) or str(t.dtype).removeprefix("torch.") != ref[4]:
             raise PlanError(f"input {name!r}: got {str(t.dtype)}{list(t.shape)}, the graph was captured "
                             f"for {ref[4]}{ref[2]}")
-        prog.view(ref).copy_(t)
+        dst = prog.view(ref)
+        if dst.is_cuda and not t.is_cuda:
+            # a blocking copy from pageable memory synchronizes the stream - the host would wait for the
+            # previous step's kernels before queueing this one's; from pinned memory it is queued
+            # (torch's pinned-memory cache keeps the block until the copy is done)
+            dst.copy_(t.pin_memory(), non_blocking=True)
+        else:
+            dst.copy_(t)
 
 
 def assemble_outputs(graph: KernelGraph, pieces: dict[tuple[int, int, int], torch.Tensor]) -> list[torch.Tensor]:
