@@ -130,7 +130,7 @@ class CachedAttention(nn.Module):
         return torch.cat([add, sink, unused], dim=-1)                                           # [B,H,T,slots]
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
-                rows: Tensor | None = None) -> Tensor:
+                rows: Tensor | None = None, masks: dict | None = None) -> Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         G = H // KV
@@ -139,22 +139,50 @@ class CachedAttention(nn.Module):
         v = self.wv(x).view(B, T, KV, hd)
         k_cache, v_cache = self._write(k, v, positions, rows)
         k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
-        mask = self._mask(positions, q.dtype)
+        # ``masks``: one dict per forward, shared by the layers - the mask of a step is the same in every
+        # layer of one shape (sinks are per layer: never shared)
+        key = (self.gqa, G, T, self.max_seq, self._window(), self.sliding_window, self.cpu_fused, q.dtype)
+        shared = masks is not None and self.sinks is None
+        if shared and key in masks:
+            mask = masks[key]
+        else:
+            mask = self._attention_mask(positions, q.dtype, B, T)
+            if shared:
+                masks[key] = mask
+        return self._attend(q, k_cache, v_cache, mask, B, T)
+
+    def _fused_cpu(self) -> bool:
+        return self.cpu_fused and self.sinks is None and self.sliding_window is None
+
+    def _attention_mask(self, positions: Tensor, dtype: torch.dtype, B: int, T: int) -> Tensor:
+        """The mask in the form the attention call takes: [B, 1, T, S] for
+        ``enable_gqa``; folded to the query rows (g, t) otherwise, additive for
+        the fused CPU kernel."""
+        mask = self._mask(positions, dtype)
+        if self.gqa == "enable_gqa":
+            return mask
+        G = self.n_heads // self.n_kv_heads
+        if self.sinks is None:   # the mask repeats per group g
+            mf = mask if T == 1 else mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
+        else:
+            mf = mask.view(B, self.n_kv_heads, G * T, mask.shape[-1])                    # heads h = kv*G + g
+        if self._fused_cpu():
+            return torch.zeros((), dtype=dtype, device=mf.device).masked_fill(~mf, float("-inf"))  # as SDPA does
+        return mf
+
+    def _attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, B: int, T: int) -> Tensor:
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        G = H // KV
         if self.gqa == "enable_gqa":
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask,
                                                  enable_gqa=True)                      # [B, H, T, hd]
             return self.wo(out.transpose(1, 2).reshape(B, T, H * hd))
-        # fold: query rows (g, t) of KV head kv; the mask repeats per group g
+        # fold: query rows (g, t) of KV head kv
         qf = q.view(B, T, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
-        if self.sinks is None:
-            mf = mask if T == 1 else mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
-        else:
-            mf = mask.view(B, KV, G * T, mask.shape[-1])                                 # heads h = kv*G + g
-        if self.cpu_fused and self.sinks is None and self.sliding_window is None:
-            add = torch.zeros((), dtype=q.dtype, device=mf.device).masked_fill(~mf, float("-inf"))  # as SDPA does
+        if self._fused_cpu():
             out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qf, k_cache, v_cache, 0.0, False, attn_mask=add)[0]
+                qf, k_cache, v_cache, 0.0, False, attn_mask=mask)[0]
         else:
-            out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mf)     # [B, KV, G*T, hd]
+            out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mask)   # [B, KV, G*T, hd]
         out = out.view(B, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         return self.wo(out)

@@ -95,8 +95,8 @@ class LlamaBlock(nn.Module):
         self.ffn = SwiGLU(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
-                rows: Tensor | None = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions, rows)
+                rows: Tensor | None = None, masks: dict | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, rows, masks)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -121,8 +121,9 @@ class LlamaDecoder(nn.Module):
     def forward(self, h: Tensor, positions: Tensor, rows: Tensor | None = None,
                 last: Tensor | None = None) -> Tensor:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        masks: dict = {}   # the attention mask of this step, built by the first layer, read by all
         for layer in self.layers:
-            h = layer(h, cos, sin, positions, rows)
+            h = layer(h, cos, sin, positions, rows, masks)
         if last is not None:
             B, _, D = h.shape
             h = h.gather(1, last.view(B, 1, 1).expand(B, 1, D))
