@@ -52,8 +52,7 @@ async def idle_ttft(eng, prompt, times: int = 3) -> list[float]:
 
 async def run(a) -> dict:
     nodes = [f"cpu?threads={a.threads}"] * 2
-    common = dict(model=a.model, size=a.size, max_seqs=max(a.streams, 1), max_model_len=a.context,
-                  prefill_buckets=(32, 128, 256))
+    common = dict(model=a.model, size=a.size, max_seqs=max(a.streams, 1), max_model_len=a.context)
     detector = dict(watch_processes=a.detector == "exit")
     greedy = SamplingParams(max_tokens=a.tokens, ignore_eos=True)
     res: dict = {}
@@ -63,9 +62,11 @@ async def run(a) -> dict:
         reference = await asyncio.gather(*(stream(one, p, greedy) for p in prompts))
         long_prompt = (one.tokenizer.encode(" ".join(["word"] * 400)) if one.tokenizer else list(range(1, 400)))[:290]
     async with AsyncEngine(devices="cpu", **common) as whole:   # one device with every core
+        await whole.wait_placed()   # idle: every prompt-chunk bucket placed
         res["idle_ttft_290_one_device_s_all"] = await idle_ttft(whole, long_prompt)
         res["idle_ttft_290_one_device_s"] = min(res["idle_ttft_290_one_device_s_all"])
     async with AsyncEngine(nodes=nodes, **common, **detector) as eng:
+        await eng.wait_placed()
         res["idle_ttft_290_s_all"] = await idle_ttft(eng, long_prompt)
         res["idle_ttft_290_s"] = min(res["idle_ttft_290_s_all"])
         stamps = [[] for _ in prompts]

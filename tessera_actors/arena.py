@@ -157,6 +157,7 @@ async def run_policy(cfg: ArenaConfig, model: str, policy: str, runs: dict[str, 
     try:
         for e in engines:
             await e.start()
+            await e.wait_placed()
         vocab = engines[0].served.vocab_size
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         client = Router(engines) if len(engines) > 1 else EngineClient(engines[0])

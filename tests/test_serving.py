@@ -244,3 +244,24 @@ async def test_the_detector_tells_a_refused_port_from_a_listening_one():
     await server.wait_closed()
     assert await _refused(f"tcp://127.0.0.1:{port}")
     assert not await _refused("ipc:///tmp/no-such-socket")
+
+
+async def test_prompt_chunks_between_the_shortest_and_longest_are_placed_in_the_background():
+    """In-process devices: the engine serves once its decode buckets and its
+    shortest and longest prompt chunks are placed; a prompt that arrives
+    before its own chunk size is placed runs in a longer one, with the
+    tokens it gets once every bucket is in place."""
+    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=128,
+               decode_buckets=(1, 2), prefill_buckets=(8, 16, 24, 32, 48))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = list(range(1, 21))                     # 20 tokens: a 24-token chunk once it is placed
+    async with AsyncEngine(**cfg) as eng:
+        core = eng.runtime.core_buckets()
+        assert {"prefill:8", "prefill:48"} <= core and "prefill:24" not in core
+        assert core <= set(eng.runtime.placed)
+        early, _, _ = await _tokens(eng, prompt, greedy)
+        await eng.wait_placed()
+        assert eng.stats()["buckets_placed"] == eng.stats()["buckets"] == len(eng.served.graphs)
+        late, _, _ = await _tokens(eng, prompt, greedy)
+        assert "prefill:24" in eng.stats()["step_s"]
+    assert early == late and len(late) == 6

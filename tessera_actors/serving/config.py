@@ -33,7 +33,7 @@ class EngineConfig:
     max_model_len: int = 2048
     max_queue: int = 256
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
-    prefill_buckets: tuple[int, ...] = (32, 128)
+    prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
     planner: str = "contiguous"
     mode: str = "auto"

@@ -483,7 +483,16 @@ class AsyncEngine:
                 "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
                 "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
                 "lost": sorted(rt.lost) if rt else [],
+                "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.graphs) if rt else 0,
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n}, **self.counters}
+
+    async def wait_placed(self) -> None:
+        """Return once every bucket is placed: the engine serves as soon as
+        its decode buckets and its shortest and longest prompt chunks are,
+        and places the chunk sizes between them in the background (a prompt
+        meanwhile runs in a longer chunk)."""
+        if self.runtime is not None:
+            await self.runtime.wait_placed()
 
     def health(self) -> dict:
         ok = self._dead is None and not self._lost and self.runtime is not None and bool(self.runtime.placed)

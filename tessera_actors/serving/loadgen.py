@@ -297,6 +297,7 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
         from .server import make_app, start_site
         kw = engine_kwargs(a, a.trace_dir)
         async with AsyncEngine(**kw) as eng:
+            await eng.wait_placed()   # a steady engine: every prompt-chunk bucket in place
             client = EngineClient(eng)
             prompts = await build_prompts(trace, client, a.seed)
             await warm_up(client, prompts, a.warmup)
@@ -314,6 +315,7 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
             seq_kw.pop("trace_dir", None)
             n = a.baseline_requests or len(trace)
             async with AsyncEngine(**seq_kw) as seq:
+                await seq.wait_placed()
                 await warm_up(EngineClient(seq), prompts, a.warmup)
                 base = await replay(trace[:n], prompts[:n], EngineClient(seq))
             records = {SEQUENTIAL: base, **records}

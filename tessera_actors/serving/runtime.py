@@ -140,6 +140,8 @@ class Runtime:
     async def stop(self) -> None:
         for t in self._watchers:
             t.cancel()
+        for t in getattr(self, "_placing", {}).values():
+            t.cancel()   # a background placement must not outlive the system it asks
         if self.cluster is not None:
             await self.cluster.stop()
         if self.system is not None:
@@ -177,8 +179,23 @@ class Runtime:
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
         return Placed(plan_id, plan, refs, dep.routes)
 
+    def core_buckets(self) -> set[str]:
+        """Buckets placed before the engine serves: every decode bucket and
+        the shortest and the longest prompt chunk (any window).  The prompt
+        chunks between them follow in the background; until one is placed a
+        longer one stands in for it (:meth:`runnable`).  With node processes
+        every bucket is core: a placement waits on its devices' answers, and
+        one under way when a node dies would hold up the scheduler, and so
+        the recovery, until its asks time out."""
+        if self.cfg.nodes:
+            return set(self.served.buckets)
+        prefill = sorted({b.size for b in self.served.buckets.values() if b.kind == "prefill"})
+        ends = {prefill[0], prefill[-1]} if prefill else set()
+        return {name for name, b in self.served.buckets.items() if b.kind != "prefill" or b.size in ends}
+
     async def place_all(self, eager: bool = True) -> None:
-        """Place the reference bucket, then (``eager``) every other bucket;
+        """Place the reference bucket, then (``eager``) the other core
+        buckets (:meth:`core_buckets`) and the rest in the background;
         otherwise the others are placed when a step first needs them (after
         a loss: the requests continue as soon as the buckets they need are
         in place, not after all of them)."""
@@ -194,10 +211,25 @@ class Runtime:
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
         self.since = time.monotonic()
         if eager:
+            core = self.core_buckets()
+            later = [name for name in self.served.graphs if name != ref_name and name not in core]
             for name in self.served.graphs:
-                if name != ref_name:
+                if name != ref_name and name in core:
                     self.placed[name] = await self._place(name, self.pins, self.weights)
+            after = None
+            for name in later:   # one at a time: a heartbeat queues behind at most one placement
+                after = self._place_soon(name, after)
         log.info("placed %d buckets (generation %d): %s", len(self.placed), self.generation, ref.plan.name)
+
+    async def wait_placed(self) -> None:
+        """Return once no bucket is being placed (the background placements
+        of :meth:`place_all`); a bucket whose placement failed stays with its
+        stand-in."""
+        while True:
+            pending = [t for t in self._placing.values() if not t.done()]
+            if not pending:
+                return
+            await asyncio.wait(pending)
 
     async def _placed(self, bucket: str) -> Placed:
         """The bucket's plan, placed now if it is not yet (one placement per
@@ -250,13 +282,19 @@ class Runtime:
         self._place_soon(want)
         return best[1]
 
-    def _place_soon(self, bucket: str) -> None:
+    def _place_soon(self, bucket: str, after: asyncio.Future | None = None) -> asyncio.Future | None:
         """Place ``bucket`` in the background (once per generation: a bucket
-        whose placement failed keeps its stand-in, it is not retried every step)."""
+        whose placement failed keeps its stand-in, it is not retried every
+        step), once ``after`` (another placement) has ended; returns its task."""
         if bucket in self._placing or bucket in self._unplaceable:
-            return
+            return self._placing.get(bucket)
         generation = self.generation
-        task = self._placing[bucket] = asyncio.ensure_future(self._place(bucket, self.pins, self.weights))
+
+        async def place() -> Placed:
+            if after is not None:
+                await asyncio.wait([after])
+            return await self._place(bucket, self.pins, self.weights)
+        task = self._placing[bucket] = asyncio.ensure_future(place())
 
         def done(t: asyncio.Task) -> None:
             if t.cancelled():
@@ -272,6 +310,7 @@ class Runtime:
                 return
             self.placed.setdefault(bucket, t.result())
         task.add_done_callback(done)
+        return task
 
     async def replace(self, lost: list[str], first: Sequence[str] = ()) -> None:
         """Report ``lost`` node endpoints and place on the survivors the
