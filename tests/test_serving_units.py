@@ -174,3 +174,16 @@ def test_only_an_all_cpu_deployment_captures_the_fused_cpu_attention():
     assert cpu_only(EngineConfig(nodes=("cpu?threads=1", "cpu")))
     assert not cpu_only(EngineConfig(devices="cpu,cuda:0"))       # a GPU could get an attention kernel
     assert not cpu_only(EngineConfig(nodes=("cuda:0",)))
+
+
+def test_a_prompts_first_chunk_reads_only_its_own_length_of_the_cache():
+    from tessera_actors.serving.deploy import buckets_for, window_for
+    cfg = EngineConfig(max_model_len=1024, prefill_buckets=(32, 320), kv_windows=(512,))
+    names = {b.name for b in buckets_for(cfg)}
+    assert {"prefill:320~320", "prefill:32~32", "prefill:320~512", "prefill:320"} <= names
+    assert window_for(cfg, 289, 320) == 320      # positions 0..289 of a 320-token chunk
+    assert window_for(cfg, 400, 320) == 512      # a later chunk sees the cache before it
+    assert window_for(cfg, 700, 320) == 0        # the whole cache
+    assert window_for(cfg, 289) == 512           # decode steps: the configured windows only
+    plain = EngineConfig(max_model_len=512, prefill_buckets=(32, 320))   # no window below the cache
+    assert window_for(plain, 100, 320) == 0 and "prefill:320~320" not in {b.name for b in buckets_for(plain)}

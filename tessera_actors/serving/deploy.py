@@ -52,10 +52,18 @@ def bucket_name(kind: str, size: int, base: int = 0, window: int = 0) -> str:
     return f"{name}~{window}" if window else name
 
 
-def window_for(cfg: EngineConfig, last_position: int) -> int:
+def windowed(cfg: EngineConfig) -> bool:
+    """Whether buckets come with attention windows shorter than the cache."""
+    return any(0 < w < cfg.max_model_len for w in cfg.kv_windows)
+
+
+def window_for(cfg: EngineConfig, last_position: int, chunk: int = 0) -> int:
     """The window of a step whose largest real position is ``last_position``
-    (0 = the whole cache)."""
-    for w in cfg.kv_windows:
+    (0 = the whole cache); ``chunk``: a prompt chunk of that many tokens,
+    which also has a window of its own length (a prompt's first chunk reads
+    no more of the cache than itself)."""
+    own = [chunk] if windowed(cfg) and 0 < chunk < cfg.max_model_len and chunk not in cfg.kv_windows else []
+    for w in sorted([*cfg.kv_windows, *own]):
         if last_position < w < cfg.max_model_len:
             return w
     return 0
@@ -84,6 +92,11 @@ def buckets_for(cfg: EngineConfig) -> list[Bucket]:
         for size in cfg.prefill_buckets:
             b = Bucket("prefill", size, 0, w)
             seen.setdefault(b.name, b)
+    if windowed(cfg):   # each chunk also with a window of its own length
+        for size in cfg.prefill_buckets:
+            if size < cfg.max_model_len:
+                b = Bucket("prefill", size, 0, size)
+                seen.setdefault(b.name, b)
     return list(seen.values())
 
 

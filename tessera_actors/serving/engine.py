@@ -348,7 +348,7 @@ class AsyncEngine:
     def _prefill_bucket(self, req: _Request) -> str:
         """The bucket of the next prompt chunk of ``req`` (its own, before any stand-in)."""
         size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
-        return bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1))
+        return bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1, size))
 
     def _complete(self, task: asyncio.Task, info: tuple) -> None:
         key, reqs, n, bucket, generation = info
