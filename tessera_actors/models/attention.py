@@ -91,11 +91,18 @@ class CachedAttention(nn.Module):
         else:
             k_cache, v_cache = self.k_cache, self.v_cache
             where = rows[:, None].expand(B, T)
-        # (row, position) index pairs on dims 0 and 2 of the whole cache address [KV, hd] slices.  Written
-        # into the buffer itself, not a view of it: a compiler then scatters in place, where a write
-        # through a sliced, transposed view becomes a copy of the whole cache (slice_scatter) each step
-        self.k_cache[where, :, positions] = k.to(self.k_cache.dtype)
-        self.v_cache[where, :, positions] = v.to(self.v_cache.dtype)
+        # (row, position) index pairs address [KV, hd] slices of the whole cache.  Without ``rows`` the
+        # batch's rows are a slice of it: written into the buffer itself (indices on dims 0 and 2), as a
+        # write through the sliced, transposed view becomes a copy of the whole cache under a compiler
+        # (slice_scatter: about 2 ms of a 3.7 ms compiled Llama-8B decode step on an H200); with ``rows``
+        # (serving) through the transposed whole cache, the form eager CUDA scatters fastest (the other
+        # made an engine decode step 7% slower)
+        if rows is None:
+            self.k_cache[where, :, positions] = k.to(self.k_cache.dtype)
+            self.v_cache[where, :, positions] = v.to(self.v_cache.dtype)
+        else:
+            self.k_cache.transpose(1, 2).index_put_((where, positions), k.to(self.k_cache.dtype))
+            self.v_cache.transpose(1, 2).index_put_((where, positions), v.to(self.v_cache.dtype))
         W = self._window()
         if rows is not None:
             k_cache, v_cache = (self.k_cache[:, :, :W].index_select(0, rows),
