@@ -300,30 +300,6 @@ def _best(cands) -> tuple[Placement, StepTime] | None:
     return min(cands, key=lambda c: c[1].step_s) if cands else None
 
 
-def _pattern(o: Offload, rest: Sequence[int], frac: float, run: int, limit: int) -> dict[int, str]:
-    """Error diffusion over ``rest`` (program order): blocks of ``run``
-    streamable units (of at most ``limit`` bytes) are streamed while the
-    streamed bytes stay within ``frac`` of the bytes seen, else computed on
-    the CPU."""
-    choice, seen, sent, block = {}, 0, 0, []
-    for u in rest:
-        if u not in o.streamable or o.size[u] > limit:
-            choice[u] = "C"
-            continue
-        block.append(u)
-        if len(block) == run or u == rest[-1]:
-            nb = sum(o.size[v] for v in block)
-            go = sent + nb <= frac * (seen + nb) + nb / 2
-            for v in block:
-                choice[v] = "S" if go else "C"
-            seen += nb
-            sent += nb if go else 0
-            block = []
-    for v in block:
-        choice[v] = "C"
-    return choice
-
-
 def cpu_runs(o: Offload, units: Sequence[int]) -> list[list[int]]:
     """``units`` (program order) cut where the kernels between two of them
     cannot join one CPU run: a state kernel (the KV cache stays with its
@@ -344,15 +320,20 @@ def cpu_runs(o: Offload, units: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def _run_pattern(o: Offload, rest: Sequence[int], frac: float, limit: int) -> dict[int, str]:
-    """Error diffusion like :func:`_pattern`, over whole CPU runs
-    (:func:`cpu_runs`) of streamable units of at most ``limit`` bytes."""
+def _pattern(o: Offload, rest: Sequence[int], frac: float, run: int, limit: int) -> dict[int, str]:
+    """Error diffusion over ``rest`` (program order): blocks of streamable
+    units (of at most ``limit`` bytes) - ``run`` units each, or with
+    ``run=0`` whole CPU runs (:func:`cpu_runs`) - are streamed while the
+    streamed bytes stay within ``frac`` of the bytes seen, else computed on
+    the CPU."""
     choice = {u: "C" for u in rest if u not in o.streamable or o.size[u] > limit}
+    movable = [u for u in rest if u not in choice]
+    blocks = cpu_runs(o, movable) if run == 0 else [movable[i:i + run] for i in range(0, len(movable), run)]
     seen = sent = 0
-    for run in cpu_runs(o, [u for u in rest if u not in choice]):
-        nb = sum(o.size[u] for u in run)
+    for block in blocks:
+        nb = sum(o.size[u] for u in block)
         go = sent + nb <= frac * (seen + nb) + nb / 2
-        for u in run:
+        for u in block:
             choice[u] = "S" if go else "C"
         seen += nb
         sent += nb if go else 0
@@ -384,7 +365,7 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
         for run in (0, *runs):   # 0: whole CPU runs
             for f in fracs:
                 ch = {u: "R" for u in resident}
-                ch.update(_run_pattern(o, rest, f, limit) if run == 0 else _pattern(o, rest, f, run, limit))
+                ch.update(_pattern(o, rest, f, run, limit))
                 t = o.simulate(o.placement(ch, slots)).step_s
                 if best is None or t < best[1]:
                     best = (ch, t)
