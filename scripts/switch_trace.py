@@ -19,11 +19,8 @@ import torch
 
 from actors import inbox as inbox_mod
 from actors.device import DeviceActor
-from tessera_actors import models
-from tessera_actors.capture import capture_module
-from tessera_actors.capture.aten import storage_bytes
+from tessera_actors.offload_measure import alternating_split
 from tessera_actors.offload_run import deploy
-from tessera_actors.plan import build_plan, legal_cuts
 from tessera_actors.runtime.system import ActorSystem
 
 EVENTS: list[tuple] = []
@@ -61,23 +58,7 @@ async def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--run", type=int, default=6, help="kernels per run before the device changes")
     a = ap.parse_args()
-    dtype = getattr(torch, a.dtype)
-    devices = a.devices.split(",")
-    m = models.get("llama", "tiny", dtype=dtype, seed=0, max_seq=64)
-    meta = models.get("llama", "tiny", dtype=dtype, seed=0, max_seq=64, device="meta")
-    g = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()}).graph
-    named = dict(m.named_parameters())
-    named.update(dict(m.named_buffers()))
-    values = {b.id: storage_bytes(named[b.name]) for b in g.buffers.values()
-              if b.role in ("weight", "state") and b.name in named}
-    ok = legal_cuts(g)
-    assign, d, run = [], 0, 0
-    for k in range(len(g.kernels)):
-        if run >= a.run and ok[k]:
-            d, run = 1 - d, 0
-        assign.append(d)
-        run += 1
-    plan = build_plan(g, devices, assign, name="switch")
+    g, values, plan, assign = alternating_split("llama", getattr(torch, a.dtype), a.devices.split(","), a.run)
     switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
     instrument()
     async with ActorSystem("switch-trace") as system:

@@ -59,31 +59,38 @@ def measure_rates(threads: int | None, gpu_index: int, seconds: float = 1.5) -> 
     return res
 
 
-async def measure_switch(model: str, dtype: torch.dtype, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:
-    """Seconds one activation hand-off between the two device actors costs:
-    a tiny model's decode step alone on each device and split into many
-    alternating runs; the extra time of the split over the kernel-weighted
-    mean of the two, per device change."""
+def alternating_split(model: str, dtype: torch.dtype, devices: list[str], run: int = 6):
+    """A tiny model's decode graph (captured on the meta device: device-
+    neutral kernels - a CPU capture would record CPU-only fused ops), its
+    weight and state values, and a plan over ``devices`` (two) that changes
+    device after every ``run`` kernels where a cut is legal; returns
+    ``(graph, values, plan, assignment)``."""
     from .plan import build_plan, legal_cuts
     from .capture.aten import storage_bytes
-    # captured on the meta device: device-neutral kernels (a CPU capture would record CPU-only fused ops)
     m = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64)
     meta = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64, device="meta")
-    cap = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()})
+    g = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()}).graph
     named = dict(m.named_parameters())
     named.update(dict(m.named_buffers()))
-    g = cap.graph
     values = {b.id: storage_bytes(named[b.name]) for b in g.buffers.values()
               if b.role in ("weight", "state") and b.name in named}
     ok = legal_cuts(g)
-    assign, d, run = [], 0, 0
+    assign, d, n = [], 0, 0
     for k in range(len(g.kernels)):
-        if run >= 6 and ok[k]:
-            d, run = 1 - d, 0
+        if n >= run and ok[k]:
+            d, n = 1 - d, 0
         assign.append(d)
-        run += 1
+        n += 1
+    return g, values, build_plan(g, list(devices), assign, name="switch"), assign
+
+
+async def measure_switch(model: str, dtype: torch.dtype, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:
+    """Seconds one activation hand-off between the two device actors costs:
+    a tiny model's decode step alone on each device and split into many
+    alternating runs (:func:`alternating_split`); the extra time of the
+    split over the kernel-weighted mean of the two, per device change."""
     plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name
-    split = build_plan(g, [plain, cpu.name], assign, name="switch")
+    g, values, split, assign = alternating_split(model, dtype, [plain, cpu.name])
     switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
     times = []
     for plan in (single_device_plan(g, plain), single_device_plan(g, cpu.name), split):
@@ -100,4 +107,4 @@ async def measure_switch(model: str, dtype: torch.dtype, gpu: DeviceSpec, cpu: D
     return max(times[2] - ((1 - f) * times[0] + f * times[1]), 0.0) / max(switches, 1)
 
 
-__all__ = ["measure_rates", "measure_switch"]
+__all__ = ["alternating_split", "measure_rates", "measure_switch"]

@@ -344,9 +344,10 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
             polish: int = 3) -> tuple[Placement, StepTime]:
     """The three-way choice: residents by time saved per byte; the rest, in
     program order, split between CPU and streaming by error diffusion at
-    the fraction where both finish together (and a few around it, in runs
-    of 1..6 units); the best on the step model is then polished by flipping
-    single units between C and S.  The layer-offload and streaming plans are
+    the fraction where both finish together (and a few around it, in
+    blocks of 1..6 units or of whole CPU runs); the best on the step model
+    is then polished by flipping single units and whole CPU runs between C
+    and S.  The layer-offload and streaming plans are
     candidates too, so the result is never worse than them on the model."""
     first = {u: o.kernels[u][0] for u in o.units}
     # a slot holds the largest streamed weight: try the three largest sizes

@@ -97,6 +97,8 @@ class Runtime:
         self.trace = trace
         self.generation = 0
         self.placed: dict[str, Placed] = {}
+        self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
+        self._unplaceable: set[str] = set()             # buckets whose placement failed this generation
         self.lost: set[str] = set()
         self.cluster: LocalCluster | None = None
         self.system: ActorSystem | None = None
@@ -140,7 +142,7 @@ class Runtime:
     async def stop(self) -> None:
         for t in self._watchers:
             t.cancel()
-        for t in getattr(self, "_placing", {}).values():
+        for t in self._placing.values():
             t.cancel()   # a background placement must not outlive the system it asks
         if self.cluster is not None:
             await self.cluster.stop()
@@ -207,7 +209,7 @@ class Runtime:
         self.weights = {name: [ref.routes[d][1:] for d in sorted(ds)] for name, ds in held.items()}
         self.placed = {ref_name: ref}
         self._placing = {}
-        self._unplaceable: set[str] = set()
+        self._unplaceable = set()
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
         self.since = time.monotonic()
         if eager:
