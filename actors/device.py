@@ -72,6 +72,7 @@ class _Installed:
     inbox: Inbox = field(default_factory=Inbox)   # transfer bytes, possibly ahead of their step
     runner: asyncio.Task | None = None
     share_keys: dict = field(default_factory=dict)   # buffer id -> (share group, name)
+    sampled: tuple[int, Any] | None = None           # (step, its sampled token ids on the device)
 
 
 class DeviceActor(Actor):
@@ -270,7 +271,13 @@ class DeviceActor(Actor):
         busy = wait = 0.0
         spans: list | None = [] if msg.trace else None
         feed = plan.inputs[d]
-        if feed:
+        if msg.token_rows:
+            sampled = inst.sampled if inst.sampled is not None and inst.sampled[0] == msg.tokens_from else None
+            if sampled is None:
+                raise BackendError(f"{self.spec.name}: step {msg.step} takes tokens sampled by step "
+                                   f"{msg.tokens_from}, which this device did not sample")
+            await self._on_worker(_write_step_inputs, prog, graph, msg.inputs, feed, msg.token_rows, sampled[1])
+        elif feed:
             await self._on_worker(write_inputs, prog, graph, msg.inputs, feed)
         program = plan.programs[d]
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
@@ -332,10 +339,14 @@ class DeviceActor(Actor):
         logprobs: list[float] = []
         logits_view = graph.meta["output_views"][0] if msg.sample else None
         if logits_view is not None and any(b == logits_view[0] for b, _, _ in mine):
-            from tessera_actors.serving.sampling import sample_with_logprobs
+            from tessera_actors.serving.sampling import sample_on_device, to_host
             started = time.time()
-            tokens, logprobs = await self._on_worker(
-                lambda: sample_with_logprobs(prog.view(logits_view), msg.sample))
+
+            def sample() -> tuple[list[int], list[float]]:
+                ids, lps = sample_on_device(prog.view(logits_view), msg.sample)
+                inst.sampled = (msg.step, ids)   # a later step may take these tokens as its inputs
+                return to_host(ids, lps)
+            tokens, logprobs = await self._on_worker(sample)
             if spans is not None:
                 spans.append([f"sample {len(tokens)} rows", started, time.time()])
         if not msg.outputs:
@@ -348,3 +359,24 @@ class DeviceActor(Actor):
         self.busy_s += busy
         return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs,
                         spans or [])
+
+
+def _write_step_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict, feed, token_rows: list,
+                       sampled: torch.Tensor) -> None:
+    """Write the step inputs, then ``input_ids[row] = sampled[entry]`` for
+    each ``[row, entry]`` of ``token_rows``, on the device (queued behind the
+    step that sampled them, no host read)."""
+    if feed:
+        write_inputs(prog, graph, inputs, feed)
+    view = graph.meta["input_views"].get("input_ids")
+    if view is None:
+        raise BackendError("token_rows given, but the graph has no input_ids input")
+    dst = prog.view(view)
+    pairs = torch.tensor(token_rows, dtype=torch.int64).view(-1, 2)
+    if dst.is_cuda:
+        pairs = pairs.pin_memory().to(dst.device, non_blocking=True)
+    else:
+        pairs = pairs.to(dst.device)
+    if sampled.device != dst.device:
+        raise BackendError(f"tokens sampled on {sampled.device} cannot feed inputs on {dst.device}")
+    dst[(pairs[:, 0],) + (0,) * (dst.dim() - 1)] = sampled[pairs[:, 1]].to(dst.dtype)

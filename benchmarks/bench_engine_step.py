@@ -38,7 +38,7 @@ async def run(a) -> dict:
     overrides = {"n_layers": a.layers} if a.layers else {}
     eng = AsyncEngine(model=a.model, size=a.size, devices=a.devices, dtype=a.dtype, max_seqs=a.seqs,
                       max_model_len=a.context, decode_buckets=(a.seqs,), prefill_buckets=(a.prompt,),
-                      mode="latency", overrides=overrides)
+                      mode="latency", overrides=overrides, lookahead=a.lookahead)
     t0 = time.perf_counter()
     await eng.start()
     started = time.perf_counter() - t0
@@ -94,6 +94,7 @@ async def run(a) -> dict:
                "bucket": bucket, "start_s": started, "raw_step_s_median": raw_med, "raw_step_s_mean": statistics.mean(raw),
                "engine_step_s_mean": engine_step, "engine_step_cadence_s": cadence,
                "engine_over_raw": cadence / raw_med,
+               "lookahead": a.lookahead, "lookahead_steps": eng.stats()["lookahead_steps"],
                "served_output_tokens": sum(made), "served_s": served_s,
                "served_output_tok_s": sum(made) / served_s, "decode_steps": n1 - n0,
                "placement": eng.stats()["placement"], **provenance()}
@@ -114,6 +115,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--out", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--lookahead", type=int, default=1, help="EngineConfig.lookahead (0: each decode step "
+                    "waits for the previous one's tokens)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     res = asyncio.run(run(a))

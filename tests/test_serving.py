@@ -265,3 +265,51 @@ async def test_prompt_chunks_between_the_shortest_and_longest_are_placed_in_the_
         late, _, _ = await _tokens(eng, prompt, greedy)
         assert "prefill:24" in eng.stats()["step_s"]
     assert early == late and len(late) == 6
+
+
+async def test_decode_steps_sent_ahead_of_their_tokens_stream_what_waiting_for_them_does():
+    """One device reads input_ids and samples: with lookahead a decode step
+    is sent before the previous one's tokens are back, the device feeding
+    them; rows that end meanwhile (a stop string, max_tokens) lose only the
+    throw-away token, never a streamed one."""
+    cfg = dict(model="smollm2", size="tiny", max_model_len=256, devices="cpu", max_seqs=4,
+               decode_buckets=(1, 2, 4), prefill_buckets=(16, 64))
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(4)]
+    prompts = [f"Story {i}: once upon a time" for i in range(4)]
+    runs = {}
+    for ahead in (0, 1):
+        async with AsyncEngine(lookahead=ahead, **cfg) as eng:
+            free = await asyncio.gather(*(_tokens(eng, p, q) for p, q in zip(prompts, params)))
+            cut = free[3][1][10:16]
+            assert cut.strip()
+            stopped = await asyncio.gather(
+                _tokens(eng, prompts[3], SamplingParams(max_tokens=26, temperature=0.0, stop=[cut])),
+                _tokens(eng, prompts[2], params[2]))
+            runs[ahead] = (free, stopped, eng.stats())
+    (free0, stop0, st0), (free1, stop1, st1) = runs[0], runs[1]
+    assert [(t, x) for t, x, _ in free1] == [(t, x) for t, x, _ in free0]
+    assert [(t, x, o.finish_reason) for t, x, o in stop1] == [(t, x, o.finish_reason) for t, x, o in stop0]
+    assert stop1[0][2].finish_reason == "stop" and stop1[0][1] == free1[3][1][:free1[3][1].index(cut)]
+    assert st0["lookahead_steps"] == 0 and st1["lookahead_steps"] > 20
+    assert st1["discarded_tokens"] >= 1 and st1["slots_in_use"] == 0   # the stop string's row had a step ahead
+    assert st1["generated_tokens"] == st0["generated_tokens"]
+
+
+async def test_a_step_fed_from_tokens_its_device_did_not_sample_fails_by_name():
+    from tessera_actors.serving.runtime import StepFailed
+    import torch
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=64,
+                           decode_buckets=(2,), prefill_buckets=(8,)) as eng:
+        bucket = eng.runtime.reference_bucket()
+        inputs = {"input_ids": torch.zeros(2, 1, dtype=torch.int64), "positions": torch.zeros(2, dtype=torch.int64)}
+        sample = [[r, 0, 0.0, 1.0, 0, 0, 0] for r in range(2)]
+        first = eng.runtime.reserve(bucket)
+        assert first is not None
+        await eng.runtime.step(bucket, inputs, sample, number=first)
+        with pytest.raises(StepFailed, match=f"sampled by step {first + 7}, which this device did not sample"):
+            await eng.runtime.step(bucket, inputs, sample, number=eng.runtime.reserve(bucket),
+                                   token_rows=[[0, 0]], tokens_from=first + 7)
+        again = await eng.runtime.step(bucket, inputs, sample, number=eng.runtime.reserve(bucket),
+                                       token_rows=[[0, 1], [1, 0]], tokens_from=first)
+        assert len(again.tokens) == 2

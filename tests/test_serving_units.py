@@ -61,13 +61,27 @@ def test_decode_step_pads_to_a_bucket_and_samples_only_live_rows():
     p = SamplingParams().validate()
     s1 = Sequence("a", [1, 2, 3], p, 0, slot=5, generated=[9])
     s2 = Sequence("b", [4], p, 0, slot=4, generated=[7, 8])
-    size, inp, sample = decode_inputs([s1, s2], 4, [1, 2, 4], max_len=64)
-    assert size == 2
+    size, inp, sample, fed = decode_inputs([s1, s2], 4, [1, 2, 4], max_len=64)
+    assert size == 2 and fed == []
     assert inp["input_ids"].tolist() == [[8], [9]] and inp["positions"].tolist() == [2, 3]
     assert [e[0] for e in sample] == [1, 0] and [e[6] for e in sample] == [1, 2]
     s3 = Sequence("c", [1], p, 0, slot=6, generated=[3])
-    size, inp, _ = decode_inputs([s3], 4, [1, 2, 4], max_len=64)
+    size, inp, _, _ = decode_inputs([s3], 4, [1, 2, 4], max_len=64)
     assert size == 4 and inp["positions"].tolist() == [63, 63, 1, 63]
+
+
+def test_a_token_in_flight_is_taken_on_the_device_one_position_on():
+    p = SamplingParams(max_tokens=3).validate()
+    s1 = Sequence("a", [1, 2, 3], p, 0, slot=1, generated=[9], pending=1)
+    s2 = Sequence("b", [4], p, 0, slot=0, generated=[7])
+    size, inp, sample, fed = decode_inputs([s1, s2], 0, [1, 2, 4], max_len=64, fed={"a": 5})
+    assert fed == [[1, 5]]                                # row 1 takes entry 5 of the step in flight
+    assert inp["input_ids"].tolist() == [[7], [0]] and inp["positions"].tolist() == [1, 4]
+    assert [e[6] for e in sample] == [2, 1]               # its draw index counts the token in flight
+    with pytest.raises(ValueError, match="in flight"):
+        decode_inputs([s1], 0, [1, 2, 4], max_len=64)
+    assert s1.may_decode(64) and not Sequence("c", [1], p, 0, generated=[1, 2], pending=1).may_decode(64)
+    assert not Sequence("d", [1] * 62, p, 0, generated=[1], pending=1).may_decode(64)
 
 
 def _chunks(length: int, buckets: list[int]) -> tuple[list[int], list[bool]]:

@@ -181,13 +181,20 @@ class RunStep:
     the request's output, so a seed gives the same draw in any batch); that
     device answers with ``tokens``.  ``outputs=False``: no output bytes in
     the reply (the engine needs only the tokens).  ``trace``: answer with
-    ``StepDone.spans`` (what the device did when, for a trace file)."""
+    ``StepDone.spans`` (what the device did when, for a trace file).
+    ``token_rows`` (serving, to the device that reads ``input_ids`` and
+    samples): ``[row, entry]`` pairs - ``input_ids[row]`` is the token this
+    device sampled for ``entry`` of step ``tokens_from`` of the same plan
+    (the engine sends a decode step before the previous one's tokens have
+    come back); a device that did not sample that step fails the step."""
     plan_id: str
     step: int
     inputs: dict = dataclasses.field(default_factory=dict)
     sample: list = dataclasses.field(default_factory=list)
     outputs: bool = True
     trace: bool = False
+    token_rows: list = dataclasses.field(default_factory=list)
+    tokens_from: int = -1
 
 
 @message

@@ -8,7 +8,9 @@
 * :func:`decode_inputs` forms one decode step of a group: the active rows
   padded to the smallest bucket that covers them (padding rows write a
   throw-away KV entry at the last position, which a sequence always writes
-  itself before it reads it); :func:`prefill_inputs` forms one prompt chunk.
+  itself before it reads it); a row whose previous token is still being
+  sampled by a step in flight (``Sequence.pending``) takes it on the device
+  (``token_rows``); :func:`prefill_inputs` forms one prompt chunk.
 """
 from __future__ import annotations
 
@@ -34,15 +36,30 @@ class Sequence:
     first_token_at: float | None = None
     exec_s: float = 0.0
     steps: int = 0
+    pending: int = 0                   # tokens of decode steps in flight, not yet produced
 
     def sample_entry(self, row: int, col: int) -> list:
+        """The sampling entry of the next token (its index in the output
+        counts the tokens still in flight)."""
         p = self.params
-        return [row, col, float(p.temperature), float(p.top_p), int(p.top_k), int(self.seed), len(self.generated)]
+        return [row, col, float(p.temperature), float(p.top_p), int(p.top_k), int(self.seed),
+                len(self.generated) + self.pending]
 
     @property
     def position(self) -> int:
         """Position of the last produced token, the next decode input."""
         return len(self.prompt) + len(self.generated) - 1
+
+    @property
+    def next_position(self) -> int:
+        """Position of the next decode input, counting tokens in flight."""
+        return self.position + self.pending
+
+    def may_decode(self, max_len: int) -> bool:
+        """Whether one more decode step can be due: the tokens in flight
+        leave room under ``max_tokens`` and the context."""
+        return (len(self.generated) + self.pending < self.params.max_tokens
+                and self.next_position + 1 < max_len)
 
 
 class SlotAllocator:
@@ -82,25 +99,34 @@ def smallest_bucket(sizes: Seq[int], need: int) -> int:
     raise ValueError(f"no bucket holds {need} (buckets {list(sizes)})")
 
 
-def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int, size: int | None = None
-                  ) -> tuple[int, dict[str, torch.Tensor], list]:
-    """(bucket size, inputs, sample entries) of one decode step of ``seqs``
-    (all in the group whose first row is ``lo``); ``size``: pad to that
-    many rows instead (a larger bucket standing in for the step's own)."""
+def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int, size: int | None = None,
+                  fed: dict[str, int] | None = None) -> tuple[int, dict[str, torch.Tensor], list, list]:
+    """(bucket size, inputs, sample entries, token rows) of one decode step
+    of ``seqs`` (all in the group whose first row is ``lo``); ``size``: pad
+    to that many rows instead (a larger bucket standing in for the step's
+    own).  A sequence with a token in flight (``pending``) takes it from the
+    previous step's sampled tokens on the device: ``fed`` maps its id to its
+    entry in that step's samples, and ``token rows`` lists ``[row, entry]``
+    pairs (its ``input_ids`` here is a placeholder)."""
     need = smallest_bucket(sizes, max(s.slot for s in seqs) - lo + 1)
     if size is not None and size < need:
         raise ValueError(f"a decode step of {need} rows does not fit a bucket of {size}")
     size = size or need
     ids = [0] * size
     pos = [max_len - 1] * size
-    sample = []
+    sample, token_rows = [], []
     for s in seqs:
         r = s.slot - lo
-        ids[r] = s.generated[-1]
-        pos[r] = s.position
+        if s.pending:
+            if fed is None or s.rid not in fed or s.pending > 1:
+                raise ValueError(f"request {s.rid}: its previous token is in flight but not in the fed step")
+            token_rows.append([r, fed[s.rid]])
+        else:
+            ids[r] = s.generated[-1]
+        pos[r] = s.next_position
         sample.append(s.sample_entry(r, 0))
     return size, {"input_ids": torch.tensor(ids, dtype=torch.int64).view(size, 1),
-                  "positions": torch.tensor(pos, dtype=torch.int64)}, sample
+                  "positions": torch.tensor(pos, dtype=torch.int64)}, sample, token_rows
 
 
 STEP_TOKENS = 16   # what one more prefill step costs, in padded tokens (the choice of the last chunks)

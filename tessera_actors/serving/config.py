@@ -19,7 +19,10 @@ class EngineConfig:
     groups, one step of each in flight, so the devices of a split
     pipeline), or ``auto`` (the online monitor switches: window
     ``monitor_window_s``, ratio ``monitor_beta``).  ``max_queue`` bounds the
-    requests waiting for a KV slot; beyond it ``EngineBusy``.  Faults: a node
+    requests waiting for a KV slot; beyond it ``EngineBusy``.  ``lookahead``
+    (0 or 1): decode steps a group sends ahead of the tokens they take,
+    which the device feeds from the previous step (1: the host turnaround
+    between steps overlaps the devices' work).  Faults: a node
     that misses pings for ``lost_after_s`` is lost; the deployment is
     re-placed on the survivors and requests continue there."""
 
@@ -38,6 +41,7 @@ class EngineConfig:
     planner: str = "contiguous"
     mode: str = "auto"
     groups: int = 2
+    lookahead: int = 1
     monitor_window_s: float = 0.3
     monitor_beta: float = 1.5
     step_timeout: float = 60.0
@@ -76,6 +80,8 @@ class EngineConfig:
         if self.groups < 1:
             raise bad(f"groups must be >= 1, got {self.groups}")
         self.groups = min(self.groups, self.max_seqs)   # a group needs at least one row
+        if self.lookahead not in (0, 1):
+            raise bad(f"lookahead must be 0 or 1, got {self.lookahead}")
         for name in ("step_timeout", "heartbeat_s", "lost_after_s", "monitor_window_s", "monitor_beta"):
             if getattr(self, name) <= 0:
                 raise bad(f"{name} must be positive, got {getattr(self, name)}")

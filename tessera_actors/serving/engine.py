@@ -12,6 +12,11 @@ request waits (bounded queue) for a free KV slot; its prompt is then fed
 chunk by chunk (``prefill_buckets``), never token by token, the last chunk
 sampling its first token; from then on it joins its group's decode steps,
 which run all the group's decoding rows at once, padded to a decode bucket.
+With ``lookahead`` (default 1) a group's next decode step is sent while its
+previous one still runs: rows that continue take their input token from the
+previous step's sampled tokens on the device (the host never holds the
+devices up between steps); a row that the previous step ends (end of text,
+a stop string) has one throw-away token computed, which is never streamed.
 The chunk step and the decode steps are independent plans on the same
 devices, so on a split deployment one device computes a chunk while another
 computes a decode step.  In ``throughput`` mode the rows form ``groups``
@@ -31,6 +36,7 @@ import itertools
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from ..planning.monitor import Monitor
@@ -49,7 +55,22 @@ class _Request:
         self.seq, self.detok = seq, detok
         self.out: asyncio.Queue = asyncio.Queue()
         self.finished: str | None = None
-        self.in_step = False   # its row is part of a step in flight: its KV slot is freed only when that lands
+        self.in_step = 0   # steps in flight that carry its row: its KV slot is freed only when they landed
+
+
+@dataclass
+class _Step:
+    """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
+    sampling-entry order), the prompt tokens it feeds (prefill), its bucket,
+    the placement generation, the launch order, and its step number when its
+    tokens can feed the next step on the device (``Runtime.reserve``)."""
+    key: str
+    reqs: list
+    chunk: int
+    bucket: str
+    generation: int
+    order: int
+    number: int | None = None
 
 
 class AsyncEngine:
@@ -73,8 +94,10 @@ class AsyncEngine:
         self._lost: list[str] = []
         self._dead: str | None = None
         self._ids = itertools.count()
+        self._order = itertools.count()   # launch order of steps: they land in it
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
-                         "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "plan_switches": 0}
+                         "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "plan_switches": 0,
+                         "lookahead_steps": 0, "discarded_tokens": 0}
         self.groups = 1 if config.mode != "throughput" else config.groups
         self.monitor = Monitor(config.monitor_window_s, config.monitor_beta,
                                initial="throughput" if config.mode == "throughput" else "latency")
@@ -237,12 +260,14 @@ class AsyncEngine:
             seq.slot = -1
         self._wake.set()
 
-    def _landed(self, reqs: list[_Request]) -> None:
-        """The step carrying ``reqs`` finished (or was dropped): rows of
-        requests that ended meanwhile free their slots."""
-        for req in reqs:
-            req.in_step = False
-            if req.finished is not None and req.seq.slot >= 0:
+    def _landed(self, step: _Step) -> None:
+        """``step`` finished (or was dropped): its tokens are no longer in
+        flight; rows of requests that ended meanwhile free their slots."""
+        for req in step.reqs:
+            req.in_step -= 1
+            if step.key != "prefill":
+                req.seq.pending -= 1
+            if req.finished is not None and req.seq.slot >= 0 and not req.in_step:
                 self.slots.release(req.seq.slot)
                 req.seq.slot = -1
                 self._wake.set()
@@ -253,7 +278,7 @@ class AsyncEngine:
         self._wake.set()
 
     async def _loop(self) -> None:
-        inflight: dict[asyncio.Task, tuple] = {}
+        inflight: dict[asyncio.Task, _Step] = {}
         try:
             while True:
                 if self._lost:
@@ -269,9 +294,8 @@ class AsyncEngine:
                     done, _ = await asyncio.wait(set(inflight) | {waiter}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waiter.cancel()
-                for t in done:
-                    if t in inflight:
-                        self._complete(t, inflight.pop(t))
+                for t in sorted((t for t in done if t in inflight), key=lambda t: inflight[t].order):
+                    self._complete(t, inflight.pop(t))
         except asyncio.CancelledError:
             for t in inflight:
                 t.cancel()
@@ -314,32 +338,60 @@ class AsyncEngine:
                 rows[self.slots.group_of(req.seq.slot)].append(req)
         return rows
 
-    def _launch(self, inflight: dict) -> None:
-        busy = {key for key, *_ in inflight.values()}
+    def _launch(self, inflight: dict[asyncio.Task, _Step]) -> None:
         loop = asyncio.get_running_loop()
-        if "prefill" not in busy and self._prefill:
+        if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
             req = self._prefill[0]
             bucket = self.runtime.runnable(self._prefill_bucket(req))
             _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
                                                   self._rows_of(bucket))
             task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
-            req.in_step = True
-            inflight[task] = ("prefill", [req], n, bucket, self.runtime.generation)
-        for g, reqs in enumerate(self._group_rows()):
+            req.in_step += 1
+            inflight[task] = _Step("prefill", [req], n, bucket, self.runtime.generation, next(self._order))
+        if self._catchup:
+            return
+        for g, rows in enumerate(self._group_rows()):
             key = f"decode{g}"
-            if key in busy or not reqs or self._catchup:
-                continue
-            lo, hi = self.slots.bounds[g]
-            sizes = decode_sizes(self.cfg, hi - lo)
-            size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
-            bucket = self.runtime.runnable(bucket_name("decode", size, lo, window_for(
-                self.cfg, max(r.seq.position for r in reqs))), (lo, hi))
-            _, inputs, sample = decode_inputs([r.seq for r in reqs], lo, sizes, self.max_model_len,
-                                              self._rows_of(bucket))
-            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
-            for r in reqs:
-                r.in_step = True
-            inflight[task] = (key, reqs, 0, bucket, self.runtime.generation)
+            while True:   # the group's next step, and (lookahead) the one after it
+                ahead = [s for s in inflight.values() if s.key == key]
+                if len(ahead) > self.cfg.lookahead:
+                    break
+                step = self._decode_step(g, key, rows, ahead[-1] if ahead else None)
+                if step is None:
+                    break
+                task, info = step
+                inflight[task] = info
+
+    def _decode_step(self, g: int, key: str, rows: list[_Request], prev: _Step | None):
+        """(task, step) of group ``g``'s next decode step, or None; ``prev``:
+        the group's latest step in flight, whose sampled tokens the rows it
+        carries take on the device (possible only on the same plan, when its
+        step number was reserved)."""
+        reqs = [r for r in rows if r.finished is None and r.seq.may_decode(self.max_model_len)]
+        if not reqs or (prev is not None and (prev.number is None or prev.generation != self.runtime.generation)):
+            return None
+        lo, hi = self.slots.bounds[g]
+        sizes = decode_sizes(self.cfg, hi - lo)
+        size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
+        bucket = self.runtime.runnable(bucket_name("decode", size, lo, window_for(
+            self.cfg, max(r.seq.next_position for r in reqs))), (lo, hi))
+        fed = None
+        if prev is not None:
+            if bucket != prev.bucket:
+                return None   # a different plan: wait for the tokens
+            fed = {r.seq.rid: i for i, r in enumerate(prev.reqs)}
+        _, inputs, sample, token_rows = decode_inputs([r.seq for r in reqs], lo, sizes, self.max_model_len,
+                                                      self._rows_of(bucket), fed)
+        number = self.runtime.reserve(bucket) if self.cfg.lookahead else None
+        task = asyncio.get_running_loop().create_task(self.runtime.step(
+            bucket, inputs, sample, [r.seq.rid for r in reqs], number, token_rows,
+            prev.number if prev is not None else -1))
+        for r in reqs:
+            r.in_step += 1
+            r.seq.pending += 1
+        if prev is not None:
+            self.counters["lookahead_steps"] += 1
+        return task, _Step(key, reqs, 0, bucket, self.runtime.generation, next(self._order), number)
 
     def _rows_of(self, bucket: str) -> int | None:
         b = self.runtime.served.buckets.get(bucket)
@@ -350,9 +402,9 @@ class AsyncEngine:
         size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
         return bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1, size))
 
-    def _complete(self, task: asyncio.Task, info: tuple) -> None:
-        key, reqs, n, bucket, generation = info
-        self._landed(reqs)
+    def _complete(self, task: asyncio.Task, info: _Step) -> None:
+        key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
+        self._landed(info)
         try:
             result = task.result()
         except asyncio.CancelledError:
@@ -385,6 +437,8 @@ class AsyncEngine:
             if req.finished is None:
                 req.seq.exec_s += result.seconds
                 self._accept(req, tok, lp)
+            else:   # it ended (end of text, a stop string, an abort) while this step was in flight
+                self.counters["discarded_tokens"] += 1
 
     def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
         for req in reqs:
@@ -426,8 +480,8 @@ class AsyncEngine:
         for t in inflight:
             t.cancel()
         await asyncio.gather(*inflight, return_exceptions=True)
-        for _key, reqs, *_ in inflight.values():
-            self._landed(reqs)   # the old plans are uninstalled below: their steps write nothing more
+        for info in inflight.values():
+            self._landed(info)   # the old plans are uninstalled below: their steps write nothing more
         inflight.clear()
         self.counters["recoveries"] += 1
         log.warning("lost %s: re-placing on the survivors", lost)
@@ -457,7 +511,7 @@ class AsyncEngine:
         want = self.cfg.groups if self.monitor.mode() == "throughput" else 1
         if want == self.groups:
             return
-        if any(key.startswith("decode") for key, *_ in inflight.values()):
+        if any(s.key.startswith("decode") for s in inflight.values()):
             return   # switch at a step boundary: wait for the decode steps to land
         self.groups = want
         self.slots.set_groups(self.cfg.group_bounds(want))

@@ -19,7 +19,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                              ("--max-queue", int, "waiting requests before 429"),
                              ("--planner", str, "placement planner"),
                              ("--mode", str, "latency | throughput | auto (plan switching under load)"),
-                             ("--dtype", str, "float32 | bfloat16 | float16")):
+                             ("--dtype", str, "float32 | bfloat16 | float16"),
+                             ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
         p.add_argument(flag, type=kind, default=None, help=what + " (engine default)")
     p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, help="engine seed (engine default)")
 
@@ -33,7 +34,7 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
         kw["devices"] = a.devices
     if trace_dir:
         kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype"):
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "lookahead"):
         if getattr(a, name) is not None:
             kw[name] = getattr(a, name)
     if a.engine_seed is not None:

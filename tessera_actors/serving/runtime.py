@@ -60,6 +60,7 @@ class Placed:
     refs: list[ActorRef]
     routes: list
     steps: int = 0
+    feeds: int | None = None   # the plan device that reads input_ids and samples: it can take tokens on the device
 
 
 @dataclass
@@ -69,6 +70,20 @@ class StepResult:
     logprobs: list[float] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     spans: list = field(default_factory=list)
+
+
+def _feeding_device(graph, plan: Plan) -> int | None:
+    """The plan device that reads ``input_ids`` and holds the logits (the
+    first output), if one does both: it can feed a step's sampled tokens to
+    the next step without the host."""
+    views = graph.meta.get("input_views", {})
+    outs = graph.meta.get("output_views") or []
+    if "input_ids" not in views or not outs:
+        return None
+    ids_buf, logits_buf = views["input_ids"][0], outs[0][0]
+    readers = [d for d, bufs in enumerate(plan.inputs) if ids_buf in bufs]
+    holders = {dev for b, _, _, dev in plan.outputs if b == logits_buf}
+    return readers[0] if len(readers) == 1 and holders == {readers[0]} else None
 
 
 async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
@@ -179,7 +194,7 @@ class Runtime:
                                     weights=weights or {}), timeout=600)
         plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
-        return Placed(plan_id, plan, refs, dep.routes)
+        return Placed(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graphs[bucket], plan))
 
     def core_buckets(self) -> set[str]:
         """Buckets placed before the engine serves: every decode bucket and
@@ -335,17 +350,39 @@ class Runtime:
         return await self.system.remote_ref(endpoint, name)
 
     # -- steps ----------------------------------------------------------------
-    async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = ()) -> StepResult:
+    def reserve(self, bucket: str) -> int | None:
+        """The number of the next step of ``bucket`` (placed, and its plan
+        can take a step's tokens on the device; else None), taken now: pass
+        it to :meth:`step` as ``number``, and a later step may take that
+        step's sampled tokens as its inputs (``tokens_from``)."""
+        p = self.placed.get(bucket)
+        if p is None or p.feeds is None:
+            return None
+        p.steps += 1
+        return p.steps - 1
+
+    async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = (),
+                   number: int | None = None, token_rows: list = (), tokens_from: int = -1) -> StepResult:
+        """Run one step of ``bucket``; ``number``: a step number from
+        :meth:`reserve`; ``token_rows``: ``[row, entry]`` pairs whose
+        ``input_ids`` are the tokens step ``tokens_from`` (of this bucket's
+        plan) sampled for ``entry`` (``RunStep.token_rows``)."""
         try:
             p = await self._placed(bucket)
         except ActorError as e:
             raise StepFailed(f"bucket {bucket} could not be placed: {e}") from e
-        step = p.steps
-        p.steps += 1
+        if number is None:
+            step = p.steps
+            p.steps += 1
+        else:
+            step = number
+        if token_rows and p.feeds is None:
+            raise StepFailed(f"{bucket}: no device of its plan both reads input_ids and samples")
         t0 = time.perf_counter()
         wall = time.time()
         traced = self.trace is not None
-        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False, traced),
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False, traced,
+                                list(token_rows) if d == p.feeds else [], tokens_from),
                         timeout=self.cfg.step_timeout)
                 for d, ref in enumerate(p.refs)]
         results = await asyncio.gather(*asks, return_exceptions=True)

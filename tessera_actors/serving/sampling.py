@@ -59,6 +59,19 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Sequence]) -> tupl
     """(token ids, their log probabilities), one per entry of ``rows``."""
     if not rows:
         return [], []
+    return to_host(*sample_on_device(logits, rows))
+
+
+def to_host(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The lists of :func:`sample_with_logprobs` from the device tensors of
+    :func:`sample_on_device`, in one host read."""
+    both = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).cpu()
+    return [int(t) for t in both[0].tolist()], both[1].tolist()
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids [n] int64, their log probabilities [n] float32) on the
+    logits' device, one per entry of ``rows`` (non-empty); no host read."""
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
     greedy = [i for i, r in enumerate(rows) if float(r[2]) <= 0.0]
@@ -77,5 +90,4 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Sequence]) -> tupl
     idx_r = torch.tensor([int(r[0]) for r in rows], device=logits.device)
     idx_c = torch.tensor([int(r[1]) for r in rows], device=logits.device)
     chosen = torch.log_softmax(logits[idx_r, idx_c].float(), dim=-1).gather(1, ids.view(-1, 1)).view(-1)
-    both = torch.stack([ids.to(torch.float64), chosen.to(torch.float64)]).cpu()   # the one host read
-    return [int(t) for t in both[0].tolist()], both[1].tolist()
+    return ids, chosen
