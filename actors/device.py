@@ -265,20 +265,28 @@ class DeviceActor(Actor):
                 fut.set_result(done)
 
     async def _run_one(self, plan_id: str, inst: _Installed, msg: RunStep) -> StepDone:
+        """One step of this device's program.  The host work around the
+        kernels goes to the worker calls that run them: the step's inputs to
+        the first, the sampling to the last when no receive follows it (a
+        single-device step is one worker call, one event-loop hop)."""
         plan, d, prog, graph = inst.plan, inst.device, inst.prog, inst.graph
         runner = self.runner
         transfers = {t.tag: t for t in plan.transfers}
         busy = wait = 0.0
         spans: list | None = [] if msg.trace else None
-        feed = plan.inputs[d]
-        if msg.token_rows:
-            sampled = inst.sampled if inst.sampled is not None and inst.sampled[0] == msg.tokens_from else None
-            if sampled is None:
-                raise BackendError(f"{self.spec.name}: step {msg.step} takes tokens sampled by step "
-                                   f"{msg.tokens_from}, which this device did not sample")
-            await self._on_worker(_write_step_inputs, prog, graph, msg.inputs, feed, msg.token_rows, sampled[1])
-        elif feed:
-            await self._on_worker(write_inputs, prog, graph, msg.inputs, feed)
+        prelude = self._inputs_writer(inst, msg)
+        mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
+        logits_view = graph.meta["output_views"][0] if msg.sample else None
+        sampler = None
+        if logits_view is not None and any(b == logits_view[0] for b, _, _ in mine):
+            from tessera_actors.serving.sampling import sample_on_device, to_host
+
+            def sampler() -> tuple[list[int], list[float], float, float]:
+                started = time.time()
+                ids, lps = sample_on_device(prog.view(logits_view), msg.sample)
+                inst.sampled = (msg.step, ids)   # a later step may take these tokens as its inputs
+                return (*to_host(ids, lps), started, time.time())
+        sampled = None
         program = plan.programs[d]
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
         i = 0
@@ -311,44 +319,48 @@ class DeviceActor(Actor):
                 else:
                     sends.append(program[j].ref)
                 j += 1
+            epilogue = sampler if j == len(program) else None
 
-            def work(chunk=i, kernels=kernels, sends=sends, writes=staged) -> tuple[list[Any], float, float]:
+            def work(chunk=i, kernels=kernels, sends=sends, writes=staged, pre=prelude, post=epilogue):
                 started = time.time()
                 t0 = time.perf_counter()
+                if pre is not None:
+                    pre()
                 for buffer, ranges, data in writes:
                     prog.write(buffer, ranges, data)
                 if kernels:
                     runner.run((plan_id, chunk), prog, kernels)
                 pieces = [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
                 out = runner.read(prog, pieces) if sends else []   # settled: the peer may read them at once
-                return out, time.perf_counter() - t0, started
-            staged = []
-            payloads, spent, started = await self._on_worker(work)
+                spent = time.perf_counter() - t0
+                return out, spent, started, post() if post is not None else None
+            staged, prelude = [], None
+            payloads, spent, started, got = await self._on_worker(work)
             busy += spent
             if spans is not None:
                 label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
                 sent = sum(transfers[tag].nbytes for tag in sends)
                 spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), started, started + spent])
+            if got is not None:
+                sampled = got
             for tag, data in zip(sends, payloads):
                 await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
             i = j
-        if staged:   # the program ends with receives (e.g. outputs computed elsewhere)
-            await self._on_worker(lambda writes=staged: [prog.write(*w) for w in writes])
-        mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
+        if prelude is not None or staged:   # no kernels here, or the program ends with receives
+            def rest(pre=prelude, writes=staged) -> None:
+                if pre is not None:
+                    pre()
+                for w in writes:
+                    prog.write(*w)
+            await self._on_worker(rest)
         tokens: list[int] = []
         logprobs: list[float] = []
-        logits_view = graph.meta["output_views"][0] if msg.sample else None
-        if logits_view is not None and any(b == logits_view[0] for b, _, _ in mine):
-            from tessera_actors.serving.sampling import sample_on_device, to_host
-            started = time.time()
-
-            def sample() -> tuple[list[int], list[float]]:
-                ids, lps = sample_on_device(prog.view(logits_view), msg.sample)
-                inst.sampled = (msg.step, ids)   # a later step may take these tokens as its inputs
-                return to_host(ids, lps)
-            tokens, logprobs = await self._on_worker(sample)
+        if sampler is not None:
+            if sampled is None:
+                sampled = await self._on_worker(sampler)
+            tokens, logprobs, started, ended = sampled
             if spans is not None:
-                spans.append([f"sample {len(tokens)} rows", started, time.time()])
+                spans.append([f"sample {len(tokens)} rows", started, ended])
         if not msg.outputs:
             mine = []
 
@@ -360,6 +372,19 @@ class DeviceActor(Actor):
         return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs,
                         spans or [])
 
+    def _inputs_writer(self, inst: _Installed, msg: RunStep):
+        """The worker-side writing of the step's inputs (None: this device
+        reads none); checks first that tokens it should take were sampled."""
+        feed = inst.plan.inputs[inst.device]
+        if msg.token_rows:
+            sampled = inst.sampled if inst.sampled is not None and inst.sampled[0] == msg.tokens_from else None
+            if sampled is None:
+                raise BackendError(f"{self.spec.name}: step {msg.step} takes tokens sampled by step "
+                                   f"{msg.tokens_from}, which this device did not sample")
+            return lambda: _write_step_inputs(inst.prog, inst.graph, msg.inputs, feed, msg.token_rows, sampled[1])
+        if feed:
+            return lambda: write_inputs(inst.prog, inst.graph, msg.inputs, feed)
+        return None
 
 def _write_step_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict, feed, token_rows: list,
                        sampled: torch.Tensor) -> None:

@@ -118,8 +118,13 @@ def main() -> int:
     ap.add_argument("--lookahead", type=int, default=1, help="EngineConfig.lookahead (0: each decode step "
                     "waits for the previous one's tokens)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--switch-interval", type=float, default=0.0,
+                    help="sys.setswitchinterval for the run (a diagnostic of GIL hand-over; 0: Python's default)")
     a = ap.parse_args()
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
     res = asyncio.run(run(a))
+    res["switch_interval_s"] = sys.getswitchinterval()
     print(f"{'model':10} {'devices':18} {'bucket':12} {'raw step':>10} {'engine step':>12} {'ratio':>6} "
           f"{'served tok/s':>12}")
     print(f"{a.model:10} {a.devices:18} {res['bucket']:12} {res['raw_step_s_median'] * 1e3:8.2f}ms "

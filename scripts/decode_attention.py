@@ -34,6 +34,17 @@ def timed(fn, steps: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / steps
 
 
+def kernels(fn) -> str:
+    """The CUDA kernels one call of ``fn`` runs, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.device_time_total, e.key) for e in prof.key_averages()
+                   if e.device_time_total > 0 and e.device_type.name == "CUDA"), reverse=True)
+    return "; ".join(f"{k[:60]} {t:.0f}us" for t, k in rows[:2])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -96,7 +107,7 @@ def main() -> None:
             continue
         diff = float((out.float() - ref.float()).abs().max()) if ref is not None else 0.0
         ref = out if ref is None else ref
-        print(f"  {name:48} {t:8.1f} us  floor/t {floor_us / t:5.2f}  max abs {diff:.2e}")
+        print(f"  {name:48} {t:8.1f} us  floor/t {floor_us / t:5.2f}  max abs {diff:.2e}  [{kernels(fn)}]")
 
 
 if __name__ == "__main__":

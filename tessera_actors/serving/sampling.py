@@ -74,20 +74,17 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[to
     logits' device, one per entry of ``rows`` (non-empty); no host read."""
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
-    greedy = [i for i, r in enumerate(rows) if float(r[2]) <= 0.0]
-    out: list[torch.Tensor | None] = [None] * len(rows)
-    if greedy:
-        idx_r = torch.tensor([int(rows[i][0]) for i in greedy], device=logits.device)
-        idx_c = torch.tensor([int(rows[i][1]) for i in greedy], device=logits.device)
-        best = logits[idx_r, idx_c].float().argmax(dim=-1)
-        for j, i in enumerate(greedy):
-            out[i] = best[j]
-    for i, (row, col, temperature, top_p, top_k, seed, index) in enumerate(rows):
-        if out[i] is None:
-            x = logits[int(row), int(col)].float()
-            out[i] = _draw(x, float(temperature), float(top_p), int(top_k), uniform(int(seed), int(index)))
-    ids = torch.stack([t.reshape(()) for t in out])
-    idx_r = torch.tensor([int(r[0]) for r in rows], device=logits.device)
-    idx_c = torch.tensor([int(r[1]) for r in rows], device=logits.device)
-    chosen = torch.log_softmax(logits[idx_r, idx_c].float(), dim=-1).gather(1, ids.view(-1, 1)).view(-1)
+    index = torch.tensor([[int(r[0]) for r in rows], [int(r[1]) for r in rows]], dtype=torch.int64)
+    # to a GPU through pinned memory: a pageable copy would make the host wait for the step's kernels
+    index = index.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else index.to(logits.device)
+    x = logits[index[0], index[1]].float()                          # [n, V]
+    greedy = [float(r[2]) <= 0.0 for r in rows]
+    if all(greedy):
+        ids = x.argmax(dim=-1)
+    else:
+        best = x.argmax(dim=-1) if any(greedy) else None
+        ids = torch.stack([best[i] if g else _draw(x[i], float(r[2]), float(r[3]), int(r[4]),
+                                                   uniform(int(r[5]), int(r[6])))
+                           for i, (g, r) in enumerate(zip(greedy, rows))])
+    chosen = torch.log_softmax(x, dim=-1).gather(1, ids.view(-1, 1)).view(-1)
     return ids, chosen
