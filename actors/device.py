@@ -34,6 +34,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +59,8 @@ from tessera_actors.execution.runner import write_inputs
 
 log = logging.getLogger("tessera_actors.device")
 
+AHEAD = 2   # launched steps of one plan not yet landed
+
 
 _INITIAL_THREADS = torch.get_num_threads()
 
@@ -73,6 +76,7 @@ class _Installed:
     runner: asyncio.Task | None = None
     share_keys: dict = field(default_factory=dict)   # buffer id -> (share group, name)
     sampled: tuple[int, Any] | None = None           # (step, its sampled token ids on the device)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
 
 
 class DeviceActor(Actor):
@@ -89,6 +93,7 @@ class DeviceActor(Actor):
         self.loaded: set[tuple[str, str]] = set()                # ... whose values were loaded
         self.steps_run = 0
         self.busy_s = 0.0
+        self.waiter: ThreadPoolExecutor | None = None
 
     async def on_start(self) -> None:
         # a thread starts with the intra-op thread count last set in the process: a device without
@@ -113,6 +118,8 @@ class DeviceActor(Actor):
         for inst in self.plans.values():
             self._fail_plan(inst, "device stopped")
         self.worker.shutdown(wait=False, cancel_futures=True)
+        if self.waiter is not None:
+            self.waiter.shutdown(wait=False, cancel_futures=True)
         # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
         self.plans.clear()
         self.shared.clear()
@@ -235,6 +242,7 @@ class DeviceActor(Actor):
         inst = self._plan(msg.plan_id)
         fut = asyncio.get_running_loop().create_future()
         inst.steps.put_nowait((msg, fut))
+        inst.arrived.set()
         return fut
 
     @handler(Deliver)
@@ -247,22 +255,125 @@ class DeviceActor(Actor):
         inst.inbox.put(msg.step, msg.tag, msg.offset, msg.data, msg.error)
 
     async def _run_steps(self, plan_id: str, inst: _Installed) -> None:
-        while True:
-            msg, fut = await inst.steps.get()
-            if fut.done():
-                continue
-            try:
-                done = await self._run_one(plan_id, inst, msg)
-            except asyncio.CancelledError:
+        """Run the plan's steps in arrival order.  A local step (no transfer,
+        no output bytes, untraced) is *launched*: its inputs, kernels and
+        sampling are queued on the device and its tokens copied back
+        asynchronously; the next step, when already here, is launched behind
+        it before the first has landed (its kernels queue on the same
+        stream), so the device never idles between the two while the host
+        reads tokens and answers.  At most ``AHEAD`` steps are launched and
+        not landed; they are answered in order."""
+        launched: collections.deque = collections.deque()   # (msg, fut, landed future, launch)
+        fut = None
+        try:
+            while True:
+                if launched:
+                    if len(launched) >= AHEAD or inst.steps.empty():
+                        inst.arrived.clear()
+                        arrived = asyncio.ensure_future(inst.arrived.wait())
+                        await asyncio.wait({launched[0][2], arrived}, return_when=asyncio.FIRST_COMPLETED)
+                        arrived.cancel()
+                    if launched[0][2].done():
+                        self._land(plan_id, inst, *launched.popleft())
+                        continue
+                    if len(launched) >= AHEAD or inst.steps.empty():
+                        continue
+                    msg, fut = inst.steps.get_nowait()
+                else:
+                    msg, fut = await inst.steps.get()
+                if fut.done():
+                    continue
+                if self._local(inst, msg):
+                    try:
+                        launch = await self._on_worker(self._launch, plan_id, inst, msg)
+                    except Exception as exc:  # the asker gets the error; the device keeps serving
+                        if not fut.done():
+                            fut.set_exception(exc)
+                        continue
+                    loop = asyncio.get_running_loop()
+                    if launch["event"] is None:   # a CPU device: the launch ran the step
+                        landed = loop.create_future()
+                        landed.set_result(None)
+                    else:
+                        landed = loop.run_in_executor(self._waiter(), self.runner.backend.host_wait, launch["event"])
+                    launched.append((msg, fut, landed, launch))
+                    continue
+                while launched:   # a step with transfers or outputs runs once the launched ones landed
+                    await asyncio.wait({launched[0][2]})
+                    self._land(plan_id, inst, *launched.popleft())
+                try:
+                    done = await self._run_one(plan_id, inst, msg)
+                except Exception as exc:  # the asker gets the error; the device keeps serving
+                    if not fut.done():
+                        fut.set_exception(exc)
+                    continue
                 if not fut.done():
-                    fut.set_exception(BackendError(f"{self.spec.name}: step {msg.step} cancelled"))
-                raise
-            except Exception as exc:  # the asker gets the error; the device keeps serving
-                if not fut.done():
-                    fut.set_exception(exc)
-                continue
-            if not fut.done():
-                fut.set_result(done)
+                    fut.set_result(done)
+        except asyncio.CancelledError:
+            for waiting in [f for _, f, *_ in launched] + [fut]:
+                if waiting is not None and not waiting.done():
+                    waiting.set_exception(BackendError(f"{self.spec.name}: a step of plan {plan_id!r} was cancelled"))
+            raise
+
+    def _local(self, inst: _Installed, msg: RunStep) -> bool:
+        """Whether ``msg`` can be launched ahead: this device's program runs
+        kernels only (no transfer), and the step wants no output bytes from
+        it and no trace."""
+        if msg.trace or self.runner is None:
+            return False
+        if msg.outputs and any(dev == inst.device for *_, dev in inst.plan.outputs):
+            return False
+        return all(st.op == "run" for st in inst.plan.programs[inst.device])
+
+    def _waiter(self) -> ThreadPoolExecutor:
+        """The thread that waits for launched steps to land (the worker stays
+        free to launch the next one meanwhile)."""
+        if self.waiter is None:
+            self.waiter = ThreadPoolExecutor(1, thread_name_prefix=f"land-{self.spec.name}")
+        return self.waiter
+
+    def _launch(self, plan_id: str, inst: _Installed, msg: RunStep) -> dict:
+        """On the worker: queue a local step - inputs, kernels, sampling, the
+        tokens' copy to pinned host memory - and an event after it."""
+        started = time.time()
+        t0 = time.perf_counter()
+        prog, graph, runner = inst.prog, inst.graph, self.runner
+        prelude = self._inputs_writer(inst, msg)
+        if prelude is not None:
+            prelude()
+        kernels = [k for st in inst.plan.programs[inst.device] for k in inst.plan.segments[st.ref].kernels]
+        if kernels:
+            runner.run((plan_id, 0), prog, kernels)   # the key of the one worker call of _run_one
+        host = None
+        logits_view = graph.meta["output_views"][0] if msg.sample else None
+        if logits_view is not None and any(b == logits_view[0] and dev == inst.device
+                                           for b, _, _, dev in inst.plan.outputs):
+            from tessera_actors.serving.sampling import sample_on_device
+            ids, lps = sample_on_device(prog.view(logits_view), msg.sample)
+            inst.sampled = (msg.step, ids)   # the next step may take these tokens as its inputs
+            both = torch.stack([ids.to(torch.float64), lps.to(torch.float64)])
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
+            host.copy_(both, non_blocking=both.is_cuda)
+        return {"event": runner.backend.record(runner.compute), "host": host, "busy": time.perf_counter() - t0,
+                "started": started}
+
+    def _land(self, plan_id: str, inst: _Installed, msg: RunStep, fut: asyncio.Future, landed: asyncio.Future,
+              launch: dict) -> None:
+        """Answer a launched step whose event completed."""
+        if fut.done():
+            return
+        err = landed.exception()
+        if err is not None:
+            fut.set_exception(err)
+            return
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        host = launch["host"]
+        if host is not None:
+            tokens, logprobs = [int(t) for t in host[0].tolist()], host[1].tolist()
+        self.steps_run += 1
+        self.busy_s += launch["busy"]
+        fut.set_result(StepDone(plan_id, msg.step, inst.device, [], [], launch["busy"], 0.0, tokens, logprobs, []))
 
     async def _run_one(self, plan_id: str, inst: _Installed, msg: RunStep) -> StepDone:
         """One step of this device's program.  The host work around the

@@ -78,8 +78,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--paths", default="eager,compile,tessera")
+    ap.add_argument("--gqa", default=RooflineConfig().gqa, choices=["fold", "enable_gqa"])
     a = ap.parse_args()
-    cfg = RooflineConfig(models=(a.model,), layers=a.layers)
+    cfg = RooflineConfig(models=(a.model,), layers=a.layers, gqa=a.gqa)
     make, label = build(a.model, a.case, cfg, torch.device("cuda:0"))
     model, inputs = make()
     for name in a.paths.split(","):
