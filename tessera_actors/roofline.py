@@ -53,7 +53,7 @@ class RooflineConfig:
     steps: int = 20
     device: str = "cuda:0"
     out: str = "benchmarks/results/roofline"
-    gqa: str = "fold"          # CachedAttention.gqa of the attention models: fold | enable_gqa
+    gqa: str = "enable_gqa"    # CachedAttention.gqa of the attention models: fold | enable_gqa (H200: cuDNN 127 vs 180 us)
 
 
 def measured_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -194,15 +194,17 @@ def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
     return (time.perf_counter() - t0) / steps
 
 
-async def device_actor_step(graph, values, inputs, device: str, steps: int) -> float:
+async def device_actor_step(graph, values, inputs, device: str, steps: int, stats: dict | None = None) -> float:
     """Mean seconds per step of ``graph`` on one device actor (the product's
     executor), steps sent back to back; the last one reads the outputs, so
-    the time covers the device finishing them all."""
+    the time covers the device finishing them all.  ``stats``: filled with
+    the device's counters (CUDA-graph captures, replays, eager runs, capture
+    failures, worker host seconds per step)."""
     import msgpack
     from actors.device import DeviceActor
     from actors.transfer import TransferActor
     from .devices import DeviceSpec
-    from tessera_actors.runtime.messages import InstallPlan, LoadValues, RunStep
+    from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, RunStep
     from .plan import plan_to_dict, single_device_plan
     from tessera_actors.runtime.system import ActorSystem
     plan = single_device_plan(graph, device)
@@ -218,17 +220,25 @@ async def device_actor_step(graph, values, inputs, device: str, steps: int) -> f
         for i in range(3):   # eager, capture, first replay
             await dev.ask(RunStep("roofline", i, feed, [], True), timeout=900)
         t0 = time.perf_counter()
+        before = (await dev.ask(GetStats())).values
         asks = [dev.ask(RunStep("roofline", 3 + i, feed, [], i == steps - 1), timeout=900) for i in range(steps)]
         await asyncio.gather(*asks)
-        return (time.perf_counter() - t0) / steps
+        seconds = (time.perf_counter() - t0) / steps
+        if stats is not None:
+            after = (await dev.ask(GetStats())).values
+            stats.update({k: after[k] - before[k] for k in ("captures", "replays", "eager_runs", "capture_failures")
+                          if k in after})
+            stats["host_s_per_step"] = (after["busy_s"] - before["busy_s"]) / steps
+            stats["last_capture_error"] = after.get("last_capture_error", "")
+        return seconds
 
 
-def tessera_step(model, inputs, steps: int, device: str) -> tuple[float, Any]:
+def tessera_step(model, inputs, steps: int, device: str, stats: dict | None = None) -> tuple[float, Any]:
     """Seconds per step of the inductor capture on one device through the
     product's executor (a device actor, CUDA graphs), and the capture's graph."""
     from .capture.inductor import capture_inductor
     res = capture_inductor(model, inputs)
-    seconds = asyncio.run(device_actor_step(res.graph, res.values, inputs, device, steps))
+    seconds = asyncio.run(device_actor_step(res.graph, res.values, inputs, device, steps, stats))
     return seconds, res.graph
 
 
@@ -239,9 +249,11 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
     flops = step_flops(model, inputs)
     if hasattr(model, "reset_state"):
         model.reset_state()
-    t_tessera, graph = tessera_step(model, inputs, cfg.steps, cfg.device)
+    executor: dict[str, Any] = {}
+    t_tessera, graph = tessera_step(model, inputs, cfg.steps, cfg.device, executor)
     nbytes = step_bytes(graph)
     regions = graph.meta.get("regions")
+    graph_kernels = graph.kernels
     del model, graph
     gc.collect()
     torch.cuda.empty_cache()
@@ -256,9 +268,11 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
     row = {"model": name, "case": label, "tessera_us": t_tessera * 1e6, "compile_us": t_compile * 1e6,
            "floor_us": floor * 1e6, "bytes": nbytes, "flops": flops, "bytes_floor_us": nbytes / bandwidth * 1e6,
            "flops_floor_us": flops / gemm * 1e6, "tessera_over_compile": t_tessera / t_compile,
-           "floor_fraction": floor / t_tessera, "regions": regions, "gqa": cfg.gqa}
+           "floor_fraction": floor / t_tessera, "regions": regions, "gqa": cfg.gqa, "executor": executor,
+           "kernels": len(graph_kernels)}
     print(f"  {name:<7} {label:<20} tessera {row['tessera_us']:9.0f} us  compile {row['compile_us']:9.0f} us  "
           f"floor {row['floor_us']:9.0f} us", flush=True)
+    print(f"          executor: {executor}", flush=True)
     return row
 
 

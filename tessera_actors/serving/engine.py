@@ -13,10 +13,12 @@ chunk by chunk (``prefill_buckets``), never token by token, the last chunk
 sampling its first token; from then on it joins its group's decode steps,
 which run all the group's decoding rows at once, padded to a decode bucket.
 With ``lookahead`` (default 1) a group's next decode step is sent while its
-previous one still runs: rows that continue take their input token from the
-previous step's sampled tokens on the device (the host never holds the
-devices up between steps); a row that the previous step ends (end of text,
-a stop string) has one throw-away token computed, which is never streamed.
+previous one still runs, unless prompt chunks wait (they would queue behind
+it): rows that continue take their input token from the previous step's
+sampled tokens on the device, which launches the step behind the running
+one (the host never holds the device up between steps); a row that the
+previous step ends (end of text, a stop string) has one throw-away token
+computed, which is never streamed.
 The chunk step and the decode steps are independent plans on the same
 devices, so on a split deployment one device computes a chunk while another
 computes a decode step.  In ``throughput`` mode the rows form ``groups``
@@ -368,8 +370,9 @@ class AsyncEngine:
         carries take on the device (possible only on the same plan, when its
         step number was reserved)."""
         reqs = [r for r in rows if r.finished is None and r.seq.may_decode(self.max_model_len)]
-        if not reqs or (prev is not None and (prev.number is None or prev.generation != self.runtime.generation)):
-            return None
+        if not reqs or (prev is not None and (prev.number is None or prev.generation != self.runtime.generation
+                                              or self._prefill)):
+            return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device)
         lo, hi = self.slots.bounds[g]
         sizes = decode_sizes(self.cfg, hi - lo)
         size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
