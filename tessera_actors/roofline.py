@@ -7,7 +7,8 @@ cache, writing near its end) and prefill (1 x ``--prompt`` tokens); the
 diffusion transformer has no decode/prefill, so its cases are denoise at
 batch ``--batch`` and 1, named so - three numbers:
 
-* **tessera**: the captured graph (inductor kernels, default regions) placed
+* **tessera**: the captured graph (inductor kernels; ``--regions whole`` by
+  default: the model compiled as one graph, as the baseline is) placed
   on one device and run by the product's executor (a device actor:
   ``InstallPlan``, ``LoadValues``, back-to-back ``RunStep`` messages, its
   run of kernels replayed as a CUDA graph): mean seconds per step;
@@ -23,8 +24,10 @@ batch ``--batch`` and 1, named so - three numbers:
 
 Ratios: ``tessera / compile`` (overhead of the product's path) and
 ``floor / tessera`` (fraction of the physical limit reached).  Runs split by
-``--models`` (GPU time limits) into one ``--out`` folder of the same commit
-and ``--gqa`` add up to one ``roofline.json``.
+``--models`` (GPU time limits) into one ``--out`` folder of the same commit,
+``--gqa`` and ``--regions`` add up to one ``roofline.json``.  Each row
+carries the executor's counters (CUDA-graph replays, eager runs, worker
+host seconds per step).
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ class RooflineConfig:
     device: str = "cuda:0"
     out: str = "benchmarks/results/roofline"
     gqa: str = "enable_gqa"    # CachedAttention.gqa of the attention models: fold | enable_gqa (H200: cuDNN 127 vs 180 us)
+    regions: str = "whole"     # capture_inductor's regions: the same compiled kernels as the torch.compile baseline
 
 
 def measured_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -233,11 +237,13 @@ async def device_actor_step(graph, values, inputs, device: str, steps: int, stat
         return seconds
 
 
-def tessera_step(model, inputs, steps: int, device: str, stats: dict | None = None) -> tuple[float, Any]:
-    """Seconds per step of the inductor capture on one device through the
-    product's executor (a device actor, CUDA graphs), and the capture's graph."""
+def tessera_step(model, inputs, steps: int, device: str, stats: dict | None = None,
+                 regions: str = "auto") -> tuple[float, Any]:
+    """Seconds per step of the inductor capture (``regions``) on one device
+    through the product's executor (a device actor, CUDA graphs), and the
+    capture's graph."""
     from .capture.inductor import capture_inductor
-    res = capture_inductor(model, inputs)
+    res = capture_inductor(model, inputs, regions=regions)
     seconds = asyncio.run(device_actor_step(res.graph, res.values, inputs, device, steps, stats))
     return seconds, res.graph
 
@@ -250,7 +256,7 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
     if hasattr(model, "reset_state"):
         model.reset_state()
     executor: dict[str, Any] = {}
-    t_tessera, graph = tessera_step(model, inputs, cfg.steps, cfg.device, executor)
+    t_tessera, graph = tessera_step(model, inputs, cfg.steps, cfg.device, executor, cfg.regions)
     nbytes = step_bytes(graph)
     regions = graph.meta.get("regions")
     graph_kernels = graph.kernels
@@ -305,11 +311,13 @@ def add_arguments(b) -> None:
     b.add_argument("--device", default=d.device)
     b.add_argument("--out", default=d.out)
     b.add_argument("--gqa", default=d.gqa, choices=["fold", "enable_gqa"], help="attention's GQA form")
+    b.add_argument("--regions", default=d.regions, choices=["auto", "whole", "blocks"],
+                   help="capture regions (whole: the baseline's compiled graph; auto: the capture's default)")
 
 
 def main(args) -> int:
     run_roofline(RooflineConfig(tuple(args.models.split(",")), args.layers, args.batch, args.cache, args.prompt,
-                                args.dtype, args.steps, args.device, args.out, args.gqa))
+                                args.dtype, args.steps, args.device, args.out, args.gqa, args.regions))
     return 0
 
 
@@ -333,7 +341,8 @@ def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
             old = json.loads(path.read_text())
         except ValueError:
             old = {}
-        same = old.get("meta", {}).get("commit") == meta["commit"] and old["meta"].get("config", {}).get("gqa") == cfg.gqa
+        same = old.get("meta", {}).get("commit") == meta["commit"] and all(
+            old["meta"].get("config", {}).get(k) == getattr(cfg, k) for k in ("gqa", "regions"))
         if same:
             rows = [r for r in old.get("rows", []) if r.get("model") not in cfg.models]
             meta["runs"] = old["meta"].get("runs", [old["meta"]["command"]]) + [meta["command"]]
