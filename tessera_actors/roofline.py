@@ -200,8 +200,10 @@ def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
 
 async def device_actor_step(graph, values, inputs, device: str, steps: int, stats: dict | None = None) -> float:
     """Mean seconds per step of ``graph`` on one device actor (the product's
-    executor), steps sent back to back; the last one reads the outputs, so
-    the time covers the device finishing them all.  ``stats``: filled with
+    executor), steps sent back to back without output bytes: each is a local
+    step, answered once the device has finished it (its event landed), so
+    the time covers the device finishing them all (as the baseline's final
+    synchronize does; neither copies the outputs to the host).  ``stats``: filled with
     the device's counters (CUDA-graph captures, replays, eager runs, capture
     failures, worker host seconds per step)."""
     import msgpack
@@ -225,7 +227,7 @@ async def device_actor_step(graph, values, inputs, device: str, steps: int, stat
             await dev.ask(RunStep("roofline", i, feed, [], True), timeout=900)
         t0 = time.perf_counter()
         before = (await dev.ask(GetStats())).values
-        asks = [dev.ask(RunStep("roofline", 3 + i, feed, [], i == steps - 1), timeout=900) for i in range(steps)]
+        asks = [dev.ask(RunStep("roofline", 3 + i, feed, [], False), timeout=900) for i in range(steps)]
         await asyncio.gather(*asks)
         seconds = (time.perf_counter() - t0) / steps
         if stats is not None:
