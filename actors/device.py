@@ -46,7 +46,8 @@ import torch
 
 from actors.backends.aten import AtenProgram, BackendError
 from actors.chunks import sub_ranges
-from actors.inbox import Inbox
+from actors.handoff import Handoff
+from actors.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from actors.streaming import program_for, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
@@ -60,6 +61,7 @@ from tessera_actors.execution.runner import write_inputs
 log = logging.getLogger("tessera_actors.device")
 
 AHEAD = 2   # launched steps of one plan not yet landed
+SPIN_S = 0.05   # a worker's longest wait for a co-located peer's transfer (it stops early for other work)
 
 
 _INITIAL_THREADS = torch.get_num_threads()
@@ -77,14 +79,19 @@ class _Installed:
     share_keys: dict = field(default_factory=dict)   # buffer id -> (share group, name)
     sampled: tuple[int, Any] | None = None           # (step, its sampled token ids on the device)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
+    peers: dict = field(default_factory=dict)   # plan device -> its DeviceActor when in this process
 
 
 class DeviceActor(Actor):
     def __init__(self, spec: DeviceSpec, transfer: str = "transfer", recv_timeout: float = 60.0,
-                 graphs: bool | None = None) -> None:
+                 graphs: bool | None = None, spin_s: float = SPIN_S) -> None:
         """``graphs``: capture and replay runs of kernels (None: from
-        ``TESSERA_CUDA_GRAPHS``, default on)."""
+        ``TESSERA_CUDA_GRAPHS``, default on); ``spin_s``: how long at most
+        the worker waits, after its kernels, for a co-located peer's transfer
+        before leaving the wait to the event loop (0: always the loop); it
+        stops sooner when another worker call is queued."""
         self.spec = spec
+        self.spin_s = spin_s
         self.graphs = graphs_from_env() if graphs is None else graphs
         self.recv_timeout = recv_timeout
         self.transfer_name = transfer
@@ -94,6 +101,7 @@ class DeviceActor(Actor):
         self.steps_run = 0
         self.busy_s = 0.0
         self.waiter: ThreadPoolExecutor | None = None
+        self._queued = 0
 
     async def on_start(self) -> None:
         # a thread starts with the intra-op thread count last set in the process: a device without
@@ -105,6 +113,7 @@ class DeviceActor(Actor):
             torch.set_num_threads(threads)   # to the process's latest one at the thread's first op)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"dev-{self.spec.name}", initializer=init)
         self.transfer = self.system.ref(self.transfer_name)
+        self.handoff = Handoff(asyncio.get_running_loop())
         # streams and green contexts belong to the thread that uses them: open the device there
         self.runner: SegmentRunner | None = None
         self.open_error = ""
@@ -126,7 +135,12 @@ class DeviceActor(Actor):
         self.runner = None
 
     async def _on_worker(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        self._queued += 1   # calls submitted and not started: a worker waiting for a hand-off stops for them
+
+        def run():
+            self._queued -= 1
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.worker, run)
 
     # -- installation ---------------------------------------------------
     @handler(InstallPlan)
@@ -168,11 +182,25 @@ class DeviceActor(Actor):
         prog = await self._on_worker(build)
         inst = _Installed(graph, plan, d, prog)
         inst.share_keys = keys
+        inst.peers = self._peers(msg.routes, d)
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
                 and keys.get(b) not in self.loaded]
         return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine), need)
+
+    def _peers(self, routes: list, me: int) -> dict[int, "DeviceActor"]:
+        """The plan devices served by device actors of this process (their
+        transfers are handed over thread to thread)."""
+        here = {"", self.system.address}
+        peers = {}
+        for d, endpoint, name in routes:
+            if int(d) == me or endpoint not in here:
+                continue
+            actor = self.system.local_actor(name)
+            if isinstance(actor, DeviceActor) and actor is not self and getattr(actor, "handoff", None) is not None:
+                peers[int(d)] = actor
+        return peers
 
     def _share_keys(self, graph: KernelGraph, resident, share: str) -> dict[int, tuple[str, str]]:
         """Buffer id -> share key for the named weights/state of a share group;
@@ -206,6 +234,7 @@ class DeviceActor(Actor):
         (a loss's clean-up does not wait: the survivors' queued steps would
         hold up the recovery)."""
         inst = self.plans.pop(msg.plan_id, None)
+        self.handoff.drop(msg.plan_id)
         if inst is not None:
             self._fail_plan(inst, "plan uninstalled")
             if self.runner is not None:
@@ -219,7 +248,8 @@ class DeviceActor(Actor):
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:
         graphs = self.runner.stats() if self.runner is not None else {"graphs": False}
-        return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs})
+        return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
+                      **self.handoff.counts})
 
     def _plan(self, plan_id: str) -> _Installed:
         try:
@@ -379,12 +409,19 @@ class DeviceActor(Actor):
         """One step of this device's program.  The host work around the
         kernels goes to the worker calls that run them: the step's inputs to
         the first, the sampling to the last when no receive follows it (a
-        single-device step is one worker call, one event-loop hop)."""
+        single-device step is one worker call, one event-loop hop).  A
+        transfer to or from a device actor of this process is handed over
+        thread to thread (:mod:`actors.handoff`): after its kernels the
+        worker waits there (up to ``spin_s``, and only while no other worker
+        call is queued) for the next receive from such a peer and goes on in
+        the same call, so a chain of hand-offs between co-located devices
+        never passes through the event loop."""
         plan, d, prog, graph = inst.plan, inst.device, inst.prog, inst.graph
         runner = self.runner
         transfers = {t.tag: t for t in plan.transfers}
         busy = wait = 0.0
         spans: list | None = [] if msg.trace else None
+        spin = 0.0 if msg.trace else self.spin_s   # a traced step records every worker call and receive
         prelude = self._inputs_writer(inst, msg)
         mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
         logits_view = graph.meta["output_views"][0] if msg.sample else None
@@ -399,29 +436,12 @@ class DeviceActor(Actor):
                 return (*to_host(ids, lps), started, time.time())
         sampled = None
         program = plan.programs[d]
+        peers = inst.peers
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
-        i = 0
-        while i < len(program):
-            st = program[i]
-            if st.op == "recv":
-                t = transfers[st.ref]
 
-                async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
-                    # written by the worker call that runs the kernels after it (one thread hop per
-                    # device change, not one per transfer and chunk)
-                    staged.append((t.buffer, sub_ranges(t.ranges, offset, data.numel() * data.element_size()),
-                                   data))
-                what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
-                started = time.time()
-                wait += await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
-                if spans is not None:
-                    spans.append([f"recv {t.tag} ({t.nbytes} B from device {t.src})", started, time.time()])
-                i += 1
-                continue
-            # a run step and the sends that follow it go to the worker together
-            j = i
-            kernels: list[int] = []
-            sends: list[int] = []
+        def block(i: int) -> tuple[int, list[int], list[int]]:
+            """(end, kernels, sends) of the run step at ``i`` and the sends after it."""
+            j, kernels, sends = i, [], []
             while j < len(program) and program[j].op != "recv":
                 if program[j].op == "run":
                     if sends:
@@ -430,33 +450,97 @@ class DeviceActor(Actor):
                 else:
                     sends.append(program[j].ref)
                 j += 1
-            epilogue = sampler if j == len(program) else None
+            return j, kernels, sends
 
-            def work(chunk=i, kernels=kernels, sends=sends, writes=staged, pre=prelude, post=epilogue):
-                started = time.time()
-                t0 = time.perf_counter()
-                if pre is not None:
-                    pre()
-                for buffer, ranges, data in writes:
-                    prog.write(buffer, ranges, data)
+        def work(i: int, writes: list, pre) -> tuple[int, list, float, float, float, Any, list]:
+            """On the worker, from program step ``i`` (a run): blocks of kernels
+            and their sends, co-located receives in between taken here, until
+            the program ends or a receive must wait on the loop.  Returns
+            (next step, payloads for the transfer actor, host seconds, seconds
+            waiting for hand-offs, start, sampling, spans)."""
+            started = time.time()
+            t0 = time.perf_counter()
+            waited = 0.0
+            ship: list[tuple[int, Any]] = []
+            local_spans: list = []
+            if pre is not None:
+                pre()
+            for buffer, ranges, data in writes:
+                prog.write(buffer, ranges, data)
+            while i < len(program):
+                if program[i].op == "recv":
+                    t = transfers[program[i].ref]
+                    if t.src not in peers or spin <= 0:
+                        break
+                    w0 = time.perf_counter()
+                    data = self.handoff.take((plan_id, msg.step, t.tag), spin, lambda: self._queued > 0)
+                    waited += time.perf_counter() - w0
+                    if data is None:
+                        break   # the peer is slow: wait on the loop, the worker stays free meanwhile
+                    prog.write(t.buffer, t.ranges, data)
+                    i += 1
+                    continue
+                b0 = time.time()
+                j, kernels, sends = block(i)
                 if kernels:
-                    runner.run((plan_id, chunk), prog, kernels)
-                pieces = [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]
-                out = runner.read(prog, pieces) if sends else []   # settled: the peer may read them at once
-                spent = time.perf_counter() - t0
-                return out, spent, started, post() if post is not None else None
-            staged, prelude = [], None
-            payloads, spent, started, got = await self._on_worker(work)
-            busy += spent
-            if spans is not None:
-                label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
-                sent = sum(transfers[tag].nbytes for tag in sends)
-                spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), started, started + spent])
-            if got is not None:
-                sampled = got
-            for tag, data in zip(sends, payloads):
-                await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
-            i = j
+                    runner.run((plan_id, i), prog, kernels)
+                out = runner.read(prog, [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]) \
+                    if sends else []   # settled: the peer may read them at once
+                for tag, data in zip(sends, out):
+                    dst = peers.get(transfers[tag].dst)
+                    if dst is not None:
+                        dst.handoff.put((plan_id, msg.step, tag), data)
+                    else:
+                        ship.append((tag, data))
+                if spans is not None:
+                    label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
+                    sent = sum(transfers[tag].nbytes for tag in sends)
+                    local_spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), b0, time.time()])
+                i = j
+            got = sampler() if sampler is not None and i == len(program) else None
+            return i, ship, time.perf_counter() - t0 - waited, waited, started, got, local_spans
+
+        i = 0
+        try:
+            while i < len(program):
+                st = program[i]
+                if st.op == "recv":
+                    t = transfers[st.ref]
+                    what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
+                    started = time.time()
+                    if t.src in peers:
+                        w0 = time.perf_counter()
+                        try:
+                            data = await self.handoff.wait((plan_id, msg.step, t.tag), self.recv_timeout)
+                        except asyncio.TimeoutError:
+                            raise TransferFailed(f"{what} of step {msg.step}: nothing arrived within "
+                                                 f"{self.recv_timeout:g} s") from None
+                        wait += time.perf_counter() - w0
+                        staged.append((t.buffer, t.ranges, data))
+                    else:
+                        async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
+                            # written by the worker call that runs the kernels after it (one thread hop per
+                            # device change, not one per transfer and chunk)
+                            staged.append((t.buffer, sub_ranges(t.ranges, offset,
+                                                                data.numel() * data.element_size()), data))
+                        wait += await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
+                    if spans is not None:
+                        spans.append([f"recv {t.tag} ({t.nbytes} B from device {t.src})", started, time.time()])
+                    i += 1
+                    continue
+                i, ship, spent, waited, started, got, local_spans = await self._on_worker(work, i, staged, prelude)
+                staged, prelude = [], None
+                busy += spent
+                wait += waited
+                if spans is not None:
+                    spans.extend(local_spans)
+                if got is not None:
+                    sampled = got
+                for tag, data in ship:
+                    await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
+        finally:
+            if peers:
+                self.handoff.discard(plan_id, msg.step)
         if prelude is not None or staged:   # no kernels here, or the program ends with receives
             def rest(pre=prelude, writes=staged) -> None:
                 if pre is not None:

@@ -6,6 +6,9 @@ Each line is one worker call of a device actor: when the event loop
 submitted it, when the worker thread started and ended it, when the loop
 had the result back (microseconds from the step's start); ``recv`` lines:
 waiting for a transfer (from the receive's start to its bytes arriving).
+Co-located device actors hand transfers over thread to thread
+(``actors/handoff.py``): a receive the worker took itself has no line of its
+own, it is inside the worker call; the devices' ``GetStats`` count them.
 
     python scripts/switch_trace.py --devices "cuda:0,cpu?threads=12" [--dtype bfloat16]
 """

@@ -32,11 +32,11 @@ from tessera_actors.runtime.testing import random_assignment
 PROMPT = [1, 2, 3]
 
 
-async def deploy(system, graph, plan, values, graphs=None, plan_id="p", timeout=300.0):
+async def deploy(system, graph, plan, values, graphs=None, plan_id="p", timeout=300.0, **device_kw):
     """Spawn a transfer actor and one device actor per plan device in
     ``system``, install ``plan`` and load ``values``; an engine over them."""
     await system.spawn(TransferActor(), "transfer")
-    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), graphs=graphs), f"device{i}")
+    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), graphs=graphs, **device_kw), f"device{i}")
             for i, d in enumerate(plan.devices)]
     routes = [[i, "", f"device{i}"] for i in range(len(refs))]
     g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)
@@ -246,3 +246,32 @@ async def test_steps_sent_at_once_land_in_order_and_a_step_with_outputs_sees_the
     assert [d.tokens[0] for d in done] == [int(w[0, -1].argmax()) for w in want]
     assert not any(d.data for d in done[:-1]) and done[-1].data    # only the last step copies its outputs
     assert stats["steps"] == len(feeds)
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.05])
+async def test_co_located_devices_hand_transfers_over_directly_with_the_same_tokens(tiny, spin_s):
+    """Device actors of one process pass a step's transfers thread to thread,
+    not through the transfer actor: with a spin the receiving worker takes
+    them itself and runs on (no event-loop hop), without one the loop takes
+    them; the tokens and logits are those of one device either way."""
+    g = tiny.graph
+    devices = ["cpu?threads=1", "cpu?threads=1"]
+    ref_tokens, ref_logits, _, _ = await decode(g, single_device_plan(g, devices[0]), tiny.values, 8, graphs=False)
+    plan = build_plan(g, devices, random_assignment(g, 2, random.Random(1), runs=6), name="scattered")
+    per_step = {d: sum(t.dst == d for t in plan.transfers) for d in range(2)}
+    assert min(per_step.values()) >= 2
+    async with ActorSystem("t") as system:
+        engine = await deploy(system, g, plan, tiny.values, spin_s=spin_s)
+        tokens, logits = await greedy_decode(engine.step, PROMPT, 8)
+        stats = [(await ref.ask(GetStats())).values for ref in engine.devices]
+        moved = (await system.ref("transfer").ask(GetStats())).values
+    assert tokens == ref_tokens and all(torch.equal(a.cpu(), b) for a, b in zip(logits, ref_logits))
+    steps = len(PROMPT) + 8
+    assert moved["local_transfers"] == 0                  # nothing went through the transfer actor
+    for d, st in enumerate(stats):
+        assert st["direct_transfers"] == per_step[d] * steps   # counted by the receiver's hand-off
+        assert st["taken_on_worker"] + st["taken_on_loop"] == per_step[d] * steps
+        if spin_s == 0:
+            assert st["taken_on_worker"] == 0
+    if spin_s:
+        assert sum(st["taken_on_worker"] for st in stats) > 0

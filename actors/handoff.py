@@ -1,0 +1,102 @@
+"""Transfers between device actors of one process, handed over thread to
+thread.
+
+A transfer whose sender and receiver are device actors of the same process
+skips the transfer actor: the sender's worker thread puts the bytes into
+the receiver's :class:`Handoff` (``put``), and the receiver takes them on
+its worker thread - which, having run the kernels before the receive, waits
+there (``take``: up to a bound, and only while no other work wants the
+thread) and goes straight on to the kernels after it - or, once that wait
+is over, on its event loop (``wait``).  Each transfer
+is handed over exactly once, to whichever asks first; nothing goes through
+the event loop unless the worker stopped waiting.
+
+Keys are ``(plan_id, step, tag)``.  Bytes for a step that ends without
+taking them (it failed) are dropped with the step (``discard``) or the plan
+(``drop``).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Callable
+
+
+def _resolve(fut: asyncio.Future, data: Any) -> None:
+    if not fut.done():
+        fut.set_result(data)
+
+
+class Handoff:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._cv = threading.Condition()
+        self._data: dict[tuple, Any] = {}
+        self._waiters: dict[tuple, asyncio.Future] = {}
+        # ints only, updated under the lock
+        self.counts = {"direct_transfers": 0, "direct_bytes": 0, "taken_on_worker": 0, "taken_on_loop": 0}
+
+    def put(self, key: tuple, data: Any) -> None:
+        """From any thread: the bytes of transfer ``key``."""
+        nbytes = data.numel() * data.element_size() if hasattr(data, "numel") else 0
+        with self._cv:
+            self.counts["direct_transfers"] += 1
+            self.counts["direct_bytes"] += nbytes
+            fut = self._waiters.pop(key, None)
+            if fut is None:
+                self._data[key] = data
+                self._cv.notify_all()
+        if fut is not None:
+            self._loop.call_soon_threadsafe(_resolve, fut, data)
+
+    def take(self, key: tuple, timeout: float, give_up: Callable[[], bool] = lambda: False,
+             poll: float = 0.0005) -> Any | None:
+        """On a worker thread: the bytes of ``key``, waiting at most
+        ``timeout`` seconds for them, and no longer once ``give_up()`` says
+        so (checked every ``poll`` seconds: other work wants the thread);
+        None: not here yet."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while key not in self._data:
+                left = deadline - time.monotonic()
+                if left <= 0 or give_up():
+                    return None
+                self._cv.wait(min(left, poll))
+            self.counts["taken_on_worker"] += 1
+            return self._data.pop(key)
+
+    async def wait(self, key: tuple, timeout: float) -> Any:
+        """On the event loop: the bytes of ``key``; ``asyncio.TimeoutError``
+        after ``timeout`` seconds."""
+        with self._cv:
+            if key in self._data:
+                self.counts["taken_on_loop"] += 1
+                return self._data.pop(key)
+            fut = self._loop.create_future()
+            self._waiters[key] = fut
+        try:
+            data = await asyncio.wait_for(fut, timeout)
+        finally:
+            with self._cv:
+                if self._waiters.get(key) is fut:
+                    del self._waiters[key]
+        with self._cv:
+            self.counts["taken_on_loop"] += 1
+        return data
+
+    def discard(self, plan_id: str, step: int) -> None:
+        """Drop what is held for one step of ``plan_id`` (the step ended)."""
+        with self._cv:
+            for key in [k for k in self._data if k[0] == plan_id and k[1] == step]:
+                del self._data[key]
+
+    def drop(self, plan_id: str) -> None:
+        """Drop everything held for ``plan_id`` (uninstalled)."""
+        with self._cv:
+            for key in [k for k in self._data if k[0] == plan_id]:
+                del self._data[key]
+
+    def held(self) -> int:
+        with self._cv:
+            return len(self._data)
