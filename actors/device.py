@@ -46,7 +46,7 @@ import torch
 
 from actors.backends.aten import AtenProgram, BackendError
 from actors.chunks import sub_ranges
-from actors.handoff import Handoff
+from actors.handoff import Handoff, hub_for
 from actors.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from actors.streaming import program_for, streamed_buffers
@@ -79,7 +79,7 @@ class _Installed:
     share_keys: dict = field(default_factory=dict)   # buffer id -> (share group, name)
     sampled: tuple[int, Any] | None = None           # (step, its sampled token ids on the device)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
-    peers: dict = field(default_factory=dict)   # plan device -> its DeviceActor when in this process
+    peers: dict = field(default_factory=dict)   # plan device -> its Handoff, for device actors in this process
 
 
 class DeviceActor(Actor):
@@ -113,7 +113,7 @@ class DeviceActor(Actor):
             torch.set_num_threads(threads)   # to the process's latest one at the thread's first op)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"dev-{self.spec.name}", initializer=init)
         self.transfer = self.system.ref(self.transfer_name)
-        self.handoff = Handoff(asyncio.get_running_loop())
+        self.handoff: Handoff = hub_for(self.system).register(self.name, asyncio.get_running_loop())
         # streams and green contexts belong to the thread that uses them: open the device there
         self.runner: SegmentRunner | None = None
         self.open_error = ""
@@ -124,6 +124,8 @@ class DeviceActor(Actor):
             log.error("%s: cannot open the device: %s", self.spec.name, self.open_error)
 
     async def on_stop(self) -> None:
+        if getattr(self, "handoff", None) is not None and self.system is not None:
+            hub_for(self.system).unregister(self.name, self.handoff)
         for inst in self.plans.values():
             self._fail_plan(inst, "device stopped")
         self.worker.shutdown(wait=False, cancel_futures=True)
@@ -189,17 +191,15 @@ class DeviceActor(Actor):
                 and keys.get(b) not in self.loaded]
         return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine), need)
 
-    def _peers(self, routes: list, me: int) -> dict[int, "DeviceActor"]:
-        """The plan devices served by device actors of this process (their
-        transfers are handed over thread to thread)."""
-        here = {"", self.system.address}
+    def _peers(self, routes: list, me: int) -> dict[int, Handoff]:
+        """The hand-offs of the plan devices served by device actors of this
+        process (their transfers go thread to thread)."""
+        here, hub = {"", self.system.address}, hub_for(self.system)
         peers = {}
         for d, endpoint, name in routes:
-            if int(d) == me or endpoint not in here:
-                continue
-            actor = self.system.local_actor(name)
-            if isinstance(actor, DeviceActor) and actor is not self and getattr(actor, "handoff", None) is not None:
-                peers[int(d)] = actor
+            handoff = hub.get(name) if int(d) != me and endpoint in here else None
+            if handoff is not None and handoff is not self.handoff:
+                peers[int(d)] = handoff
         return peers
 
     def _share_keys(self, graph: KernelGraph, resident, share: str) -> dict[int, tuple[str, str]]:
@@ -489,7 +489,7 @@ class DeviceActor(Actor):
                 for tag, data in zip(sends, out):
                     dst = peers.get(transfers[tag].dst)
                     if dst is not None:
-                        dst.handoff.put((plan_id, msg.step, tag), data)
+                        dst.put((plan_id, msg.step, tag), data)
                     else:
                         ship.append((tag, data))
                 if spans is not None:

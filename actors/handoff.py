@@ -11,6 +11,11 @@ is over, on its event loop (``wait``).  Each transfer
 is handed over exactly once, to whichever asks first; nothing goes through
 the event loop unless the worker stopped waiting.
 
+The hand-offs of one actor system live in its :class:`HandoffHub`
+(:func:`hub_for`), by actor name: a device actor registers its own when it
+starts and puts a transfer into the one its peer registered, so no actor
+touches another's state.
+
 Keys are ``(plan_id, step, tag)``.  Bytes for a step that ends without
 taking them (it failed) are dropped with the step (``discard``) or the plan
 (``drop``).
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 
@@ -100,3 +106,33 @@ class Handoff:
     def held(self) -> int:
         with self._cv:
             return len(self._data)
+
+
+class HandoffHub:
+    """The :class:`Handoff` of each device actor of one actor system, by name."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Handoff] = {}
+
+    def register(self, name: str, loop: asyncio.AbstractEventLoop) -> Handoff:
+        h = self._by_name[name] = Handoff(loop)
+        return h
+
+    def unregister(self, name: str, handoff: Handoff) -> None:
+        if self._by_name.get(name) is handoff:
+            del self._by_name[name]
+
+    def get(self, name: str) -> Handoff | None:
+        return self._by_name.get(name)
+
+
+_HUBS: "weakref.WeakKeyDictionary[Any, HandoffHub]" = weakref.WeakKeyDictionary()
+
+
+def hub_for(system: Any) -> HandoffHub:
+    """The hub of ``system`` (an :class:`~tessera_actors.runtime.system.ActorSystem`),
+    made on first use and gone with the system."""
+    hub = _HUBS.get(system)
+    if hub is None:
+        hub = _HUBS[system] = HandoffHub()
+    return hub

@@ -83,13 +83,6 @@ class ActorSystem:
         """Names of the live local actors."""
         return list(self._actors)
 
-    def local_actor(self, name: str) -> Actor | None:
-        """The live actor object ``name`` of this process (None: no such
-        actor): for actors that hand each other work across threads without
-        messages (co-located device actors)."""
-        ref = self._actors.get(name)
-        return ref._actor if ref is not None and ref.alive else None
-
     def _forget(self, ref: LocalRef) -> None:
         if self._actors.get(ref.name) is ref:
             del self._actors[ref.name]
