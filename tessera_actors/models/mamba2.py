@@ -11,8 +11,11 @@ One step per token: ``conv_state`` shifts in the new input, the SSM update is
 Inputs: ``input_ids`` [B, T] and ``positions`` [B] or [B, T]. A row whose
 position is 0 starts a fresh sequence: its state is zeroed by multiplying with
 ``positions != 0`` (tensor ops, no branching), so one program serves new and
-continuing sequences. Prefill (T > 1) is T unrolled decode steps - identical
-to feeding the tokens one by one. Output: logits [B, T, vocab].
+continuing sequences. Prefill (T > 1) computes the same recurrence for all T
+tokens at once in Mamba-2's chunked state-space-dual form (:meth:`Mamba2Mixer.scan`:
+quadratic inside chunks of ``SCAN_CHUNK`` tokens, the state carried from chunk
+to chunk), as real Mamba-2 prefill does: equal to feeding the tokens one by
+one up to float rounding. Output: logits [B, T, vocab].
 """
 from __future__ import annotations
 
@@ -73,6 +76,9 @@ class Mamba2Config:
         return cls(**cfg)
 
 
+SCAN_CHUNK = 64   # tokens per chunk of the prefill scan
+
+
 class Mamba2Mixer(nn.Module):
     """One Mamba-2 mixer; ``step(x [B,D], keep [B]) -> [B,D]`` advances one token."""
 
@@ -130,6 +136,69 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y * F.silu(z)))
 
 
+    def scan(self, x: Tensor, keep: Tensor) -> Tensor:
+        """``T`` tokens at once: ``x`` [B, T, D], ``keep`` [B, T] (False: the
+        token starts a fresh sequence) -> [B, T, D]; the states end as after
+        ``T`` calls of :meth:`step`.  The SSM runs in the chunked dual form:
+        inside a chunk of ``SCAN_CHUNK`` tokens, ``y_t = sum_s M[t, s] (C_t.B_s)
+        dt_s x_s`` with ``M[t, s] = exp(L_t - L_s)`` for ``s <= t`` in the same
+        sequence (``L``: the cumulative log decay), plus the state entering
+        the chunk decayed to ``t``; the state leaving a chunk enters the next."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, P, N, G, K = cfg.n_heads, cfg.head_dim, cfg.d_state, cfg.n_groups, cfg.d_conv
+        if B > self.conv_state.shape[0]:
+            raise ValueError(f"batch {B} exceeds max_batch {self.conv_state.shape[0]}")
+        z, xbc, dt = torch.split(self.in_proj(x), [cfg.d_inner, cfg.conv_dim, H], dim=-1)
+        conv_state, ssm_state = self.conv_state[:B], self.ssm_state[:B]
+        # a token's sequence: the resets up to it (a reset token starts the next one); before the chunk: 0
+        seg = torch.cumsum((~keep).to(torch.int64), dim=1)                                  # [B, T]
+        # causal depthwise conv: the window of token t holds the inputs t-K+1..t of its own sequence
+        inputs = torch.cat([conv_state[:, :, 1:], xbc.transpose(1, 2)], dim=-1)             # [B, C, K-1+T]
+        windows = inputs.unfold(-1, K, 1)                                                   # [B, C, T, K]
+        seg_in = torch.cat([torch.zeros(B, K - 1, dtype=seg.dtype, device=seg.device), seg], dim=1)
+        same = (seg_in.unfold(1, K, 1) == seg[:, :, None]).to(x.dtype)                      # [B, T, K]
+        windows = windows * same[:, None]
+        conv_state.copy_(windows[:, :, -1])
+        xbc = F.silu((windows * self.conv_weight[:, None]).sum(-1) + self.conv_bias[:, None]).transpose(1, 2)
+        xs, b, c = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
+
+        dt = F.softplus(dt.float() + self.dt_bias.float())                                  # [B, T, H]
+        log_decay = dt * -torch.exp(self.A_log.float())                                     # [B, T, H]
+        xs = xs.reshape(B, T, H, P).float()
+        b = b.reshape(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N).float()
+        c = c.reshape(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N).float()
+        u = dt[..., None] * xs                                                              # [B, T, H, P]
+        state = ssm_state.float()                                                           # [B, H, P, N]
+        prev = torch.zeros(B, 1, dtype=seg.dtype, device=seg.device)   # the sequence the state belongs to
+        ys = []
+        for lo in range(0, T, SCAN_CHUNK):
+            hi = min(lo + SCAN_CHUNK, T)
+            L = torch.cumsum(log_decay[:, lo:hi], dim=1).transpose(1, 2)                    # [B, H, Q]
+            sq = seg[:, lo:hi]                                                              # [B, Q]
+            Q = hi - lo
+            causal = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+            within = causal & (sq[:, :, None] == sq[:, None, :])[:, None]                   # [B, 1, Q, Q]
+            gap = L[:, :, :, None] - L[:, :, None, :]
+            M = torch.exp(torch.where(within, gap, torch.full_like(gap, float("-inf"))))   # [B, H, Q, Q]
+            cq, bq, uq = c[:, lo:hi].transpose(1, 2), b[:, lo:hi].transpose(1, 2), u[:, lo:hi].transpose(1, 2)
+            y = torch.matmul(torch.matmul(cq, bq.transpose(-1, -2)) * M, uq)               # [B, H, Q, P]
+            carried = (sq == prev).to(torch.float32)[:, None]                               # [B, 1, Q]
+            into = torch.exp(L) * carried                                                   # [B, H, Q]
+            y = y + into[..., None] * torch.matmul(cq, state.transpose(-1, -2))
+            # the state after the chunk: its last token's sequence, decayed from each token on
+            last = sq[:, -1:]
+            tail = torch.exp(L[:, :, -1:] - L) * (sq == last).to(torch.float32)[:, None]    # [B, H, Q]
+            state = (state * (into[:, :, -1] * (last == prev).to(torch.float32))[:, :, None, None]
+                     + torch.matmul((uq * tail[..., None]).transpose(-1, -2), bq))
+            prev = last
+            ys.append(y.transpose(1, 2))                                                    # [B, Q, H, P]
+        ssm_state.copy_(state)
+        y = torch.cat(ys, dim=1) + self.D.float()[:, None] * xs
+        y = y.reshape(B, T, cfg.d_inner).to(x.dtype)
+        return self.out_proj(self.norm(y * F.silu(z)))
+
+
 class Mamba2Block(nn.Module):
     def __init__(self, cfg: Mamba2Config):
         super().__init__()
@@ -138,6 +207,9 @@ class Mamba2Block(nn.Module):
 
     def step(self, x: Tensor, keep: Tensor) -> Tensor:
         return x + self.mixer.step(self.norm(x), keep)
+
+    def scan(self, x: Tensor, keep: Tensor) -> Tensor:
+        return x + self.mixer.scan(self.norm(x), keep)
 
 
 class Mamba2(ReferenceModel):
@@ -161,13 +233,15 @@ class Mamba2(ReferenceModel):
         B, T = input_ids.shape
         positions = normalize_positions(positions, B, T)
         h = self.embed(input_ids)
-        outs = []
-        for t in range(T):  # static unroll: prefill == T decode steps
-            x, keep = h[:, t], positions[:, t] != 0
+        keep = positions != 0
+        if T == 1:   # decode: one recurrence step
+            x = h[:, 0]
             for layer in self.layers:
-                x = layer.step(x, keep)
-            outs.append(x)
-        return self.lm_head(self.norm(torch.stack(outs, dim=1)))
+                x = layer.step(x, keep[:, 0])
+            return self.lm_head(self.norm(x[:, None]))
+        for layer in self.layers:   # prefill: all tokens at once (chunked scan)
+            h = layer.scan(h, keep)
+        return self.lm_head(self.norm(h))
 
     def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
         """As ``Llama.example_inputs`` (positions only matter as ``== 0``)."""
