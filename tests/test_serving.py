@@ -313,3 +313,31 @@ async def test_a_step_fed_from_tokens_its_device_did_not_sample_fails_by_name():
         again = await eng.runtime.step(bucket, inputs, sample, number=eng.runtime.reserve(bucket),
                                        token_rows=[[0, 1], [1, 0]], tokens_from=first)
         assert len(again.tokens) == 2
+
+
+async def test_a_plan_switch_under_load_happens_while_decode_steps_go_ahead():
+    """auto mode on one device (decode steps are sent ahead there): once the
+    monitor asks for the throughput plan, the steps in flight drain and the
+    rows split into groups; the tokens are those of the latency plan."""
+    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=4, max_model_len=128, decode_buckets=(1, 2, 4),
+               prefill_buckets=(8, 16), groups=2)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [[i + 1] * (3 + i) for i in range(4)]
+    async with AsyncEngine(mode="latency", **cfg) as fixed:
+        want = await asyncio.gather(*(_tokens(fixed, p, greedy) for p in prompts))
+    async with AsyncEngine(mode="auto", **cfg) as eng:
+        gens = [eng.generate(p, greedy) for p in prompts]
+        got = [list((await g.__anext__()).token_ids) for g in gens]   # every row decoding, steps going ahead
+        assert eng.plan_in_use() == "latency"
+        for _ in range(8):   # finished requests that queued for 10x their execution time: the system is loaded
+            eng.monitor.record(1.0, 0.1)
+
+        async def take(i: int, n: int) -> None:
+            while len(got[i]) < n:
+                got[i] += (await gens[i].__anext__()).token_ids
+        await asyncio.gather(*(take(i, 20) for i in range(4)))
+        assert eng.plan_in_use() == "throughput" and eng.stats()["groups"] == 2   # switched mid-stream
+        await asyncio.gather(*(take(i, 40) for i in range(4)))
+        stats = eng.stats()
+    assert stats["plan_switches"] >= 1 and stats["lookahead_steps"] > 0
+    assert got == [t for t, _, _ in want]

@@ -107,6 +107,7 @@ class AsyncEngine:
         self.template = None
         self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
         self._outbox: list[tuple] = []   # stream pieces, delivered after the next steps are sent (_emit)
+        self._switching = False          # a plan switch waits for the decode steps in flight
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -370,8 +371,9 @@ class AsyncEngine:
         carries take on the device (possible only on the same plan, when its
         step number was reserved)."""
         reqs = [r for r in rows if r.finished is None and r.seq.may_decode(self.max_model_len)]
-        if not reqs or (prev is not None and (prev.number is None or prev.generation != self.runtime.generation
-                                              or self._prefill)):
+        if not reqs or self._switching:
+            return None   # a plan switch waits for every decode step in flight to land: none starts meanwhile
+        if prev is not None and (prev.number is None or prev.generation != self.runtime.generation or self._prefill):
             return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device)
         lo, hi = self.slots.bounds[g]
         sizes = decode_sizes(self.cfg, hi - lo)
@@ -509,12 +511,14 @@ class AsyncEngine:
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
 
     def _maybe_switch(self, inflight: dict) -> None:
+        self._switching = False
         if self.cfg.mode != "auto":
             return
         want = self.cfg.groups if self.monitor.mode() == "throughput" else 1
         if want == self.groups:
             return
         if any(s.key.startswith("decode") for s in inflight.values()):
+            self._switching = True   # no decode step starts meanwhile, so the ones in flight drain
             return   # switch at a step boundary: wait for the decode steps to land
         self.groups = want
         self.slots.set_groups(self.cfg.group_bounds(want))
