@@ -4,7 +4,12 @@ For one model and one device set it measures, in one run:
   raw      - the execution core alone: back-to-back decode steps of the
              largest decode bucket sent straight to the placed plan
              (``Runtime.step``: one RunStep per device, sampling on the
-             device), no engine loop;
+             device), no engine loop, each sent once the previous one's
+             tokens are back;
+  raw ahead - the same steps, each sent while the previous one runs, its
+             input tokens fed on the device from the previous step's samples
+             (``Runtime.reserve`` + ``token_rows``, as the engine's lookahead
+             does): the device's own rate (when the plan can feed tokens);
   engine   - the same bucket's decode steps while the engine serves a
              saturating trace (``max_seqs`` requests arrive at once,
              ``--prompt`` tokens each, ``--out`` tokens each), from the
@@ -62,6 +67,25 @@ async def run(a) -> dict:
                 out.append(time.perf_counter() - t)
             return out
         raw = await raw_steps()
+
+        async def raw_ahead() -> float | None:
+            rows = [[r, r] for r in range(a.seqs)]
+            sent: list[asyncio.Future] = []
+            prev = None
+            t = time.perf_counter()
+            for _ in range(a.steps):
+                number = eng.runtime.reserve(bucket)
+                if number is None:
+                    return None   # the plan cannot feed tokens on a device
+                sent.append(asyncio.ensure_future(eng.runtime.step(
+                    bucket, inputs, sample, (), number, rows if prev is not None else [],
+                    prev if prev is not None else -1)))
+                prev = number
+                if len(sent) >= 2:
+                    await sent[-2]   # two in flight, as the engine keeps them
+            await asyncio.gather(*sent)
+            return (time.perf_counter() - t) / a.steps
+        ahead = await raw_ahead()
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, vocab, (a.prompt,), generator=gen).tolist() for _ in range(a.seqs)]
         params = SamplingParams(max_tokens=a.out, ignore_eos=True)
@@ -94,6 +118,7 @@ async def run(a) -> dict:
                "bucket": bucket, "start_s": started, "raw_step_s_median": raw_med, "raw_step_s_mean": statistics.mean(raw),
                "engine_step_s_mean": engine_step, "engine_step_cadence_s": cadence,
                "engine_over_raw": cadence / raw_med,
+               "raw_ahead_step_s": ahead, "engine_over_raw_ahead": cadence / ahead if ahead else None,
                "lookahead": a.lookahead, "lookahead_steps": eng.stats()["lookahead_steps"],
                "served_output_tokens": sum(made), "served_s": served_s,
                "served_output_tok_s": sum(made) / served_s, "decode_steps": n1 - n0,
@@ -125,11 +150,14 @@ def main() -> int:
         sys.setswitchinterval(a.switch_interval)
     res = asyncio.run(run(a))
     res["switch_interval_s"] = sys.getswitchinterval()
-    print(f"{'model':10} {'devices':18} {'bucket':12} {'raw step':>10} {'engine step':>12} {'ratio':>6} "
-          f"{'served tok/s':>12}")
+    ahead = res["raw_ahead_step_s"]
+    print(f"{'model':10} {'devices':18} {'bucket':12} {'raw step':>10} {'raw ahead':>10} {'engine step':>12} "
+          f"{'/raw':>6} {'/ahead':>6} {'served tok/s':>12}")
     print(f"{a.model:10} {a.devices:18} {res['bucket']:12} {res['raw_step_s_median'] * 1e3:8.2f}ms "
-          f"{res['engine_step_cadence_s'] * 1e3:10.2f}ms {res['engine_over_raw']:6.3f} "
-          f"{res['served_output_tok_s']:12.1f}")
+          + (f"{ahead * 1e3:8.2f}ms " if ahead else f"{'-':>10} ")
+          + f"{res['engine_step_cadence_s'] * 1e3:10.2f}ms {res['engine_over_raw']:6.3f} "
+          + (f"{res['engine_over_raw_ahead']:6.3f} " if ahead else f"{'-':>6} ")
+          + f"{res['served_output_tok_s']:12.1f}")
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:
