@@ -56,7 +56,7 @@ from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
                                      Ship, Stats, StepDone, Uninstall)
 from tessera_actors.plan import Plan, plan_from_dict
-from tessera_actors.execution.runner import write_inputs
+from tessera_actors.execution.runner import write_fed_inputs, write_inputs
 
 log = logging.getLogger("tessera_actors.device")
 
@@ -365,9 +365,8 @@ class DeviceActor(Actor):
     def _launch(self, plan_id: str, inst: _Installed, msg: RunStep) -> dict:
         """On the worker: queue a local step - inputs, kernels, sampling, the
         tokens' copy to pinned host memory - and an event after it."""
-        started = time.time()
         t0 = time.perf_counter()
-        prog, graph, runner = inst.prog, inst.graph, self.runner
+        prog, runner = inst.prog, self.runner
         prelude = self._inputs_writer(inst, msg)
         if prelude is not None:
             prelude()
@@ -375,17 +374,12 @@ class DeviceActor(Actor):
         if kernels:
             runner.run((plan_id, 0), prog, kernels)   # the key of the one worker call of _run_one
         host = None
-        logits_view = graph.meta["output_views"][0] if msg.sample else None
-        if logits_view is not None and any(b == logits_view[0] and dev == inst.device
-                                           for b, _, _, dev in inst.plan.outputs):
-            from tessera_actors.serving.sampling import sample_on_device
-            ids, lps = sample_on_device(prog.view(logits_view), msg.sample)
-            inst.sampled = (msg.step, ids)   # the next step may take these tokens as its inputs
+        if self._samples_here(inst, msg):
+            ids, lps = self._sample(inst, msg)
             both = torch.stack([ids.to(torch.float64), lps.to(torch.float64)])
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
             host.copy_(both, non_blocking=both.is_cuda)
-        return {"event": runner.backend.record(runner.compute), "host": host, "busy": time.perf_counter() - t0,
-                "started": started}
+        return {"event": runner.backend.record(runner.compute), "host": host, "busy": time.perf_counter() - t0}
 
     def _land(self, plan_id: str, inst: _Installed, msg: RunStep, fut: asyncio.Future, landed: asyncio.Future,
               launch: dict) -> None:
@@ -416,7 +410,7 @@ class DeviceActor(Actor):
         call is queued) for the next receive from such a peer and goes on in
         the same call, so a chain of hand-offs between co-located devices
         never passes through the event loop."""
-        plan, d, prog, graph = inst.plan, inst.device, inst.prog, inst.graph
+        plan, d, prog = inst.plan, inst.device, inst.prog
         runner = self.runner
         transfers = {t.tag: t for t in plan.transfers}
         busy = wait = 0.0
@@ -424,16 +418,13 @@ class DeviceActor(Actor):
         spin = 0.0 if msg.trace else self.spin_s   # a traced step records every worker call and receive
         prelude = self._inputs_writer(inst, msg)
         mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
-        logits_view = graph.meta["output_views"][0] if msg.sample else None
         sampler = None
-        if logits_view is not None and any(b == logits_view[0] for b, _, _ in mine):
-            from tessera_actors.serving.sampling import sample_on_device, to_host
+        if self._samples_here(inst, msg):
+            from tessera_actors.serving.sampling import to_host
 
             def sampler() -> tuple[list[int], list[float], float, float]:
                 started = time.time()
-                ids, lps = sample_on_device(prog.view(logits_view), msg.sample)
-                inst.sampled = (msg.step, ids)   # a later step may take these tokens as its inputs
-                return (*to_host(ids, lps), started, time.time())
+                return (*to_host(*self._sample(inst, msg)), started, time.time())
         sampled = None
         program = plan.programs[d]
         peers = inst.peers
@@ -567,6 +558,24 @@ class DeviceActor(Actor):
         return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs,
                         spans or [])
 
+    @staticmethod
+    def _samples_here(inst: _Installed, msg: RunStep) -> bool:
+        """Whether this device samples ``msg``: it asks for tokens and the
+        logits (the graph's first output) end on this device."""
+        if not msg.sample:
+            return False
+        logits = inst.graph.meta["output_views"][0][0]
+        return any(b == logits and dev == inst.device for b, _, _, dev in inst.plan.outputs)
+
+    @staticmethod
+    def _sample(inst: _Installed, msg: RunStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the worker: the step's tokens and log probabilities, on the
+        device; kept as the tokens a later step may take as its inputs."""
+        from tessera_actors.serving.sampling import sample_on_device
+        ids, lps = sample_on_device(inst.prog.view(inst.graph.meta["output_views"][0]), msg.sample)
+        inst.sampled = (msg.step, ids)
+        return ids, lps
+
     def _inputs_writer(self, inst: _Installed, msg: RunStep):
         """The worker-side writing of the step's inputs (None: this device
         reads none); checks first that tokens it should take were sampled."""
@@ -576,27 +585,7 @@ class DeviceActor(Actor):
             if sampled is None:
                 raise BackendError(f"{self.spec.name}: step {msg.step} takes tokens sampled by step "
                                    f"{msg.tokens_from}, which this device did not sample")
-            return lambda: _write_step_inputs(inst.prog, inst.graph, msg.inputs, feed, msg.token_rows, sampled[1])
+            return lambda: write_fed_inputs(inst.prog, inst.graph, msg.inputs, feed, msg.token_rows, sampled[1])
         if feed:
             return lambda: write_inputs(inst.prog, inst.graph, msg.inputs, feed)
         return None
-
-def _write_step_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict, feed, token_rows: list,
-                       sampled: torch.Tensor) -> None:
-    """Write the step inputs, then ``input_ids[row] = sampled[entry]`` for
-    each ``[row, entry]`` of ``token_rows``, on the device (queued behind the
-    step that sampled them, no host read)."""
-    if feed:
-        write_inputs(prog, graph, inputs, feed)
-    view = graph.meta["input_views"].get("input_ids")
-    if view is None:
-        raise BackendError("token_rows given, but the graph has no input_ids input")
-    dst = prog.view(view)
-    pairs = torch.tensor(token_rows, dtype=torch.int64).view(-1, 2)
-    if dst.is_cuda:
-        pairs = pairs.pin_memory().to(dst.device, non_blocking=True)
-    else:
-        pairs = pairs.to(dst.device)
-    if sampled.device != dst.device:
-        raise BackendError(f"tokens sampled on {sampled.device} cannot feed inputs on {dst.device}")
-    dst[(pairs[:, 0],) + (0,) * (dst.dim() - 1)] = sampled[pairs[:, 1]].to(dst.dtype)

@@ -47,6 +47,32 @@ def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.
             dst.copy_(t)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (host) on ``device``; to a GPU through pinned memory, queued on
+    the current stream (a pageable copy would make the host wait for the
+    kernels queued before it)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def write_fed_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.Tensor],
+                     only: Sequence[int] | None, token_rows: Sequence[Sequence[int]], sampled: torch.Tensor) -> None:
+    """:func:`write_inputs`, then ``input_ids[row] = sampled[entry]`` for each
+    ``[row, entry]`` of ``token_rows``, on the device (queued behind the step
+    that sampled them, no host read)."""
+    if only:
+        write_inputs(prog, graph, inputs, only)
+    view = graph.meta["input_views"].get("input_ids")
+    if view is None:
+        raise PlanError("token_rows given, but the graph has no input_ids input")
+    dst = prog.view(view)
+    if sampled.device != dst.device:
+        raise PlanError(f"tokens sampled on {sampled.device} cannot feed inputs on {dst.device}")
+    pairs = to_device(torch.tensor(token_rows, dtype=torch.int64).view(-1, 2), dst.device)
+    dst[(pairs[:, 0],) + (0,) * (dst.dim() - 1)] = sampled[pairs[:, 1]].to(dst.dtype)
+
+
 def assemble_outputs(graph: KernelGraph, pieces: dict[tuple[int, int, int], torch.Tensor]) -> list[torch.Tensor]:
     """Rebuild the step's output tensors (CPU) from final byte ranges."""
     bufs: dict[int, torch.Tensor] = {}

@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from tessera_actors.execution.runner import to_device
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -74,9 +76,8 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[to
     logits' device, one per entry of ``rows`` (non-empty); no host read."""
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
-    index = torch.tensor([[int(r[0]) for r in rows], [int(r[1]) for r in rows]], dtype=torch.int64)
-    # to a GPU through pinned memory: a pageable copy would make the host wait for the step's kernels
-    index = index.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else index.to(logits.device)
+    index = to_device(torch.tensor([[int(r[0]) for r in rows], [int(r[1]) for r in rows]], dtype=torch.int64),
+                      logits.device)
     x = logits[index[0], index[1]].float()                          # [n, V]
     greedy = [float(r[2]) <= 0.0 for r in rows]
     if all(greedy):
