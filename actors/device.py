@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,7 @@ from actors.chunks import sub_ranges
 from actors.handoff import Handoff, hub_for
 from actors.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
-from actors.streaming import program_for, streamed_buffers
+from actors.streaming import Staging, program_for, staging_of, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph, graph_from_bytes
@@ -80,6 +81,8 @@ class _Installed:
     sampled: tuple[int, Any] | None = None           # (step, its sampled token ids on the device)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
     peers: dict = field(default_factory=dict)   # plan device -> its Handoff, for device actors in this process
+    home_keys: dict = field(default_factory=dict)   # streamed buffer id -> (share group, name, "home")
+    ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
 
 
 class DeviceActor(Actor):
@@ -97,7 +100,9 @@ class DeviceActor(Actor):
         self.transfer_name = transfer
         self.plans: dict[str, _Installed] = {}
         self.shared: dict[tuple[str, str], torch.Tensor] = {}   # (group, buffer name) -> bytes
-        self.loaded: set[tuple[str, str]] = set()                # ... whose values were loaded
+        self.loaded: set[tuple] = set()                          # ... whose values were loaded
+        self.homes: dict[tuple[str, str, str], torch.Tensor] = {}   # host homes of streamed weights, by group
+        self.rings: dict[str, tuple[Staging, asyncio.Lock]] = {}    # group -> its staging ring
         self.steps_run = 0
         self.busy_s = 0.0
         self.waiter: ThreadPoolExecutor | None = None
@@ -134,6 +139,8 @@ class DeviceActor(Actor):
         # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
         self.plans.clear()
         self.shared.clear()
+        self.homes.clear()
+        self.rings.clear()
         self.runner = None
 
     async def _on_worker(self, fn, *args):
@@ -160,35 +167,59 @@ class DeviceActor(Actor):
         cls = program_class(graph)
         streamed = set(streamed_buffers(plan, d))   # homed in host memory: not shared device tensors
         keys = self._share_keys(graph, [b for b in plan.resident[d] if b not in streamed], msg.share)
+        home_keys = {b: (msg.share, graph.buffers[b].name, "home") for b in streamed
+                     if msg.share and graph.buffers[b].name}
+        slots, slot_bytes = staging_of(plan, d)
+        have = self.rings.get(msg.share) if msg.share else None
+        if have is not None and streamed and (have[0].slots, have[0].slot_bytes) != (slots, slot_bytes):
+            raise BackendError(f"{self.spec.name}: plan {msg.plan_id!r} wants {slots} staging slots of {slot_bytes} "
+                               f"bytes, share group {msg.share!r} has {have[0].slots} of {have[0].slot_bytes}")
 
         def build() -> AtenProgram:
             shared = {}
             new = {key: max(graph.buffers[b].nbytes, 1) for b, key in keys.items() if key not in self.shared}
-            held = sum(t.numel() for t in self.shared.values())
+            ring = None
+            if home_keys:   # one staging ring and one host home per weight serve the whole share group
+                ring = have[0] if have is not None else Staging(self.runner.device, slots, slot_bytes,
+                                                                self.runner.backend)
+            rings = sum(r.nbytes for r, _ in self.rings.values()) + (ring.nbytes if ring is not None and have is None else 0)
+            held = sum(t.numel() for t in self.shared.values()) + rings
             budget = self.spec.mem
             if budget is not None and held + sum(new.values()) > budget:
-                raise BackendError(f"{self.spec.name}: the shared weights and state would take "
+                raise BackendError(f"{self.spec.name}: the shared weights, state and staging would take "
                                    f"{held + sum(new.values())} bytes, budget is {budget}")
             for b, key in keys.items():
                 t = self.shared.get(key)
                 if t is None:
                     t = self.shared[key] = torch.zeros(new[key], dtype=torch.uint8, device=self.runner.device)
                 shared[b] = t
+            pin = self.runner.device.type == "cuda"
+            homes = {}
+            for b, key in home_keys.items():
+                t = self.homes.get(key)
+                if t is None:
+                    t = self.homes[key] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8,
+                                                      pin_memory=pin)
+                homes[b] = t
             # the plan's own buffers get what the shared ones leave of the budget
             left = None if budget is None else budget - held - sum(new.values())
-            prog = program_for(cls, graph, plan, d, self.runner, left, shared, self.spec.slow)
+            prog = program_for(cls, graph, plan, d, self.runner, left, shared, self.spec.slow, ring, homes)
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)
-            return prog
-        prog = await self._on_worker(build)
+            return prog, ring
+        prog, ring = await self._on_worker(build)
+        if ring is not None and have is None:
+            have = self.rings[msg.share] = (ring, asyncio.Lock())
         inst = _Installed(graph, plan, d, prog)
         inst.share_keys = keys
+        inst.home_keys = home_keys
+        inst.ring_lock = have[1] if home_keys else None
         inst.peers = self._peers(msg.routes, d)
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
-                and keys.get(b) not in self.loaded]
+                and (keys.get(b) or home_keys.get(b)) not in self.loaded]
         return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine), need)
 
     def _peers(self, routes: list, me: int) -> dict[int, Handoff]:
@@ -224,6 +255,7 @@ class DeviceActor(Actor):
         inst = self._plan(msg.plan_id)
         await self._on_worker(inst.prog.load, dict(zip(msg.buffers, msg.data)))
         self.loaded.update(inst.share_keys[b] for b in msg.buffers if b in inst.share_keys)
+        self.loaded.update(inst.home_keys[b] for b in msg.buffers if b in inst.home_keys)
         return Ok(f"{len(msg.buffers)} buffers offered")
 
     @handler(Uninstall)
@@ -249,7 +281,9 @@ class DeviceActor(Actor):
     def stats(self, msg: GetStats) -> Stats:
         graphs = self.runner.stats() if self.runner is not None else {"graphs": False}
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
-                      **self.handoff.counts})
+                      **self.handoff.counts, "shared_bytes": sum(t.numel() for t in self.shared.values()),
+                      "staging_bytes": sum(r.nbytes for r, _ in self.rings.values()),
+                      "home_bytes": sum(t.numel() for t in self.homes.values())})
 
     def _plan(self, plan_id: str) -> _Installed:
         try:
@@ -315,7 +349,8 @@ class DeviceActor(Actor):
                     continue
                 if self._local(inst, msg):
                     try:
-                        launch = await self._on_worker(self._launch, plan_id, inst, msg)
+                        async with inst.ring_lock or contextlib.nullcontext():   # its copies are queued in the launch
+                            launch = await self._on_worker(self._launch, plan_id, inst, msg)
                     except Exception as exc:  # the asker gets the error; the device keeps serving
                         if not fut.done():
                             fut.set_exception(exc)
@@ -332,7 +367,8 @@ class DeviceActor(Actor):
                     await asyncio.wait({launched[0][2]})
                     self._land(plan_id, inst, *launched.popleft())
                 try:
-                    done = await self._run_one(plan_id, inst, msg)
+                    async with inst.ring_lock or contextlib.nullcontext():
+                        done = await self._run_one(plan_id, inst, msg)
                 except Exception as exc:  # the asker gets the error; the device keeps serving
                     if not fut.done():
                         fut.set_exception(exc)

@@ -50,18 +50,42 @@ def streamed_buffers(plan: Plan, device: int) -> list[int]:
     return list(off.get("streamed", ())) if off.get("device") == device else []
 
 
+class Staging:
+    """A device's staging ring: ``slots`` device buffers of ``slot_bytes``,
+    the copy stream, and per slot the event behind its last reader.  The
+    streaming programs of one share group (a served model's buckets) share
+    one ring; their steps must then use it one at a time (the device actor
+    runs them under one lock), so the copies of a step always wait for the
+    last reader of their slot, whichever program it belonged to."""
+
+    def __init__(self, device: torch.device, slots: int, slot_bytes: int, backend: Any) -> None:
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.slot = [torch.zeros(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.copy_stream = backend.stream(priority=-1) if slots else None
+        self.freed: list[Any] = [None] * max(slots, 1)   # (event,) behind the last reader of a slot
+        self.nbytes = slots * slot_bytes
+
+
 class StreamingProgram(AtenProgram):
     capturable = False
 
     def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
                  streamed: Sequence[int], slots: int, slot_bytes: int, backend: Any,
                  memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None,
-                 graphs: bool = False) -> None:
+                 graphs: bool = False, ring: Staging | None = None,
+                 homes: dict[int, torch.Tensor] | None = None) -> None:
+        """``ring``: a shared :class:`Staging` (its bytes are the caller's to
+        count), else the program's own; ``homes``: host tensors that are the
+        homes of streamed weights (shared by the programs of a share group),
+        the others get their own."""
         ids = set(buffer_ids)
         self.streamed = [b for b in streamed if b in ids]
         if self.streamed and slots < 1:
             raise BackendError(f"{device}: {len(self.streamed)} streamed weights but no staging slot")
-        staging = slots * slot_bytes if self.streamed else 0
+        if ring is not None and (ring.slots, ring.slot_bytes) != (slots, slot_bytes):
+            raise BackendError(f"{device}: plan wants {slots} staging slots of {slot_bytes} bytes, the share "
+                               f"group's ring has {ring.slots} of {ring.slot_bytes}")
+        staging = slots * slot_bytes if self.streamed and ring is None else 0
         own = sum(graph.buffers[b].nbytes for b in ids - set(self.streamed) if b not in (shared or {}))
         if memory_limit is not None and own + staging > memory_limit:
             raise BackendError(f"{device}: plan needs {own} bytes of buffers and {staging} of staging, "
@@ -70,9 +94,12 @@ class StreamingProgram(AtenProgram):
         self.nbytes = own + staging
         self.backend, self.slots = backend, slots
         pin = device.type == "cuda"
-        self.home = {b: torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+        homes = homes or {}
+        self.home = {b: homes[b] if b in homes else
+                     torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, pin_memory=pin)
                      for b in self.streamed}
-        self.slot = [torch.zeros(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
+        self.ring = ring if ring is not None else Staging(device, slots if self.streamed else 0, slot_bytes, backend)
+        self.slot = self.ring.slot
         for i, b in enumerate(self.streamed):
             if graph.buffers[b].nbytes > slot_bytes:
                 raise BackendError(f"weight {b} ({graph.buffers[b].nbytes} bytes) exceeds a slot of {slot_bytes}")
@@ -92,9 +119,9 @@ class StreamingProgram(AtenProgram):
         if many:
             raise BackendError(f"streamed weights {many[:4]} have several reader kernels; a slot is freed after "
                                "the one reader of its weight")
-        self.copy_stream = backend.stream(priority=-1) if self.streamed else None
+        self.copy_stream = self.ring.copy_stream
         self.copied: list[Any] = [None] * len(self.streamed)   # event behind copy i of this step
-        self.freed: list[Any] = [None] * max(slots, 1)          # (event,) behind the last reader of a slot
+        self.freed = self.ring.freed                             # (event,) behind the last reader of a slot
         self.first: int | None = None                           # first kernel of this device in a step
         self.copies = 0
         self.copied_bytes = 0
@@ -207,10 +234,18 @@ class Throttle:
         time.sleep(spent * (self.slow - 1))
 
 
+def staging_of(plan: Plan, device: int) -> tuple[int, int]:
+    """(slots, slot_bytes) of the staging ring ``plan`` gives ``device``."""
+    off = plan.meta.get("offload") or {}
+    return (int(off.get("slots", 0)), int(off.get("slot_bytes", 0))) if streamed_buffers(plan, device) else (0, 0)
+
+
 def program_for(cls: type[AtenProgram], graph: KernelGraph, plan: Plan, device: int, runner: Any,
-                memory_limit: int | None, shared: dict[int, torch.Tensor], slow: float = 1.0) -> AtenProgram:
+                memory_limit: int | None, shared: dict[int, torch.Tensor], slow: float = 1.0,
+                ring: Staging | None = None, homes: dict[int, torch.Tensor] | None = None) -> AtenProgram:
     """The program of device ``device`` of ``plan``: a :class:`StreamingProgram`
-    when it streams weights (aten graphs only), else ``cls``; throttled when
+    when it streams weights (aten graphs only; ``ring`` and ``homes`` shared
+    as :class:`StreamingProgram` says), else ``cls``; throttled when
     ``slow > 1``."""
     streamed = streamed_buffers(plan, device)
     if streamed:
@@ -218,7 +253,8 @@ def program_for(cls: type[AtenProgram], graph: KernelGraph, plan: Plan, device: 
             raise BackendError("weight streaming runs aten-captured graphs only")
         off = plan.meta["offload"]
         prog = StreamingProgram(graph, runner.device, plan.resident[device], streamed, int(off["slots"]),
-                                int(off["slot_bytes"]), runner.backend, memory_limit, shared, runner.graphs)
+                                int(off["slot_bytes"]), runner.backend, memory_limit, shared, runner.graphs,
+                                ring, homes)
     else:
         prog = cls(graph, runner.device, plan.resident[device], memory_limit=memory_limit, shared=shared)
     if slow > 1.0:
@@ -226,4 +262,4 @@ def program_for(cls: type[AtenProgram], graph: KernelGraph, plan: Plan, device: 
     return prog
 
 
-__all__ = ["StreamingProgram", "Throttle", "program_for", "streamed_buffers"]
+__all__ = ["Staging", "StreamingProgram", "Throttle", "program_for", "staging_of", "streamed_buffers"]

@@ -39,6 +39,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
     planner: str = "contiguous"
+    planner_options: dict = field(default_factory=dict)   # keyword options of the planner (offload: policy, cpu_bps, ...)
     mode: str = "auto"
     groups: int = 2
     lookahead: int = 1
@@ -85,6 +86,8 @@ class EngineConfig:
         for name in ("step_timeout", "heartbeat_s", "lost_after_s", "monitor_window_s", "monitor_beta"):
             if getattr(self, name) <= 0:
                 raise bad(f"{name} must be positive, got {getattr(self, name)}")
+        if not isinstance(self.planner_options, dict):
+            raise bad(f"planner_options must be a dict, got {self.planner_options!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -22,6 +22,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                              ("--dtype", str, "float32 | bfloat16 | float16"),
                              ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
         p.add_argument(flag, type=kind, default=None, help=what + " (engine default)")
+    p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming, "
+                        "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
     p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, help="engine seed (engine default)")
 
 
@@ -39,4 +42,24 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
             kw[name] = getattr(a, name)
     if a.engine_seed is not None:
         kw["seed"] = a.engine_seed
+    if getattr(a, "planner_option", None):
+        kw["planner_options"] = planner_options(a.planner_option)
     return kw
+
+
+def planner_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings to planner keyword options (numbers as numbers)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise SystemExit(f"--planner-option takes KEY=VALUE, got {item!r}")
+        v: Any = value.strip()
+        for kind in (int, float):
+            try:
+                v = kind(v)
+                break
+            except ValueError:
+                continue
+        out[key.strip()] = v
+    return out

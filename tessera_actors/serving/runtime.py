@@ -130,7 +130,13 @@ class Runtime:
         costs = {}
         if cfg.profile and not cfg.nodes:
             costs = await asyncio.to_thread(self.profile_reference)
-        await self.system.spawn(SchedulerActor(get_planner(cfg.planner, costs=costs), self.served.values,
+        try:
+            planner = get_planner(cfg.planner, costs=costs, **cfg.planner_options)
+        except TypeError as e:
+            raise ValueError(f"planner {cfg.planner!r}: bad planner_options {cfg.planner_options}: {e}") from None
+        if hasattr(planner, "expect"):   # the offload planner keeps room in the GPU budget for the other buckets
+            planner.expect([g for name, g in self.served.graphs.items() if name != self.reference_bucket()])
+        await self.system.spawn(SchedulerActor(planner, self.served.values,
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
         if cfg.nodes:
@@ -222,6 +228,11 @@ class Runtime:
         self.pins = {name: ref.routes[d][1:] for name, d in homes.items()}
         held = weight_homes(self.served.graphs[ref_name], ref.plan.assignment)
         self.weights = {name: [ref.routes[d][1:] for d in sorted(ds)] for name, ds in held.items()}
+        if ref.plan.meta.get("offload"):
+            # an offload plan's weights are resident, streamed or on the CPU, per bucket: the planner
+            # keeps the resident ones (by name) for every bucket, and a prompt chunk may stream what
+            # decode computes on the CPU - pinning weights to the reference's devices would undo that
+            self.weights = {}
         self.placed = {ref_name: ref}
         self._placing = {}
         self._unplaceable = set()
