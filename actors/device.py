@@ -283,7 +283,11 @@ class DeviceActor(Actor):
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
                       **self.handoff.counts, "shared_bytes": sum(t.numel() for t in self.shared.values()),
                       "staging_bytes": sum(r.nbytes for r, _ in self.rings.values()),
-                      "home_bytes": sum(t.numel() for t in self.homes.values())})
+                      "home_bytes": sum(t.numel() for t in self.homes.values()),
+                      # what this device allocated: shared weights and state, staging, every plan's own buffers
+                      "allocated_bytes": sum(t.numel() for t in self.shared.values())
+                      + sum(r.nbytes for r, _ in self.rings.values())
+                      + sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)})
 
     def _plan(self, plan_id: str) -> _Installed:
         try:
@@ -464,6 +468,9 @@ class DeviceActor(Actor):
         sampled = None
         program = plan.programs[d]
         peers = inst.peers
+        # hand-offs to a co-located peer across PCIe (GPU <-> CPU) leave in pinned host memory
+        here = plan.devices[d].startswith("cuda")
+        crosses = {t.tag: t.dst in peers and plan.devices[t.dst].startswith("cuda") != here for t in plan.transfers}
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
 
         def block(i: int) -> tuple[int, list[int], list[int]]:
@@ -511,7 +518,8 @@ class DeviceActor(Actor):
                 j, kernels, sends = block(i)
                 if kernels:
                     runner.run((plan_id, i), prog, kernels)
-                out = runner.read(prog, [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends]) \
+                out = runner.read(prog, [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends],
+                                  pinned=[crosses[tag] for tag in sends]) \
                     if sends else []   # settled: the peer may read them at once
                 for tag, data in zip(sends, out):
                     dst = peers.get(transfers[tag].dst)

@@ -1,25 +1,34 @@
 """``tessera bench offload``: a model bigger than the GPU's budget, placed
-kernel by kernel between the GPU and its CPU, against the coarse policies.
+kernel by kernel between the GPU and its CPU, against the coarse policies,
+served by ``AsyncEngine``.
 
-For each workload (decode at each ``--batch``, prefill of ``--prefill``
-tokens) it plans four ways from the same rates - GPU-only (when it fits),
-layer offload (llama.cpp ``-ngl``), weight streaming, Tessera
-(:mod:`tessera_actors.planning.offload`) - and the ideal bound, deploys
-each plan on device actors (``tessera_actors.offload_run``; the serving
-engine is not used: its bucket plans share one copy of the weights per
-device, which the streamed host homes do not join yet), and measures
-tokens/s, the GPU allocator's peak, bytes over PCIe per token and each
-device's busy fraction.  Batch-1 greedy tokens are checked against a
-GPU-only run of the same graph and weights without a budget (logits
-cosine).  The check is teacher-forced: every policy is fed the reference's
-greedy tokens, so each step compares the logits of the same context (a
-free-running comparison turns one argmax flip on a near tie - bf16 logits
-of random weights are often 1 ulp apart - into cosines near 0 for every
-later step, with nothing wrong in the placement).  Rates measured first:
-the cost of one activation hand-off between the two device actors (a
-tiny model split into many runs) and, on a GPU, CPU GEMV at the thread
-count beside a pinned copy stream and that copy's rate; ``--no-measure``:
-the DESIGN.md numbers.
+Every policy is one serving engine (in-process device actors: the GPU with
+its ``mem=`` budget and the CPU) whose buckets - a decode bucket per
+``--batch`` and a prompt chunk of ``--prefill`` tokens - the offload
+planner places (planner ``offload``, option ``policy``): layer offload
+(llama.cpp ``-ngl``), weight streaming (accelerate / FlexGen), Tessera
+(:mod:`tessera_actors.planning.offload`), and GPU-only when the model fits
+the budget.  The first bucket decides the GPU-resident weights and the
+staging ring; the others keep them and split the rest between CPU and
+streaming for their own shape.  Each workload goes through
+``AsyncEngine.generate``: decode tokens/s of ``B`` concurrent greedy
+requests over the window where all decode, prefill tokens/s from the time
+to the first token of a ``--prefill``-token prompt.  Also reported: the
+GPU allocator's peak, bytes over PCIe per token, each device's busy
+fraction (the engine's busy seconds over the window), the step model's
+prediction and the ideal bound from the same rates.
+
+Correctness at batch 1: greedy tokens against an engine on the GPU alone
+without a budget (same weights), free-running; and, for Tessera, the
+logits of its engine's own batch-1 decode plan, teacher-forced with the
+reference's tokens on device actors (each step scores the same context as
+the reference's: a free-running comparison turns one argmax flip on a near
+tie - bf16 logits of random weights are often 1 ulp apart - into a
+different continuation, with nothing wrong in the placement): cosine and
+flips beyond a near tie.  Rates are measured first: one activation
+hand-off between the two device actors (median of three), and on a GPU the
+CPU's GEMV rate beside a pinned copy stream and that copy's rate (best of
+three windows); ``--no-measure``: the DESIGN.md numbers.
 
 Writes ``offload.json`` (git commit, command line, rates, every number) and
 ``offload.png`` to ``--out``; prints a table.  Runs on CPU only too
@@ -39,15 +48,14 @@ from pathlib import Path
 
 import torch
 
-from . import models
-from .capture import capture_module
-from .capture.aten import storage_bytes
 from .devices import DeviceSpec, parse_bytes
 from .offload_measure import measure_rates, measure_switch
-from .offload_run import adapt, deploy, predicted_busy
+from .offload_run import deploy
 from .plan import single_device_plan
-from .planning.offload import (Offload, estimate_rates, gpu_only, ideal, layer_offload, streaming, tessera,
-                               to_plan)
+from .serving import AsyncEngine, SamplingParams
+from .serving.config import EngineConfig
+from .planning.offload import Offload, estimate_rates, gpu_only, ideal
+from tessera_actors.runtime.messages import GetStats
 from tessera_actors.runtime.system import ActorSystem
 
 POLICIES = ("gpu_only", "layer_offload", "streaming", "tessera")
@@ -71,7 +79,12 @@ class OffloadConfig:
     switch_s: float = 200e-6
     measure: bool = True              # measure CPU GEMV and PCIe rates on a GPU machine
     layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
-    adapt: bool = False               # re-plan Tessera once from the measured busy times and run that too
+
+    @property
+    def build_device(self) -> str:
+        """The random weights are generated on the GPU when there is one (seconds, not minutes)."""
+        gpu, _ = self.device_pair()
+        return f"cuda:{gpu.index}" if gpu.kind == "cuda" else "cpu"
 
     def device_pair(self) -> tuple[DeviceSpec, DeviceSpec]:
         text = self.devices or ("cuda:0,cpu?threads=12" if torch.cuda.is_available() else "cpu?threads=1,cpu")
@@ -95,38 +108,19 @@ def log(msg: str) -> None:
     print(f"[offload {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-# -- model, graphs, values --------------------------------------------------
-def build(cfg: OffloadConfig, gpu: DeviceSpec):
-    """Weights by name (CPU tensors, flat bytes) and one captured graph per
-    workload: ``decode_b{B}`` (KV rows = B) and ``prefill`` (one row)."""
-    dtype = DTYPES[cfg.dtype]
-    max_seq = max(cfg.prefill, 3 + cfg.steps + 8)
-    max_seq = -(-max_seq // 64) * 64
-    init = f"cuda:{gpu.index}" if gpu.kind == "cuda" else "cpu"
-    t0 = time.perf_counter()
-    extra = {"n_layers": cfg.layers} if cfg.layers else {}
-    real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device=init,
-                      max_batch=max(cfg.batches), max_seq=max_seq, **extra)
-    named = {n: storage_bytes(t).cpu() for n, t in list(real.named_parameters()) + list(real.named_buffers())}
-    vocab = real.cfg.vocab_size
-    del real
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    log(f"model {cfg.model}/{cfg.size} {cfg.dtype}: {sum(v.numel() for v in named.values()) / 1e9:.2f} GB "
-        f"of weights and buffers in {time.perf_counter() - t0:.1f} s")
-    work = [(f"decode_b{b}", "decode", b, 1) for b in cfg.batches]
-    if cfg.prefill:
-        work.append(("prefill", "prefill", 1, cfg.prefill))
-    graphs = {}
-    for name, kind, batch, seq in work:
-        meta = models.get(cfg.model, cfg.size, dtype=dtype, device="meta", max_batch=batch, max_seq=max_seq,
-                          **extra)
-        cap = capture_module(meta, meta.example_inputs(kind, batch=batch, seq=seq))
-        vals = {b.id: named[b.name] for b in cap.graph.buffers.values() if b.role == "weight"}
-        cap.graph.meta["vocab"] = vocab
-        graphs[name] = (kind, batch, seq, cap.graph, vals)
-    return graphs, vocab
+# -- engines -------------------------------------------------------------------
+def engine_fields(cfg: OffloadConfig) -> dict:
+    """``EngineConfig`` fields every engine of the run shares: one decode
+    bucket per ``--batch`` (rows 0..B-1), a short prompt chunk and one of
+    ``--prefill`` tokens, no attention windows (each bucket is one graph)."""
+    warm = 3
+    max_len = max(cfg.prefill + 8, 3 + warm + cfg.steps + 8)
+    max_len = -(-max_len // 64) * 64
+    chunks = tuple(sorted({32, cfg.prefill} - {0}))
+    return dict(model=cfg.model, size=cfg.size, dtype=cfg.dtype, seed=cfg.seed, max_seqs=max(cfg.batches),
+                max_model_len=max_len, decode_buckets=tuple(cfg.batches), prefill_buckets=chunks, kv_windows=(),
+                mode="latency", overrides={"n_layers": cfg.layers} if cfg.layers else {},
+                build_device=cfg.build_device)
 
 
 def budget_bytes(cfg: OffloadConfig, graph) -> int:
@@ -139,67 +133,108 @@ def budget_bytes(cfg: OffloadConfig, graph) -> int:
     return int(frac * held)
 
 
-# -- one policy ---------------------------------------------------------------
-def step_inputs(kind: str, batch: int, seq: int, pos: int, tokens: list[int], vocab: int) -> dict:
-    if kind == "decode":
-        return {"input_ids": torch.tensor(tokens, dtype=torch.int64).reshape(batch, 1),
-                "positions": torch.full((batch,), pos, dtype=torch.int64)}
-    ids = (torch.arange(seq, dtype=torch.int64) * 7919 + 1) % vocab
-    return {"input_ids": ids[None], "positions": torch.arange(seq, dtype=torch.int64)[None]}
+async def _stream(eng: AsyncEngine, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens of one request and the time each arrived."""
+    ids, times = [], []
+    async for out in eng.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)):
+        ids += out.token_ids
+        times += [time.perf_counter()] * len(out.token_ids)
+    return ids, times
 
 
-async def run_plan(cfg: OffloadConfig, name: str, kind: str, batch: int, seq: int, graph, plan, values,
-                   gpu: DeviceSpec, forced: list[int] | None = None) -> dict:
-    """Deploy ``plan``, warm up on the prompt, time the steps; greedy tokens
-    (decode) and the last logits of each step for the check.  ``forced``
-    (decode): row 0's next input at each step is ``forced[step]`` (the
-    reference's greedy token) instead of its own argmax."""
+async def time_decode(eng: AsyncEngine, batch: int, steps: int, warm: int = 3) -> dict:
+    """``batch`` concurrent greedy requests of ``warm + steps`` tokens: the
+    tokens/s over the window where all of them decode (after each one's
+    ``warm``-th token, before the first one ends); row 0's tokens."""
+    busy0 = dict(eng.runtime.busy_s)
+    prompts = [[1 + r, 2 + r, 3 + r] for r in range(batch)]
+    got = await asyncio.gather(*(_stream(eng, p, warm + steps) for p in prompts))
+    start = max(t[warm - 1] for _, t in got)
+    end = min(t[-1] for _, t in got)
+    n = sum(sum(1 for x in t if start < x <= end) for _, t in got)
+    wall = max(end - start, 1e-9)
+    busy = [(eng.runtime.busy_s.get(d, 0.0) - busy0.get(d, 0.0)) for d in sorted(eng.runtime.busy_s)]
+    return {"tok_s": n / wall, "step_s": wall / max(n / batch, 1e-9), "tokens": got[0][0],
+            "busy_s": busy, "window_s": wall}
+
+
+async def time_prefill(eng: AsyncEngine, tokens: int, reps: int, vocab: int) -> dict:
+    """Time to the first token of a ``tokens``-token prompt (one chunk),
+    after one warm-up; the median over ``reps``."""
+    ids = [int((i * 7919 + 1) % vocab) for i in range(tokens)]
+    times, busy = [], []
+    for i in range(reps + 1):
+        busy0 = dict(eng.runtime.busy_s)
+        t0 = time.perf_counter()
+        await _stream(eng, ids[:-1] + [int((ids[-1] + i) % vocab)], 1)
+        if i:
+            times.append(time.perf_counter() - t0)
+            busy.append([eng.runtime.busy_s.get(d, 0.0) - busy0.get(d, 0.0) for d in sorted(eng.runtime.busy_s)])
+    ttft = sorted(times)[len(times) // 2]
+    return {"tok_s": tokens / ttft, "step_s": ttft, "ttft_runs_s": times,
+            "busy_s": [sum(b[d] for b in busy) / len(busy) for d in range(len(busy[0]))] if busy else []}
+
+
+async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, gpu: DeviceSpec,
+                label: str) -> dict:
+    """One engine (``devices``, ``planner``): every workload of the run
+    through ``AsyncEngine.generate``, the GPU allocator's peak, the plans."""
     cuda = gpu.kind == "cuda"
     await settle_gpu(gpu, quiet=True)
     if cuda:
         torch.cuda.reset_peak_memory_stats(gpu.index)
-    tokens, logits = [], []
-    async with ActorSystem(f"offload-{name}") as system:
-        dep = await deploy(system, graph, plan, values)
+    t0 = time.perf_counter()
+    out: dict = {}
+    conf = EngineConfig(devices=devices, planner=planner, planner_options=options, **engine_fields(cfg))
+    async with AsyncEngine(config=conf) as eng:
+        await eng.wait_placed()
+        log(f"{label}: engine on {devices} placed {len(eng.runtime.placed)} buckets in "
+            f"{time.perf_counter() - t0:.1f} s")
         gc.collect()
         gc.freeze()   # CUDA graph capture runs gc.collect() each time: keep it to the new objects
         try:
-            prompt = [[1 + r, 2 + r, 3 + r] for r in range(batch)]
-            pos = 0
-            out = None
-            warm = 3 if kind == "decode" else 2
-            for i in range(warm):
-                t0 = time.perf_counter()
-                inputs = step_inputs(kind, batch, seq, pos, [p[i] for p in prompt], graph.meta["vocab"])
-                out, _ = await dep.step(inputs)
-                pos += 1 if kind == "decode" else 0
-                if kind == "prefill" and time.perf_counter() - t0 > 5.0:
-                    break   # a slow (CPU-bound) prefill: one warm-up is enough
-            dep.reset_counters()
-            n = cfg.steps if kind == "decode" else cfg.prefill_steps
-            for _ in range(n):
-                if kind == "prefill" and dep.wall_s > 20.0:
-                    break   # enough seconds measured; keeps a CPU-bound baseline within the run's time
-                last = out[0].reshape(batch, -1, out[0].shape[-1])[:, -1].float()
-                nxt = [int(t) for t in last.argmax(-1)]
-                if kind == "decode":
-                    tokens.append(nxt[0])
-                    logits.append(last[0].cpu())
-                    if forced is not None and len(tokens) <= len(forced):
-                        nxt[0] = forced[len(tokens) - 1]
-                out, _ = await dep.step(step_inputs(kind, batch, seq, pos, nxt, graph.meta["vocab"]))
-                pos += 1 if kind == "decode" else 0
-            wall = dep.wall_s / max(dep.counted, 1)
-            busy = [b / max(dep.wall_s, 1e-12) for b in dep.busy_s]
-            arena = [i.resident_bytes for i in dep.installed]
-            await dep.close()
+            for b in cfg.batches:
+                out[f"decode_b{b}"] = await time_decode(eng, b, cfg.steps)
+            if cfg.prefill:
+                out["prefill"] = await time_prefill(eng, cfg.prefill, cfg.prefill_steps, eng.served.vocab_size)
         finally:
             gc.unfreeze()
-    peak = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
+        out["plans"] = {name: p.plan for name, p in eng.runtime.placed.items()}
+        out["served"] = eng.served
+        st = (await eng.runtime.system.ref("device0").ask(GetStats())).values
+        out["gpu_allocated_bytes"] = st["allocated_bytes"]   # the budgeted device: all buckets' buffers
+    out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
     await settle_gpu(gpu)
-    per_step = batch if kind == "decode" else seq
-    return {"step_s": wall, "tok_s": per_step / wall, "busy": busy, "arena_bytes": arena,
-            "gpu_peak_bytes": peak, "tokens": tokens, "logits": logits}
+    return out
+
+
+def bucket_of(cfg: OffloadConfig, work: str) -> str:
+    return "prefill:%d" % cfg.prefill if work == "prefill" else f"decode:{int(work[len('decode_b'):])}@0"
+
+
+# -- the teacher-forced check -----------------------------------------------------
+def step_inputs(pos: int, token: int) -> dict:
+    return {"input_ids": torch.tensor([[token]], dtype=torch.int64), "positions": torch.tensor([pos])}
+
+
+async def forced_logits(graph, plan, values, prompt: list[int], tokens: list[int], gpu: DeviceSpec) -> list:
+    """The last logits of each of ``len(tokens)`` greedy steps of ``plan``
+    (a batch-1 decode graph) on device actors, fed ``tokens`` (the
+    reference's) whatever it would pick: every step scores the same context
+    as the reference's."""
+    logits = []
+    async with ActorSystem("offload-check") as system:
+        dep = await deploy(system, graph, plan, values, prefix="check-")
+        out = None
+        pos = 0
+        for tok in prompt + tokens[:-1]:
+            out, _ = await dep.step(step_inputs(pos, tok))
+            pos += 1
+            if pos >= len(prompt):
+                logits.append(out[0].reshape(-1, out[0].shape[-1])[-1].float().cpu())
+        await dep.close()
+    await settle_gpu(gpu)
+    return logits
 
 
 def free_gpu(gpu: DeviceSpec) -> int:
@@ -249,101 +284,127 @@ def real_flips(tokens: list[int], ref_tokens: list[int], ref_logits: list[torch.
     return n
 
 
-async def bench(cfg: OffloadConfig) -> dict:
-    gpu, cpu = cfg.device_pair()
-    graphs, _ = build(cfg, gpu)
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+# -- the run ------------------------------------------------------------------------
+async def measured_rates(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec) -> dict:
     rates = {"pcie_bps": 55e9, "cpu_gemv_bps": None, "source": "DESIGN.md"}
     if gpu.kind == "cuda" and cfg.measure:
         rates.update(measure_rates(cpu.threads, gpu.index), source="measured")
         log(f"measured: CPU GEMV {rates['cpu_gemv_bps'] / 1e9:.1f} GB/s beside a pinned copy at "
-            f"{rates['pcie_bps'] / 1e9:.1f} GB/s")
+            f"{rates['pcie_bps'] / 1e9:.1f} GB/s (best of {rates['windows']} windows)")
     if cfg.measure:   # before any budget caps the GPU's allocator
-        rates["switch_s"] = await measure_switch(cfg.model, DTYPES[cfg.dtype], gpu, cpu)
-        log(f"measured: one CPU<->GPU hand-off between device actors {rates['switch_s'] * 1e6:.0f} us")
-    switch_s = max(rates["switch_s"], 20e-6) if cfg.measure else cfg.switch_s
-    rates["planned_switch_s"] = switch_s
+        runs = [await measure_switch(cfg.model, DTYPES[cfg.dtype], gpu, cpu) for _ in range(3)]
+        rates["switch_runs_s"] = runs
+        rates["switch_s"] = sorted(runs)[1]
+        log(f"measured: one CPU<->GPU hand-off between device actors {rates['switch_s'] * 1e6:.0f} us "
+            f"(median of {[round(r * 1e6) for r in runs]} us)")
+    rates["planned_switch_s"] = max(rates["switch_s"], 20e-6) if cfg.measure else cfg.switch_s
+    return rates
+
+
+async def bench(cfg: OffloadConfig) -> dict:
+    gpu, cpu = cfg.device_pair()
+    rates = await measured_rates(cfg, gpu, cpu)
+    switch_s = rates["planned_switch_s"]
     reserve = parse_bytes(cfg.reserve) if gpu.kind == "cuda" else 0
-    results: dict = {}
-    for name, (kind, batch, seq, graph, values) in graphs.items():
-        budget = budget_bytes(cfg, graph)
-        gspec = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads, budget, gpu.price, gpu.label)
-        devices = [gspec.name, cpu.name]
-        costs = estimate_rates(graph, devices, switch_s, rates["cpu_gemv_bps"])
-        # transients beside the reserve, in proportion to the outputs: an output's op result, its snapshot
-        # and the CUDA graphs' pools (prefill 512 on an H200: 320 MiB + 2 x the 131 MB of logits ran out
-        # of memory allocating a third; 768 MiB + 2 x 131 MB ran)
-        outs = sum(b.nbytes for b in graph.buffers.values() if b.role == "output")
-        o = Offload(graph, devices, costs, rates["pcie_bps"], reserve + (4 * outs if reserve else 0))
-        t0 = time.perf_counter()
-        chosen = {"gpu_only": gpu_only(o), "layer_offload": layer_offload(o), "streaming": streaming(o),
-                  "tessera": tessera(o)}
-        bound = ideal(o)
-        per_step = batch if kind == "decode" else seq
-        log(f"{name}: planned in {time.perf_counter() - t0:.1f} s; budget {budget / 2**30:.2f} GiB; predicted "
-            + ", ".join(f"{k} {v[1].step_s * 1e3:.1f} ms" for k, v in chosen.items() if v) + f", ideal {bound * 1e3:.1f} ms")
-        row: dict = {"gpu_budget_bytes": budget, "ideal_tok_s": per_step / bound, "ideal_step_s": bound,
-                     "policies": {}}
-        if kind == "decode" and batch == 1:   # the reference: the whole graph on the GPU, no budget
-            ref_dev = DeviceSpec(gpu.kind, gpu.index, gpu.sms).name if gpu.kind == "cuda" else cpu.name
-            ref = await run_plan(cfg, f"{name}-ref", kind, batch, seq, graph, single_device_plan(graph, ref_dev),
-                                 values, gpu)
-            row["reference_tok_s"] = ref["tok_s"]
-            row["reference_device"] = ref_dev
-            log(f"{name} reference on {ref_dev} (no budget): {ref['tok_s']:.1f} tok/s, "
-                f"peak {ref['gpu_peak_bytes']} B")
-        queue = list(chosen.items())
-        for pol, got in queue:
-            if got is None:
-                row[f"{pol}_tok_s"] = None
-                continue
-            p, st = got
-            plan = to_plan(o, p, pol, st)
-            forced = ref["tokens"] if kind == "decode" and batch == 1 else None   # same contexts as the reference
+    plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name if gpu.kind == "cuda" else cpu.name
+    work = [f"decode_b{b}" for b in cfg.batches] + (["prefill"] if cfg.prefill else [])
+
+    # the reference first (GPU alone, no budget: before any budget caps the allocator)
+    ref = await serve(cfg, plain, "contiguous", {}, gpu, "reference")
+    served = ref.pop("served")
+    graphs = {w: served.graphs[bucket_of(cfg, w)] for w in work}
+    ref_bucket = f"decode:{max(cfg.batches)}@0"
+    budget = budget_bytes(cfg, served.graphs[ref_bucket])
+    gspec = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads, budget, gpu.price, gpu.label)
+    devices = [gspec.name, cpu.name]
+    b1 = "decode_b1" if 1 in cfg.batches else None
+    ref_logits = []
+    if b1:
+        g1 = graphs[b1]
+        ref_logits = await forced_logits(g1, single_device_plan(g1, plain), served.values[bucket_of(cfg, b1)],
+                                         [1, 2, 3], ref[b1]["tokens"], gpu)
+    log(f"reference on {plain} (no budget): " + ", ".join(f"{w} {ref[w]['tok_s']:.1f} tok/s" for w in work)
+        + f"; peak {ref['gpu_peak_bytes']} B")
+
+    # the step model and the bound of every workload, from the same rates
+    options = {"pcie_bps": rates["pcie_bps"], "cpu_bps": rates["cpu_gemv_bps"], "switch_s": switch_s,
+               "reserve": reserve}
+    models_of = {}
+    for w, g in graphs.items():
+        costs = estimate_rates(g, devices, switch_s, rates["cpu_gemv_bps"])
+        models_of[w] = Offload(g, devices, costs, rates["pcie_bps"], reserve)
+    fits = gpu_only(models_of[f"decode_b{max(cfg.batches)}"]) is not None
+    results: dict = {w: {"gpu_budget_bytes": budget, "ideal_step_s": ideal(models_of[w]), "policies": {},
+                         "reference_tok_s": ref[w]["tok_s"], "reference_device": plain} for w in work}
+    for w in work:
+        per = int(w[len("decode_b"):]) if w != "prefill" else cfg.prefill
+        results[w]["ideal_tok_s"] = per / results[w]["ideal_step_s"]
+
+    runs = [("gpu_only", gspec.name, "contiguous", {})] if fits else []
+    runs += [(pol, ",".join(devices), "offload", {**options, "policy": pol})
+             for pol in ("layer_offload", "streaming", "tessera")]
+    if not fits:
+        for w in work:
+            results[w]["gpu_only_tok_s"] = None
+    for pol, devs, planner, opts in runs:
+        try:
+            got = await serve(cfg, devs, planner, opts, gpu, pol)
+        except Exception as e:   # one policy failing (e.g. out of memory) must not lose the others
+            error = f"{type(e).__name__}: {e}"
+        else:
             error = None
-            try:
-                r = await run_plan(cfg, f"{name}-{pol}", kind, batch, seq, graph, plan, values, gpu, forced)
-            except Exception as e:   # one policy failing (e.g. out of memory) must not lose the others
-                error = f"{type(e).__name__}: {e}"
-            if error is not None:
-                # out of the except clause: the exception's frames (holding the failed deployment's
-                # tensors) are gone, so the next policy gets the whole budget
-                log(f"{name} {pol}: FAILED: {error}")
-                row["policies"][pol] = {"error": error, "predicted_step_s": st.step_s,
-                                        "planned_gpu_bytes": o.gpu_bytes(p)}
-                row[f"{pol}_tok_s"] = None
-                await settle_gpu(gpu)
-                continue
-            streamed = sum(graph.buffers[b].nbytes for b in p.streamed)
-            info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": st.step_s,
-                    "pcie_bytes_per_token": streamed / per_step,
-                    "activation_bytes_per_token": plan.bytes_per_step() / per_step, "gpu_busy": r["busy"][o.gpu],
-                    "cpu_busy": r["busy"][o.cpu], "gpu_peak_bytes": r["gpu_peak_bytes"],
-                    "gpu_arena_bytes": r["arena_bytes"][o.gpu], "planned_gpu_bytes": o.gpu_bytes(p),
-                    "choices": plan.meta["offload"]["choices"], "slots": p.slots, "slot_bytes": p.slot_bytes,
-                    "kernels_on_cpu": p.assignment.count(o.cpu)}
-            if kind == "decode" and batch == 1:
-                info["tokens_equal_reference"] = r["tokens"] == ref["tokens"]   # argmax per step, teacher-forced
-                info["argmax_flips_beyond_ties"] = real_flips(r["tokens"], ref["tokens"], ref["logits"])
-                info["min_logits_cosine"] = min((cosine(a, b) for a, b in zip(r["logits"], ref["logits"])),
-                                                default=None)
-            row["policies"][pol] = info
-            row[f"{pol}_tok_s"] = r["tok_s"]
-            if pol == "tessera" and cfg.adapt:   # re-plan once on what the devices measured
-                busy = [b * r["step_s"] for b in r["busy"]]
-                costs2, factors = adapt(o.costs, predicted_busy(o, plan), busy)
-                p2, st2 = tessera(Offload(graph, devices, costs2, rates["pcie_bps"], o.reserve))
-                info["adapt_factors"] = factors
-                if (p2.assignment, p2.streamed) != (p.assignment, p.streamed):
-                    queue.append(("tessera_adapted", (p2, st2)))
-            if pol == "tessera_adapted" and r["tok_s"] > (row.get("tessera_tok_s") or 0):
-                row["tessera_tok_s"] = r["tok_s"]   # Tessera's next re-plan, from this run's measurements
-                row["tessera_from"] = "tessera_adapted"
-            log(f"{name} {pol}: {r['tok_s']:.1f} tok/s (step {r['step_s'] * 1e3:.1f} ms, predicted "
-                f"{st.step_s * 1e3:.1f}), peak {info['gpu_peak_bytes'] or info['gpu_arena_bytes']} B")
-        t = row["policies"].get(row.get("tessera_from", "tessera"), {})
-        row["gpu_peak_bytes"] = t.get("gpu_peak_bytes") if t.get("gpu_peak_bytes") is not None else t.get("gpu_arena_bytes")
-        results[name] = row
+        if error is not None:
+            log(f"{pol}: FAILED: {error}")
+            for w in work:
+                results[w]["policies"][pol] = {"error": error}
+                results[w][f"{pol}_tok_s"] = None
+            await settle_gpu(gpu)
+            continue
+        plans = got["plans"]
+        for w in work:
+            plan = plans[bucket_of(cfg, w)]
+            g = graphs[w]
+            per = int(w[len("decode_b"):]) if w != "prefill" else cfg.prefill
+            r = got[w]
+            off = plan.meta.get("offload") or {}
+            streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
+            wall = r["step_s"] * (cfg.steps if w != "prefill" else 1)
+            busy = [b / max(wall, 1e-12) for b in r["busy_s"]] + [0.0, 0.0]
+            info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": plan.predicted_step_s,
+                    "pcie_bytes_per_token": streamed / per,
+                    "activation_bytes_per_token": plan.bytes_per_step() / per,
+                    "gpu_busy": min(1.0, busy[0]), "cpu_busy": min(1.0, busy[1]) if len(plan.devices) > 1 else 0.0,
+                    "gpu_peak_bytes": got["gpu_peak_bytes"], "gpu_allocated_bytes": got["gpu_allocated_bytes"],
+                    "plan": plan.name,
+                    "choices": off.get("choices", ""), "slots": off.get("slots", 0),
+                    "slot_bytes": off.get("slot_bytes", 0),
+                    "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
+            if w == b1:
+                info["tokens_equal_reference"] = r["tokens"] == ref[w]["tokens"]   # free-running, greedy
+                info["first_difference"] = first_difference(r["tokens"], ref[w]["tokens"])
+                if pol == "tessera":
+                    lg = await forced_logits(g, plan, got_values(got, w, cfg), [1, 2, 3], ref[w]["tokens"], gpu)
+                    forced = [int(x.argmax()) for x in lg]
+                    info["forced_tokens_equal_reference"] = forced == ref[w]["tokens"]
+                    info["argmax_flips_beyond_ties"] = real_flips(forced, ref[w]["tokens"], ref_logits)
+                    info["min_logits_cosine"] = min((cosine(a, b) for a, b in zip(lg, ref_logits)), default=None)
+            results[w]["policies"][pol] = info
+            results[w][f"{pol}_tok_s"] = r["tok_s"]
+            log(f"{w} {pol}: {r['tok_s']:.1f} tok/s (step {r['step_s'] * 1e3:.1f} ms, predicted "
+                f"{(plan.predicted_step_s or 0) * 1e3:.1f}), peak {got['gpu_peak_bytes']} B")
+    for w in work:
+        t = results[w]["policies"].get("tessera", {})
+        results[w]["gpu_peak_bytes"] = t.get("gpu_peak_bytes")
+        results[w]["gpu_allocated_bytes"] = t.get("gpu_allocated_bytes")
     return {"rates": rates, **results}
+
+
+def got_values(got: dict, work: str, cfg: OffloadConfig) -> dict:
+    return got["served"].values[bucket_of(cfg, work)]
 
 
 def table(res: dict) -> str:
@@ -414,8 +475,6 @@ def add_arguments(b) -> None:
     b.add_argument("--no-measure", action="store_true",
                    help="DESIGN.md rates and --switch-us instead of measuring them")
     b.add_argument("--layers", type=int, default=0, help="only this many layers (a quick real-size check)")
-    b.add_argument("--adapt", action="store_true",
-                   help="re-plan Tessera once from the devices' measured busy times and run that plan too")
     b.add_argument("--out", default="benchmarks/results/offload")
 
 
@@ -423,7 +482,7 @@ def main(args) -> int:
     # batch 1 first: its unbudgeted GPU-only reference must run before a budget caps the allocator
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
-                        args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers, args.adapt)
+                        args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers)
     run_offload_bench(cfg)
     return 0
 

@@ -53,6 +53,9 @@ class EngineConfig:
     profile: bool = False       # time the reference bucket's kernels on each in-process device for the planner
     trace_dir: str | None = None
     overrides: dict = field(default_factory=dict)   # extra model config fields
+    # where the model is built before its values move to host memory (a GPU generates a real-size
+    # random-weight model in seconds, a CPU in minutes)
+    build_device: str = "cpu"
 
     def __post_init__(self) -> None:
         def bad(why: str) -> ValueError:

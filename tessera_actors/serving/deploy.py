@@ -163,11 +163,18 @@ class ServedModel:
 
 
 @functools.lru_cache(maxsize=2)
-def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple) -> torch.nn.Module:
+def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, build_device: str = "cpu"
+           ) -> torch.nn.Module:
     """The real model, built once per configuration in a process (engines of
-    one benchmark share its weights: they are only ever read)."""
+    one benchmark share its weights: they are only ever read); generated on
+    ``build_device`` and kept in host memory."""
     from .. import models
-    return models.get(model, size, dtype=dtype, seed=seed, **dict(kw))
+    m = models.get(model, size, dtype=dtype, seed=seed, device=build_device, **dict(kw))
+    if build_device != "cpu":
+        m = m.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return m
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -199,7 +206,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
             except TypeError:   # an unhashable override (a dict): build it afresh
                 real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
             else:
-                real = _build(cfg.model, cfg.size, dtype, cfg.seed, key)
+                real = _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
             meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
     except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
