@@ -50,7 +50,7 @@ import torch
 
 from .devices import DeviceSpec, parse_bytes
 from .offload_measure import measure_rates, measure_switch
-from .offload_run import deploy
+from .offload_run import adapt, deploy, predicted_busy
 from .plan import single_device_plan
 from .serving import AsyncEngine, SamplingParams
 from .serving.config import EngineConfig
@@ -148,14 +148,16 @@ async def time_decode(eng: AsyncEngine, batch: int, steps: int, warm: int = 3) -
     ``warm``-th token, before the first one ends); row 0's tokens."""
     busy0 = dict(eng.runtime.busy_s)
     prompts = [[1 + r, 2 + r, 3 + r] for r in range(batch)]
+    t0 = time.perf_counter()
     got = await asyncio.gather(*(_stream(eng, p, warm + steps) for p in prompts))
+    called = time.perf_counter() - t0
     start = max(t[warm - 1] for _, t in got)
     end = min(t[-1] for _, t in got)
     n = sum(sum(1 for x in t if start < x <= end) for _, t in got)
     wall = max(end - start, 1e-9)
-    busy = [(eng.runtime.busy_s.get(d, 0.0) - busy0.get(d, 0.0)) for d in sorted(eng.runtime.busy_s)]
+    busy = [(eng.runtime.busy_s.get(d, 0.0) - busy0.get(d, 0.0)) / called for d in sorted(eng.runtime.busy_s)]
     return {"tok_s": n / wall, "step_s": wall / max(n / batch, 1e-9), "tokens": got[0][0],
-            "busy_s": busy, "window_s": wall}
+            "busy_fraction": busy, "window_s": wall}
 
 
 async def time_prefill(eng: AsyncEngine, tokens: int, reps: int, vocab: int) -> dict:
@@ -172,7 +174,7 @@ async def time_prefill(eng: AsyncEngine, tokens: int, reps: int, vocab: int) -> 
             busy.append([eng.runtime.busy_s.get(d, 0.0) - busy0.get(d, 0.0) for d in sorted(eng.runtime.busy_s)])
     ttft = sorted(times)[len(times) // 2]
     return {"tok_s": tokens / ttft, "step_s": ttft, "ttft_runs_s": times,
-            "busy_s": [sum(b[d] for b in busy) / len(busy) for d in range(len(busy[0]))] if busy else []}
+            "busy_fraction": [sum(b[d] for b in busy) / sum(times) for d in range(len(busy[0]))] if busy else []}
 
 
 async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, gpu: DeviceSpec,
@@ -289,12 +291,19 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 # -- the run ------------------------------------------------------------------------
-async def measured_rates(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec) -> dict:
+def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
+    """[out, in] of the matrices of the model's first block (its linear layers)."""
+    mats = [tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and ".0." in n]
+    return mats or [(4096, 4096)]
+
+
+async def measured_rates(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec, shapes) -> dict:
     rates = {"pcie_bps": 55e9, "cpu_gemv_bps": None, "source": "DESIGN.md"}
     if gpu.kind == "cuda" and cfg.measure:
-        rates.update(measure_rates(cpu.threads, gpu.index), source="measured")
-        log(f"measured: CPU GEMV {rates['cpu_gemv_bps'] / 1e9:.1f} GB/s beside a pinned copy at "
-            f"{rates['pcie_bps'] / 1e9:.1f} GB/s (best of {rates['windows']} windows)")
+        rates.update(measure_rates(cpu.threads, gpu.index, shapes=shapes, dtype=DTYPES[cfg.dtype]),
+                     source="measured", gemv_shapes=shapes)
+        log(f"measured: CPU GEMV {rates['cpu_gemv_bps'] / 1e9:.1f} GB/s on the model's layer shapes beside a "
+            f"pinned copy at {rates['pcie_bps'] / 1e9:.1f} GB/s (best of {rates['windows']} windows)")
     if cfg.measure:   # before any budget caps the GPU's allocator
         runs = [await measure_switch(cfg.model, DTYPES[cfg.dtype], gpu, cpu) for _ in range(3)]
         rates["switch_runs_s"] = runs
@@ -307,15 +316,15 @@ async def measured_rates(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec) -
 
 async def bench(cfg: OffloadConfig) -> dict:
     gpu, cpu = cfg.device_pair()
-    rates = await measured_rates(cfg, gpu, cpu)
-    switch_s = rates["planned_switch_s"]
     reserve = parse_bytes(cfg.reserve) if gpu.kind == "cuda" else 0
     plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name if gpu.kind == "cuda" else cpu.name
     work = [f"decode_b{b}" for b in cfg.batches] + (["prefill"] if cfg.prefill else [])
 
-    # the reference first (GPU alone, no budget: before any budget caps the allocator)
+    # the reference first (GPU alone, no budget: before any budget caps the allocator), then the rates
     ref = await serve(cfg, plain, "contiguous", {}, gpu, "reference")
     served = ref.pop("served")
+    rates = await measured_rates(cfg, gpu, cpu, layer_shapes(served.model))
+    switch_s = rates["planned_switch_s"]
     graphs = {w: served.graphs[bucket_of(cfg, w)] for w in work}
     ref_bucket = f"decode:{max(cfg.batches)}@0"
     budget = budget_bytes(cfg, served.graphs[ref_bucket])
@@ -347,6 +356,7 @@ async def bench(cfg: OffloadConfig) -> dict:
     runs = [("gpu_only", gspec.name, "contiguous", {})] if fits else []
     runs += [(pol, ",".join(devices), "offload", {**options, "policy": pol})
              for pol in ("layer_offload", "streaming", "tessera")]
+    first = work[0]
     if not fits:
         for w in work:
             results[w]["gpu_only_tok_s"] = None
@@ -372,8 +382,7 @@ async def bench(cfg: OffloadConfig) -> dict:
             r = got[w]
             off = plan.meta.get("offload") or {}
             streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
-            wall = r["step_s"] * (cfg.steps if w != "prefill" else 1)
-            busy = [b / max(wall, 1e-12) for b in r["busy_s"]] + [0.0, 0.0]
+            busy = list(r["busy_fraction"]) + [0.0, 0.0]
             info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": plan.predicted_step_s,
                     "pcie_bytes_per_token": streamed / per,
                     "activation_bytes_per_token": plan.bytes_per_step() / per,
@@ -394,12 +403,34 @@ async def bench(cfg: OffloadConfig) -> dict:
                     info["min_logits_cosine"] = min((cosine(a, b) for a, b in zip(lg, ref_logits)), default=None)
             results[w]["policies"][pol] = info
             results[w][f"{pol}_tok_s"] = r["tok_s"]
+            if pol == "tessera" and w == first and len(plan.devices) > 1:
+                # load-aware re-plan (ATSInfer's dynamic transfer): the devices' busy time against the step
+                # model's; a CPU slower than planned moves its share to streaming in Tessera's next plan
+                want = predicted_busy(models_of[w], plan)
+                seen = [busy[0] * r["step_s"], busy[1] * r["step_s"]]
+                _, factors = adapt(models_of[w].costs, want, seen)
+                info["adapt_factors"] = factors
+                if factors[1] != 1.0 and rates["cpu_gemv_bps"]:
+                    slower = {**opts, "cpu_bps": rates["cpu_gemv_bps"] / factors[1]}
+                    log(f"tessera: the CPU ran {factors[1]:.2f}x its planned time; re-planning at "
+                        f"{slower['cpu_bps'] / 1e9:.1f} GB/s")
+                    runs.append(("tessera_replanned", devs, planner, slower))
+            if pol == "tessera_replanned" and r["tok_s"] > (results[w].get("tessera_tok_s") or 0):
+                results[w]["tessera_tok_s"] = r["tok_s"]   # Tessera after one re-plan from this run's measurements
+                results[w]["tessera_from"] = pol
             log(f"{w} {pol}: {r['tok_s']:.1f} tok/s (step {r['step_s'] * 1e3:.1f} ms, predicted "
                 f"{(plan.predicted_step_s or 0) * 1e3:.1f}), peak {got['gpu_peak_bytes']} B")
+    replanned = next((o for p, _, _, o in runs if p == "tessera_replanned"), None)
     for w in work:
-        t = results[w]["policies"].get("tessera", {})
+        t = results[w]["policies"].get(results[w].get("tessera_from", "tessera"), {})
         results[w]["gpu_peak_bytes"] = t.get("gpu_peak_bytes")
         results[w]["gpu_allocated_bytes"] = t.get("gpu_allocated_bytes")
+        if replanned is not None:   # the bound again at the CPU rate the devices showed
+            costs = estimate_rates(graphs[w], devices, switch_s, replanned["cpu_bps"])
+            per = int(w[len("decode_b"):]) if w != "prefill" else cfg.prefill
+            step = ideal(Offload(graphs[w], devices, costs, rates["pcie_bps"], reserve))
+            results[w]["ideal_at_observed_cpu_step_s"] = step
+            results[w]["ideal_at_observed_cpu_tok_s"] = per / step
     return {"rates": rates, **results}
 
 

@@ -18,16 +18,22 @@ from .plan import single_device_plan
 from tessera_actors.runtime.system import ActorSystem
 
 
-def measure_rates(threads: int | None, gpu_index: int, seconds: float = 0.6, windows: int = 3) -> dict:
-    """CPU bf16 GEMV DRAM rate at ``threads`` while a pinned host-to-device
-    copy stream runs beside it, and that copy's rate (DESIGN.md's method:
+def measure_rates(threads: int | None, gpu_index: int, seconds: float = 0.6, windows: int = 3,
+                  shapes: list[tuple[int, int]] | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """CPU GEMV DRAM rate at ``threads`` while a pinned host-to-device copy
+    stream runs beside it, and that copy's rate (DESIGN.md's method:
     matrices cycled so none stays in cache), each the best of ``windows``
     windows of ``seconds`` (a shared machine's neighbours once halved one
     window).  The GEMV is the op the captured graphs run for a linear
     layer - ``mm(x, W.t())`` with ``W`` [out, in] contiguous - whose rate
-    differs from ``x @ M`` (on a 2-core box: 13.7 against 10.9 GB/s)."""
-    mats = [torch.full((4096, 4096), 0.01, dtype=torch.bfloat16) for _ in range(40)]   # 1.3 GB
-    x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
+    differs from ``x @ M`` (on a 2-core box: 13.7 against 10.9 GB/s), on
+    ``shapes`` (the model's own weight shapes, e.g. one layer's; default
+    4096 x 4096), repeated to about 1.3 GB."""
+    shapes = list(shapes or [(4096, 4096)])
+    per = sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
+    reps = max(1, -(-(1300 << 20) // max(per, 1)))
+    mats = [torch.full(shape, 0.01, dtype=dtype) for _ in range(reps) for shape in shapes]
+    xs = {i: torch.full((1, i), 0.5, dtype=dtype) for _, i in shapes}
     host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(256 << 20, dtype=torch.uint8, device=f"cuda:{gpu_index}")
     best = {"cpu_gemv_bps": 0.0, "pcie_bps": 0.0}
@@ -41,7 +47,7 @@ def measure_rates(threads: int | None, gpu_index: int, seconds: float = 0.6, win
             n, t0 = 0, time.perf_counter()
             while time.perf_counter() < stop:
                 for m in mats:
-                    torch.mm(x, m.t())
+                    torch.mm(xs[m.shape[1]], m.t())
                 n += 1
             res["cpu_gemv_bps"] = n * sum(m.numel() * 2 for m in mats) / (time.perf_counter() - t0)
 
