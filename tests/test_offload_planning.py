@@ -130,3 +130,43 @@ def test_tessera_is_between_the_ideal_and_the_coarse_policies():
             if base is not None:
                 assert st.step_s <= base[1].step_s + 1e-12, trial
         assert ideal(o) <= st.step_s + 1e-12, trial
+
+
+def test_every_bucket_of_a_real_size_llama_follows_the_first_ones_homes():
+    """The buckets of a served Llama-3.1-8B (meta capture) under an 8 GiB
+    budget, at rates measured on an H200 (which once gave a prompt chunk a
+    KV cache on the CPU, refused by the scheduler's state pins): each later
+    bucket keeps the first one's KV cache homes and adds no resident weight."""
+    import torch
+    from tessera_actors.planning.pinning import respects, state_homes
+    from tessera_actors.serving.config import EngineConfig
+    from tessera_actors.serving.deploy import bucket_inputs, buckets_for, shaped
+    from tessera_actors import models
+    from tessera_actors.capture import capture_module
+    cfg = EngineConfig(model="llama", size="real", devices="cuda:0?mem=8GiB,cpu?threads=12", dtype="bfloat16",
+                       max_seqs=8, max_model_len=576, decode_buckets=(1, 8), prefill_buckets=(32, 512),
+                       kv_windows=(), mode="latency")
+    meta = models.get("llama", "real", dtype=torch.bfloat16, device="meta", max_batch=8, max_seq=576)
+    graphs = {}
+    for b in buckets_for(cfg):
+        with shaped(meta, b, False):
+            graphs[b.name] = capture_module(meta, bucket_inputs(b)).graph
+    devs = ["cuda:0?mem=8589934592", "cpu?threads=12"]
+    planner = OffloadPlanner(pcie_bps=54887931598.7, cpu_bps=39881608221.9, switch_s=347.93e-6, reserve=320 << 20)
+    ref = "decode:8@0"
+    planner.expect([g for n, g in graphs.items() if n != ref])
+    first = planner.plan(graphs[ref], devs)
+    homes = state_homes(graphs[ref], first.assignment)
+
+    def resident(g, plan):
+        streamed = set(plan.meta["offload"]["streamed"])
+        return {g.buffers[b].name for b in plan.resident[0]
+                if g.buffers[b].role == "weight" and b not in streamed and g.buffers[b].nbytes > 1 << 20}
+    mine = resident(graphs[ref], first)
+    assert 5e9 < sum(b.nbytes for b in graphs[ref].buffers.values() if b.name in mine and b.role == "weight") < 8e9
+    for name, g in graphs.items():
+        if name == ref:
+            continue
+        plan = planner.plan(g, devs)
+        assert respects(g, plan.assignment, homes, {}), name
+        assert resident(g, plan) <= mine, name

@@ -144,6 +144,10 @@ class Offload:
                       if any(graph.buffers[a.buffer].role == "state" for a in k.accesses)}
         self.streamable = {u for u, ks in self.kernels.items() if len(ks) == 1 and u_not_state(ks, self.state)}
         self.groups = graph.state_groups()
+        # the state buffer of each group (state_groups orders them by buffer id)
+        self.group_names = [graph.buffers[b].name for b in sorted(
+            {a.buffer for k in graph.kernels for a in k.accesses if graph.buffers[a.buffer].role == "state"})]
+        self.state_home: dict[str, int] = {}   # state name -> device, kept from another graph of the model
         self.in_edges: list[list] = [[] for _ in graph.kernels]
         for e in graph.edges:
             if e.kind == "RAW":
@@ -179,10 +183,11 @@ class Offload:
                 for m in (k.id - 1, k.id + 1):
                     if 0 <= m < n:
                         out[m] = out[k.id]
-        for group in self.groups:   # a state buffer (KV cache) lives on one device
-            if len({out[k] for k in group}) > 1:
+        for group, name in zip(self.groups, self.group_names):   # a state buffer (KV cache) lives on one device
+            home = self.state_home.get(name)
+            if home is not None or len({out[k] for k in group}) > 1:
                 for k in group:
-                    out[k] = gpu
+                    out[k] = gpu if home is None else home
         return out
 
     def placement(self, choice: dict[int, str], slots: int) -> Placement:
@@ -525,6 +530,7 @@ class OffloadPlanner:
         self.cpu_bps, self.switch_s, self.policy = cpu_bps, switch_s, policy
         self.extra = 0                              # bytes of the other graphs' own buffers (expect)
         self.homes: dict[str, str] | None = None    # weight name -> R/S/C, from the first graph planned
+        self.state_homes: dict[str, int] = {}       # state name -> device, from the first graph planned
         self.staging = (0, 0)                       # (slots, slot_bytes) of the first graph
 
     def expect(self, graphs: Sequence[KernelGraph]) -> None:
@@ -541,6 +547,7 @@ class OffloadPlanner:
         names = {b.name for b in graph.buffers.values() if b.role == "weight" and b.name}
         if self.homes is not None and names & set(self.homes):   # another graph of the same model
             o = self.offload(graph, devices)
+            o.state_home = self.state_homes   # the KV cache stays where the first graph put it
             p, st = follow(o, self.homes, *self.staging, policy=self.policy)
             return to_plan(o, p, f"offload-{self.policy}", st)
         o = self.offload(graph, devices, self.extra)
@@ -553,7 +560,9 @@ class OffloadPlanner:
                 raise PlanError(f"offload: no {self.policy} placement fits {o.devices[o.gpu]} "
                                 f"(budget {o.budget} bytes)")
         p, st = got
+        from .pinning import state_homes
         self.homes, self.staging = homes_of(o, p), (p.slots, p.slot_bytes)
+        self.state_homes = state_homes(graph, p.assignment)
         return to_plan(o, p, f"offload-{self.policy}", st)
 
 
