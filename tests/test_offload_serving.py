@@ -68,3 +68,21 @@ async def test_served_offload_plans_share_one_ring_and_give_single_device_tokens
     streamed = {graphs[n].buffers[b].name: graphs[n].buffers[b].nbytes for n, o in offs.items() for b in o["streamed"]}
     assert stats["home_bytes"] == sum(streamed.values())
     assert stats["shared_bytes"] + stats["staging_bytes"] <= budget()
+
+
+def test_planner_options_from_flags_and_a_bad_one_is_refused_by_name():
+    from tessera_actors.serving.flags import planner_options
+    assert planner_options(["policy=streaming", "cpu_bps=3.9e10", "reserve=1024"]) == {
+        "policy": "streaming", "cpu_bps": 3.9e10, "reserve": 1024}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        planner_options(["policy"])
+
+
+async def test_an_unknown_planner_option_or_policy_stops_the_engine_with_its_name():
+    devices = f"cpu?threads=1&mem={budget()},cpu"
+    with pytest.raises(ValueError, match="polcy"):
+        async with AsyncEngine(devices=devices, planner="offload", planner_options={"polcy": "tessera"}, **CFG):
+            pass
+    with pytest.raises(Exception, match="unknown offload policy 'fastest'"):
+        async with AsyncEngine(devices=devices, planner="offload", planner_options={"policy": "fastest"}, **CFG):
+            pass
