@@ -170,3 +170,20 @@ def test_every_bucket_of_a_real_size_llama_follows_the_first_ones_homes():
         plan = planner.plan(g, devs)
         assert respects(g, plan.assignment, homes, {}), name
         assert resident(g, plan) <= mine, name
+
+
+def test_a_budget_only_the_cpu_placement_fits_is_placed_not_refused():
+    """Residents can bring more than their own bytes (the KV cache follows
+    its kernels onto the GPU); shrinking past them must still try no
+    resident weight at all (the default buckets of a tiny Llama served with
+    a small budget were once refused with 'cannot hold even the KV cache')."""
+    from tessera_actors.serving.config import EngineConfig
+    from tessera_actors.serving.deploy import load_served_model
+    devices = ["cpu?threads=1&mem=400000", "cpu"]
+    cfg = EngineConfig(model="llama", size="tiny", devices=",".join(devices), max_model_len=64)
+    served = load_served_model(cfg)
+    ref = f"decode:{cfg.max_seqs}@0"
+    planner = OffloadPlanner(pcie_bps=1e8, cpu_bps=1e8)
+    planner.expect([g for name, g in served.graphs.items() if name != ref])
+    plan = planner.plan(served.graphs[ref], devices)
+    assert plan.meta["offload"]["gpu_bytes"] <= 400000

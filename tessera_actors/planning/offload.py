@@ -284,15 +284,19 @@ class Offload:
         placement within the budget (``limit``: the slot size, for
         :meth:`resident_fill`)."""
         capacity = self.budget - self.fixed_bytes() - staging
+        if capacity < 0:
+            return None
         for _ in range(50):
-            if capacity < 0:
-                return None
             choice = choose(self.resident_fill(capacity, order, limit))
             p = self.placement(choice, slots)
             over = self.gpu_bytes(p) - self.budget
             if over <= 0:
                 return p, self.simulate(p)
-            capacity -= over
+            if capacity == 0:
+                return None
+            # residents can bring more than their own bytes (a KV cache that follows its kernels):
+            # shrink by the excess, down to no resident weight at all
+            capacity = max(capacity - over, 0)
         return None
 
 
@@ -419,8 +423,9 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
     tried = [((s, b), o.fit(_chooser(o, s, b, 0, runs), s, s * b, limit=b)) for s, b in options]
     tried = [(sb, r) for sb, r in tried if r is not None]
     if not tried:
-        raise PlanError(f"offload: {o.devices[o.gpu]} cannot hold even the KV cache and activations "
-                        f"({o.fixed_bytes()} bytes, budget {o.budget})")
+        raise PlanError(f"offload: {o.devices[o.gpu]} cannot hold even the KV cache, activations and reserve "
+                        f"({o.fixed_bytes()} bytes, of which {o.reserve} are kept for transient results and the "
+                        f"other buckets' own buffers; budget {o.budget})")
     s, b = min(tried, key=lambda x: x[1][1].step_s)[0]
     from .offload_baselines import layer_offload, streaming   # coarse plans are candidates too
     return _best([o.fit(_chooser(o, s, b, polish, runs), s, s * b, limit=b), *(r for _, r in tried),
