@@ -50,7 +50,8 @@ from actors.chunks import sub_ranges
 from actors.handoff import Handoff, hub_for
 from actors.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
-from actors.streaming import Staging, program_for, staging_of, streamed_buffers
+from actors.sharing import Shares
+from actors.streaming import program_for, staging_of, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph, graph_from_bytes
@@ -82,6 +83,7 @@ class _Installed:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
     peers: dict = field(default_factory=dict)   # plan device -> its Handoff, for device actors in this process
     home_keys: dict = field(default_factory=dict)   # streamed buffer id -> (share group, name, "home")
+    crosses: dict = field(default_factory=dict)     # transfer tag -> to a co-located peer across PCIe
     ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
 
 
@@ -99,10 +101,7 @@ class DeviceActor(Actor):
         self.recv_timeout = recv_timeout
         self.transfer_name = transfer
         self.plans: dict[str, _Installed] = {}
-        self.shared: dict[tuple[str, str], torch.Tensor] = {}   # (group, buffer name) -> bytes
-        self.loaded: set[tuple] = set()                          # ... whose values were loaded
-        self.homes: dict[tuple[str, str, str], torch.Tensor] = {}   # host homes of streamed weights, by group
-        self.rings: dict[str, tuple[Staging, asyncio.Lock]] = {}    # group -> its staging ring
+        self.shares = Shares(spec.name)   # what the share groups hold across plans
         self.steps_run = 0
         self.busy_s = 0.0
         self.waiter: ThreadPoolExecutor | None = None
@@ -138,9 +137,7 @@ class DeviceActor(Actor):
             self.waiter.shutdown(wait=False, cancel_futures=True)
         # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
         self.plans.clear()
-        self.shared.clear()
-        self.homes.clear()
-        self.rings.clear()
+        self.shares.clear()
         self.runner = None
 
     async def _on_worker(self, fn, *args):
@@ -166,60 +163,36 @@ class DeviceActor(Actor):
             raise BackendError(f"{self.spec.name}: device could not be opened: {self.open_error}")
         cls = program_class(graph)
         streamed = set(streamed_buffers(plan, d))   # homed in host memory: not shared device tensors
-        keys = self._share_keys(graph, [b for b in plan.resident[d] if b not in streamed], msg.share)
-        home_keys = {b: (msg.share, graph.buffers[b].name, "home") for b in streamed
-                     if msg.share and graph.buffers[b].name}
+        shares = self.shares
+        keys = shares.keys(graph, [b for b in plan.resident[d] if b not in streamed], msg.share)
+        home_keys = shares.home_keys(graph, sorted(streamed), msg.share)
         slots, slot_bytes = staging_of(plan, d)
-        have = self.rings.get(msg.share) if msg.share else None
-        if have is not None and streamed and (have[0].slots, have[0].slot_bytes) != (slots, slot_bytes):
-            raise BackendError(f"{self.spec.name}: plan {msg.plan_id!r} wants {slots} staging slots of {slot_bytes} "
-                               f"bytes, share group {msg.share!r} has {have[0].slots} of {have[0].slot_bytes}")
+        have = shares.ring(msg.share, slots, slot_bytes, msg.plan_id) if streamed else None
 
-        def build() -> AtenProgram:
-            shared = {}
-            new = {key: max(graph.buffers[b].nbytes, 1) for b, key in keys.items() if key not in self.shared}
-            ring = None
-            if home_keys:   # one staging ring and one host home per weight serve the whole share group
-                ring = have[0] if have is not None else Staging(self.runner.device, slots, slot_bytes,
-                                                                self.runner.backend)
-            rings = sum(r.nbytes for r, _ in self.rings.values()) + (ring.nbytes if ring is not None and have is None else 0)
-            held = sum(t.numel() for t in self.shared.values()) + rings
-            budget = self.spec.mem
-            if budget is not None and held + sum(new.values()) > budget:
-                raise BackendError(f"{self.spec.name}: the shared weights, state and staging would take "
-                                   f"{held + sum(new.values())} bytes, budget is {budget}")
-            for b, key in keys.items():
-                t = self.shared.get(key)
-                if t is None:
-                    t = self.shared[key] = torch.zeros(new[key], dtype=torch.uint8, device=self.runner.device)
-                shared[b] = t
-            pin = self.runner.device.type == "cuda"
-            homes = {}
-            for b, key in home_keys.items():
-                t = self.homes.get(key)
-                if t is None:
-                    t = self.homes[key] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8,
-                                                      pin_memory=pin)
-                homes[b] = t
-            # the plan's own buffers get what the shared ones leave of the budget
-            left = None if budget is None else budget - held - sum(new.values())
+        def build() -> tuple[AtenProgram, Any]:
+            # one staging ring and one host home per weight serve the whole share group; the plan's own
+            # buffers get what the group's leave of the budget
+            shared, homes, ring, left = shares.allocate(graph, keys, home_keys, have, slots, slot_bytes,
+                                                        self.runner.device, self.runner.backend, self.spec.mem)
             prog = program_for(cls, graph, plan, d, self.runner, left, shared, self.spec.slow, ring, homes)
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)
             return prog, ring
         prog, ring = await self._on_worker(build)
-        if ring is not None and have is None:
-            have = self.rings[msg.share] = (ring, asyncio.Lock())
         inst = _Installed(graph, plan, d, prog)
         inst.share_keys = keys
         inst.home_keys = home_keys
-        inst.ring_lock = have[1] if home_keys else None
+        inst.ring_lock = shares.lock(msg.share, ring) if ring is not None else None
         inst.peers = self._peers(msg.routes, d)
+        # hand-offs to a co-located peer across PCIe (GPU <-> CPU) leave in pinned host memory
+        here = plan.devices[d].startswith("cuda")
+        inst.crosses = {t.tag: t.dst in inst.peers and plan.devices[t.dst].startswith("cuda") != here
+                        for t in plan.transfers}
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
-                and (keys.get(b) or home_keys.get(b)) not in self.loaded]
+                and (keys.get(b) or home_keys.get(b)) not in shares.loaded]
         return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine), need)
 
     def _peers(self, routes: list, me: int) -> dict[int, Handoff]:
@@ -233,29 +206,12 @@ class DeviceActor(Actor):
                 peers[int(d)] = handoff
         return peers
 
-    def _share_keys(self, graph: KernelGraph, resident, share: str) -> dict[int, tuple[str, str]]:
-        """Buffer id -> share key for the named weights/state of a share group;
-        a name already held with another size is refused (not the same tensor)."""
-        if not share:
-            return {}
-        keys = {}
-        for b in resident:
-            buf = graph.buffers[b]
-            if buf.role in ("weight", "state") and buf.name:
-                key = (share, buf.name)
-                held = self.shared.get(key)
-                if held is not None and held.numel() != max(buf.nbytes, 1):
-                    raise ValueError(f"{self.spec.name}: buffer {buf.name!r} of share group {share!r} holds "
-                                     f"{held.numel()} bytes, this plan's has {buf.nbytes}")
-                keys[b] = key
-        return keys
-
     @handler(LoadValues)
     async def load(self, msg: LoadValues) -> Ok:
         inst = self._plan(msg.plan_id)
         await self._on_worker(inst.prog.load, dict(zip(msg.buffers, msg.data)))
-        self.loaded.update(inst.share_keys[b] for b in msg.buffers if b in inst.share_keys)
-        self.loaded.update(inst.home_keys[b] for b in msg.buffers if b in inst.home_keys)
+        self.shares.loaded.update(inst.share_keys[b] for b in msg.buffers if b in inst.share_keys)
+        self.shares.loaded.update(inst.home_keys[b] for b in msg.buffers if b in inst.home_keys)
         return Ok(f"{len(msg.buffers)} buffers offered")
 
     @handler(Uninstall)
@@ -280,14 +236,13 @@ class DeviceActor(Actor):
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:
         graphs = self.runner.stats() if self.runner is not None else {"graphs": False}
+        sh = self.shares
+        own = sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
-                      **self.handoff.counts, "shared_bytes": sum(t.numel() for t in self.shared.values()),
-                      "staging_bytes": sum(r.nbytes for r, _ in self.rings.values()),
-                      "home_bytes": sum(t.numel() for t in self.homes.values()),
+                      **self.handoff.counts, "shared_bytes": sh.device_bytes() - sh.staging_bytes(),
+                      "staging_bytes": sh.staging_bytes(), "home_bytes": sum(t.numel() for t in sh.homes.values()),
                       # what this device allocated: shared weights and state, staging, every plan's own buffers
-                      "allocated_bytes": sum(t.numel() for t in self.shared.values())
-                      + sum(r.nbytes for r, _ in self.rings.values())
-                      + sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)})
+                      "allocated_bytes": sh.device_bytes() + own})
 
     def _plan(self, plan_id: str) -> _Installed:
         try:
@@ -468,9 +423,7 @@ class DeviceActor(Actor):
         sampled = None
         program = plan.programs[d]
         peers = inst.peers
-        # hand-offs to a co-located peer across PCIe (GPU <-> CPU) leave in pinned host memory
-        here = plan.devices[d].startswith("cuda")
-        crosses = {t.tag: t.dst in peers and plan.devices[t.dst].startswith("cuda") != here for t in plan.transfers}
+        crosses = inst.crosses
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
 
         def block(i: int) -> tuple[int, list[int], list[int]]:

@@ -15,7 +15,7 @@ streaming for their own shape.  Each workload goes through
 requests over the window where all decode, prefill tokens/s from the time
 to the first token of a ``--prefill``-token prompt.  Also reported: the
 GPU allocator's peak, bytes over PCIe per token, each device's busy
-fraction (the engine's busy seconds over the window), the step model's
+fraction (the engine's busy seconds over the workload's requests), the step model's
 prediction and the ideal bound from the same rates.
 
 Correctness at batch 1: greedy tokens against an engine on the GPU alone
@@ -211,7 +211,12 @@ async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, g
 
 
 def bucket_of(cfg: OffloadConfig, work: str) -> str:
-    return "prefill:%d" % cfg.prefill if work == "prefill" else f"decode:{int(work[len('decode_b'):])}@0"
+    return "prefill:%d" % cfg.prefill if work == "prefill" else f"decode:{tokens_per_step(cfg, work)}@0"
+
+
+def tokens_per_step(cfg: OffloadConfig, work: str) -> int:
+    """Tokens one step of a workload makes: its batch (``decode_bB``) or the prompt (``prefill``)."""
+    return cfg.prefill if work == "prefill" else int(work[len("decode_b"):])
 
 
 # -- the teacher-forced check -----------------------------------------------------
@@ -350,7 +355,7 @@ async def bench(cfg: OffloadConfig) -> dict:
     results: dict = {w: {"gpu_budget_bytes": budget, "ideal_step_s": ideal(models_of[w]), "policies": {},
                          "reference_tok_s": ref[w]["tok_s"], "reference_device": plain} for w in work}
     for w in work:
-        per = int(w[len("decode_b"):]) if w != "prefill" else cfg.prefill
+        per = tokens_per_step(cfg, w)
         results[w]["ideal_tok_s"] = per / results[w]["ideal_step_s"]
 
     runs = [("gpu_only", gspec.name, "contiguous", {})] if fits else []
@@ -378,7 +383,7 @@ async def bench(cfg: OffloadConfig) -> dict:
         for w in work:
             plan = plans[bucket_of(cfg, w)]
             g = graphs[w]
-            per = int(w[len("decode_b"):]) if w != "prefill" else cfg.prefill
+            per = tokens_per_step(cfg, w)
             r = got[w]
             off = plan.meta.get("offload") or {}
             streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
@@ -396,7 +401,8 @@ async def bench(cfg: OffloadConfig) -> dict:
                 info["tokens_equal_reference"] = r["tokens"] == ref[w]["tokens"]   # free-running, greedy
                 info["first_difference"] = first_difference(r["tokens"], ref[w]["tokens"])
                 if pol == "tessera":
-                    lg = await forced_logits(g, plan, got_values(got, w, cfg), [1, 2, 3], ref[w]["tokens"], gpu)
+                    values = got["served"].values[bucket_of(cfg, w)]
+                    lg = await forced_logits(g, plan, values, [1, 2, 3], ref[w]["tokens"], gpu)
                     forced = [int(x.argmax()) for x in lg]
                     info["forced_tokens_equal_reference"] = forced == ref[w]["tokens"]
                     info["argmax_flips_beyond_ties"] = real_flips(forced, ref[w]["tokens"], ref_logits)
@@ -427,15 +433,11 @@ async def bench(cfg: OffloadConfig) -> dict:
         results[w]["gpu_allocated_bytes"] = t.get("gpu_allocated_bytes")
         if replanned is not None:   # the bound again at the CPU rate the devices showed
             costs = estimate_rates(graphs[w], devices, switch_s, replanned["cpu_bps"])
-            per = int(w[len("decode_b"):]) if w != "prefill" else cfg.prefill
+            per = tokens_per_step(cfg, w)
             step = ideal(Offload(graphs[w], devices, costs, rates["pcie_bps"], reserve))
             results[w]["ideal_at_observed_cpu_step_s"] = step
             results[w]["ideal_at_observed_cpu_tok_s"] = per / step
     return {"rates": rates, **results}
-
-
-def got_values(got: dict, work: str, cfg: OffloadConfig) -> dict:
-    return got["served"].values[bucket_of(cfg, work)]
 
 
 def table(res: dict) -> str:

@@ -108,9 +108,19 @@ class AtenProgram:
             if b in self.arena:
                 self.arena[b][: v.numel()].copy_(v.reshape(-1).view(torch.uint8))
 
-    def read(self, buffer: int, ranges: Sequence[Sequence[int]]) -> torch.Tensor:
-        """The bytes of ``ranges`` concatenated (a new tensor: a snapshot)."""
+    def read(self, buffer: int, ranges: Sequence[Sequence[int]], pinned: bool = False) -> torch.Tensor:
+        """The bytes of ``ranges`` concatenated (a new tensor: a snapshot);
+        ``pinned``: the snapshot is taken straight into pinned host memory
+        (queued on the current stream when the arena is on a GPU: settled
+        once that stream is)."""
         a = self.arena[buffer]
+        if pinned:
+            out = torch.empty(sum(e - s for s, e in ranges), dtype=torch.uint8, pin_memory=True)
+            pos = 0
+            for s, e in ranges:
+                out[pos:pos + e - s].copy_(a[s:e], non_blocking=a.is_cuda)
+                pos += e - s
+            return out
         if len(ranges) == 1:
             s, e = ranges[0]
             return a[s:e].clone()

@@ -134,13 +134,9 @@ class SegmentRunner:
         if copy_stream:
             be.wait(stream, be.record(self.compute))
         pin = torch.cuda.is_available()
+        flags = list(pinned) + [False] * (len(pieces) - len(pinned))
         with self._on(stream):
-            out = [prog.read(b, ranges) for b, ranges in pieces]
-            for i, want in enumerate(pinned):
-                if want and pin:
-                    host = torch.empty(out[i].shape, dtype=out[i].dtype, pin_memory=True)
-                    host.copy_(out[i], non_blocking=out[i].is_cuda)
-                    out[i] = host
+            out = [prog.read(b, ranges, pinned=pin and want) for (b, ranges), want in zip(pieces, flags)]
         be.host_wait(be.record(stream))
         return out
 

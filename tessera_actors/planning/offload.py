@@ -36,6 +36,7 @@ from ..devices import DeviceSpec
 from ..graph import KernelGraph
 from ..plan import Plan, PlanError, build_plan
 from .costs import CostTable, DeviceModel, device_model
+from .pinning import state_homes
 
 # DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
 # beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
@@ -565,7 +566,6 @@ class OffloadPlanner:
                 raise PlanError(f"offload: no {self.policy} placement fits {o.devices[o.gpu]} "
                                 f"(budget {o.budget} bytes)")
         p, st = got
-        from .pinning import state_homes
         self.homes, self.staging = homes_of(o, p), (p.slots, p.slot_bytes)
         self.state_homes = state_homes(graph, p.assignment)
         return to_plan(o, p, f"offload-{self.policy}", st)
