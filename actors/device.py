@@ -83,8 +83,33 @@ class _Installed:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
     peers: dict = field(default_factory=dict)   # plan device -> its Handoff, for device actors in this process
     home_keys: dict = field(default_factory=dict)   # streamed buffer id -> (share group, name, "home")
-    crosses: dict = field(default_factory=dict)     # transfer tag -> to a co-located peer across PCIe
+    readers: dict = field(default_factory=dict)     # transfer tag -> snapshot of its bytes (sends of this device)
+    writers: dict = field(default_factory=dict)     # transfer tag -> write of its bytes (receives)
+    blocks: dict = field(default_factory=dict)      # program step of a run -> (end, kernels, sends)
     ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
+
+
+def _blocks(plan: Plan, d: int) -> dict[int, tuple[int, list[int], list[int]]]:
+    """Per step ``i`` of device ``d``'s program that is not a receive: ``(end, kernels, sends)``
+    - the kernels of the runs from ``i`` on and the sends after them, up to
+    the next receive or a run after a send (``end``: the program step after
+    them).  Worked out once at install: a step's worker calls look it up."""
+    program = plan.programs[d]
+    out = {}
+    for i, st in enumerate(program):
+        if st.op == "recv":
+            continue
+        j, kernels, sends = i, [], []
+        while j < len(program) and program[j].op != "recv":
+            if program[j].op == "run":
+                if sends:
+                    break
+                kernels.extend(plan.segments[program[j].ref].kernels)
+            else:
+                sends.append(program[j].ref)
+            j += 1
+        out[i] = (j, kernels, sends)
+    return out
 
 
 class DeviceActor(Actor):
@@ -185,10 +210,16 @@ class DeviceActor(Actor):
         inst.home_keys = home_keys
         inst.ring_lock = shares.lock(msg.share, ring) if ring is not None else None
         inst.peers = self._peers(msg.routes, d)
-        # hand-offs to a co-located peer across PCIe (GPU <-> CPU) leave in pinned host memory
+        # the views of every transfer are made once; a hand-off to a co-located peer across PCIe
+        # (GPU <-> CPU) leaves in pinned host memory
         here = plan.devices[d].startswith("cuda")
-        inst.crosses = {t.tag: t.dst in inst.peers and plan.devices[t.dst].startswith("cuda") != here
-                        for t in plan.transfers}
+        for t in plan.transfers:
+            if t.src == d:
+                crosses = t.dst in inst.peers and plan.devices[t.dst].startswith("cuda") != here
+                inst.readers[t.tag] = prog.reader(t.buffer, t.ranges, pinned=crosses)
+            if t.dst == d:
+                inst.writers[t.tag] = prog.writer(t.buffer, t.ranges)
+        inst.blocks = _blocks(plan, d)
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
@@ -422,22 +453,8 @@ class DeviceActor(Actor):
                 return (*to_host(*self._sample(inst, msg)), started, time.time())
         sampled = None
         program = plan.programs[d]
-        peers = inst.peers
-        crosses = inst.crosses
+        peers, blocks, readers, writers = inst.peers, inst.blocks, inst.readers, inst.writers
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
-
-        def block(i: int) -> tuple[int, list[int], list[int]]:
-            """(end, kernels, sends) of the run step at ``i`` and the sends after it."""
-            j, kernels, sends = i, [], []
-            while j < len(program) and program[j].op != "recv":
-                if program[j].op == "run":
-                    if sends:
-                        break
-                    kernels.extend(plan.segments[program[j].ref].kernels)
-                else:
-                    sends.append(program[j].ref)
-                j += 1
-            return j, kernels, sends
 
         def work(i: int, writes: list, pre) -> tuple[int, list, float, float, float, Any, list]:
             """On the worker, from program step ``i`` (a run): blocks of kernels
@@ -464,16 +481,14 @@ class DeviceActor(Actor):
                     waited += time.perf_counter() - w0
                     if data is None:
                         break   # the peer is slow: wait on the loop, the worker stays free meanwhile
-                    prog.write(t.buffer, t.ranges, data)
+                    writers[t.tag](data)
                     i += 1
                     continue
                 b0 = time.time()
-                j, kernels, sends = block(i)
+                j, kernels, sends = blocks[i]
                 if kernels:
                     runner.run((plan_id, i), prog, kernels)
-                out = runner.read(prog, [(transfers[tag].buffer, transfers[tag].ranges) for tag in sends],
-                                  pinned=[crosses[tag] for tag in sends]) \
-                    if sends else []   # settled: the peer may read them at once
+                out = runner.read([readers[tag] for tag in sends]) if sends else []   # settled: the peer may read them
                 for tag, data in zip(sends, out):
                     dst = peers.get(transfers[tag].dst)
                     if dst is not None:
@@ -548,7 +563,7 @@ class DeviceActor(Actor):
             mine = []
 
         def outputs() -> list[Any]:
-            return runner.read(prog, [(b, [(s, e)]) for b, s, e in mine], copy_stream=False)
+            return runner.read([prog.reader(b, [(s, e)]) for b, s, e in mine])
         data = await self._on_worker(outputs) if mine else []
         self.steps_run += 1
         self.busy_s += busy

@@ -35,24 +35,34 @@ def _resolve(fut: asyncio.Future, data: Any) -> None:
 
 
 class Handoff:
+    """Wake-ups go straight to the one thread waiting for a key: a worker in
+    :meth:`take` sleeps on a lock of its own that :meth:`put` releases after
+    leaving the shared lock, so the woken thread has nothing to contend for
+    (one futex wake-up per hand-off, not a notify and then the condition's
+    lock)."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._data: dict[tuple, Any] = {}
-        self._waiters: dict[tuple, asyncio.Future] = {}
+        self._waiters: dict[tuple, asyncio.Future] = {}    # keys the event loop waits for
+        self._sleepers: dict[tuple, Any] = {}              # keys a worker waits for: its held lock
         # ints only, updated under the lock
         self.counts = {"direct_transfers": 0, "direct_bytes": 0, "taken_on_worker": 0, "taken_on_loop": 0}
 
     def put(self, key: tuple, data: Any) -> None:
         """From any thread: the bytes of transfer ``key``."""
         nbytes = data.numel() * data.element_size() if hasattr(data, "numel") else 0
-        with self._cv:
+        sleeper = None
+        with self._lock:
             self.counts["direct_transfers"] += 1
             self.counts["direct_bytes"] += nbytes
             fut = self._waiters.pop(key, None)
             if fut is None:
                 self._data[key] = data
-                self._cv.notify_all()
+                sleeper = self._sleepers.pop(key, None)
+        if sleeper is not None:
+            sleeper.release()
         if fut is not None:
             self._loop.call_soon_threadsafe(_resolve, fut, data)
 
@@ -62,20 +72,30 @@ class Handoff:
         ``timeout`` seconds for them, and no longer once ``give_up()`` says
         so (checked every ``poll`` seconds: other work wants the thread);
         None: not here yet."""
+        with self._lock:
+            if key in self._data:
+                self.counts["taken_on_worker"] += 1
+                return self._data.pop(key)
+            gate = threading.Lock()
+            gate.acquire()
+            self._sleepers[key] = gate
         deadline = time.monotonic() + timeout
-        with self._cv:
-            while key not in self._data:
-                left = deadline - time.monotonic()
-                if left <= 0 or give_up():
-                    return None
-                self._cv.wait(min(left, poll))
+        while not gate.acquire(timeout=poll):
+            if time.monotonic() >= deadline or give_up():
+                with self._lock:
+                    if self._sleepers.get(key) is gate:
+                        del self._sleepers[key]
+                    if key not in self._data:
+                        return None
+                break   # put between the wait and the lock
+        with self._lock:
             self.counts["taken_on_worker"] += 1
             return self._data.pop(key)
 
     async def wait(self, key: tuple, timeout: float) -> Any:
         """On the event loop: the bytes of ``key``; ``asyncio.TimeoutError``
         after ``timeout`` seconds."""
-        with self._cv:
+        with self._lock:
             if key in self._data:
                 self.counts["taken_on_loop"] += 1
                 return self._data.pop(key)
@@ -84,27 +104,27 @@ class Handoff:
         try:
             data = await asyncio.wait_for(fut, timeout)
         finally:
-            with self._cv:
+            with self._lock:
                 if self._waiters.get(key) is fut:
                     del self._waiters[key]
-        with self._cv:
+        with self._lock:
             self.counts["taken_on_loop"] += 1
         return data
 
     def discard(self, plan_id: str, step: int) -> None:
         """Drop what is held for one step of ``plan_id`` (the step ended)."""
-        with self._cv:
+        with self._lock:
             for key in [k for k in self._data if k[0] == plan_id and k[1] == step]:
                 del self._data[key]
 
     def drop(self, plan_id: str) -> None:
         """Drop everything held for ``plan_id`` (uninstalled)."""
-        with self._cv:
+        with self._lock:
             for key in [k for k in self._data if k[0] == plan_id]:
                 del self._data[key]
 
     def held(self) -> int:
-        with self._cv:
+        with self._lock:
             return len(self._data)
 
 

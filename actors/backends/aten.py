@@ -110,39 +110,68 @@ class AtenProgram:
 
     def read(self, buffer: int, ranges: Sequence[Sequence[int]], pinned: bool = False) -> torch.Tensor:
         """The bytes of ``ranges`` concatenated (a new tensor: a snapshot);
-        ``pinned``: the snapshot is taken straight into pinned host memory
-        (queued on the current stream when the arena is on a GPU: settled
-        once that stream is)."""
+        ``pinned``: as :meth:`reader` says."""
+        return self.reader(buffer, ranges, pinned)()
+
+    def reader(self, buffer: int, ranges: Sequence[Sequence[int]], pinned: bool = False) -> Callable[[], torch.Tensor]:
+        """A call taking the snapshot :meth:`read` takes, with the views into
+        the arena made once (a transfer's are made at install: its hot path
+        is one copy).  ``pinned``: the snapshot goes straight into pinned host
+        memory (queued on the current stream when the arena is on a GPU:
+        settled once that stream is); on a machine without CUDA it is plain
+        host memory."""
         a = self.arena[buffer]
-        if pinned:
-            out = torch.empty(sum(e - s for s, e in ranges), dtype=torch.uint8, pin_memory=True)
-            pos = 0
-            for s, e in ranges:
-                out[pos:pos + e - s].copy_(a[s:e], non_blocking=a.is_cuda)
-                pos += e - s
-            return out
-        if len(ranges) == 1:
-            s, e = ranges[0]
-            return a[s:e].clone()
-        return torch.cat([a[s:e] for s, e in ranges])
+        views = [a[s:e] for s, e in ranges]
+        n = sum(e - s for s, e in ranges)
+        if pinned and torch.cuda.is_available():
+            queued = a.is_cuda
+
+            def into_pinned() -> torch.Tensor:
+                out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+                if len(views) == 1:
+                    out.copy_(views[0], non_blocking=queued)
+                    return out
+                pos = 0
+                for v in views:
+                    out[pos:pos + v.numel()].copy_(v, non_blocking=queued)
+                    pos += v.numel()
+                return out
+            return into_pinned
+        if len(views) == 1:
+            return views[0].clone
+        return lambda: torch.cat(views)
 
     def write(self, buffer: int, ranges: Sequence[Sequence[int]], data: torch.Tensor) -> None:
+        self.writer(buffer, ranges)(data)
+
+    def writer(self, buffer: int, ranges: Sequence[Sequence[int]]) -> Callable[[torch.Tensor], None]:
+        """A call writing bytes into ``ranges`` of ``buffer`` (a flat uint8
+        tensor, or any tensor taken as its bytes), the views made once."""
         a = self.arena[buffer]
-        data = data.reshape(-1).view(torch.uint8)
-        if data.is_cuda:
-            # the copy below is queued, not done: keep the sender's block from
-            # being reused until the stream that reads it got past the copy
-            data.record_stream(torch.cuda.current_stream(data.device))
+        views = [a[s:e] for s, e in ranges]
+        n = sum(e - s for s, e in ranges)
         # into device memory the copy is ordered on the stream the kernels run on; into host memory
         # the CPU kernels read it next, so it must be done when this returns (a device-to-host copy
         # into pageable memory is not guaranteed synchronous with non_blocking)
         queued = a.is_cuda
-        pos = 0
-        for s, e in ranges:
-            a[s:e].copy_(data[pos:pos + e - s], non_blocking=queued)
-            pos += e - s
-        if pos != data.numel():
-            raise BackendError(f"buffer {buffer}: received {data.numel()} bytes for ranges of {pos}")
+
+        def write(data: torch.Tensor) -> None:
+            if data.dtype != torch.uint8 or data.dim() != 1:
+                data = data.reshape(-1).view(torch.uint8)
+            if data.numel() != n:
+                raise BackendError(f"buffer {buffer}: received {data.numel()} bytes for ranges of {n}")
+            if data.is_cuda:
+                # the copy below is queued, not done: keep the sender's block from
+                # being reused until the stream that reads it got past the copy
+                data.record_stream(torch.cuda.current_stream(data.device))
+            if len(views) == 1:
+                views[0].copy_(data, non_blocking=queued)
+                return
+            pos = 0
+            for v in views:
+                v.copy_(data[pos:pos + v.numel()], non_blocking=queued)
+                pos += v.numel()
+        return write
 
     # -- kernels --------------------------------------------------------
     def _arg(self, v: Any) -> Any:

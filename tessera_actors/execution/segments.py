@@ -1,6 +1,6 @@
 """How a device actor's worker thread runs its share of a step: on the
-device seam (``actors/backends/base.py``), with one compute stream, one
-communication stream and, per chunk of kernels, a replayable unit.
+device seam (``actors/backends/base.py``), with one compute stream (sends and
+outputs are copied there too) and, per chunk of kernels, a replayable unit.
 
 A *chunk* is a run of kernels the device actor executes without a transfer
 in between (``(plan_id, chunk)`` names it; the chunk is its first program
@@ -70,7 +70,6 @@ class SegmentRunner:
         self.device = be.device
         self.graphs = graphs
         self.compute = be.stream(priority=0)
-        self.comm = be.stream(priority=-1)    # sends are waited on by peers: ahead of compute
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.compute)
@@ -117,27 +116,20 @@ class SegmentRunner:
         replay()
         self.counts["replays"] += 1
 
-    def read(self, prog: AtenProgram, pieces: Sequence[tuple[int, Sequence[Sequence[int]]]],
-             copy_stream: bool = True, pinned: Sequence[bool] = ()) -> list[Any]:
-        """Snapshots of ``(buffer, ranges)`` of ``prog`` once everything queued
-        so far has produced them; returns after those bytes are settled (a
-        wait on one event, not on the device).  ``copy_stream`` takes the
-        snapshots on the communication stream (sends: the peer waits for
-        them), else on the compute stream (outputs).  ``pinned[i]``: piece
-        ``i`` goes to a peer on the other side of PCIe (a CPU device's send
-        to a GPU, a GPU's to a CPU): its snapshot is taken into pinned host
-        memory (by the same wait on a GPU), so the receiver's copy is a
-        queued DMA or a plain memcpy, not a synchronous pageable transfer
-        (on an H200 that was 70 to 110 us per hand-off)."""
+    def read(self, readers: Sequence[Callable[[], Any]]) -> list[Any]:
+        """The snapshots ``readers`` take (:meth:`AtenProgram.reader
+        <actors.backends.aten.AtenProgram.reader>`: a transfer's bytes, into
+        pinned host memory when they cross PCIe to a co-located peer, or a
+        step's outputs) once everything queued so far has produced them;
+        returns after those bytes are settled.  The copies queue on the
+        compute stream behind the kernels and the host waits on one event
+        after them: the wait that every send needs anyway, with no second
+        stream to order (on an H200 a pinned hand-off's receiver then copies
+        with a queued DMA or a plain memcpy, not a synchronous pageable
+        transfer: that was 70 to 110 us per hand-off)."""
+        out = [r() for r in readers]
         be = self.backend
-        stream = self.comm if copy_stream else self.compute
-        if copy_stream:
-            be.wait(stream, be.record(self.compute))
-        pin = torch.cuda.is_available()
-        flags = list(pinned) + [False] * (len(pieces) - len(pinned))
-        with self._on(stream):
-            out = [prog.read(b, ranges, pinned=pin and want) for (b, ranges), want in zip(pieces, flags)]
-        be.host_wait(be.record(stream))
+        be.host_wait(be.record(self.compute))
         return out
 
     def _on(self, stream):
@@ -155,7 +147,6 @@ class SegmentRunner:
     def synchronize(self) -> None:
         be = self.backend
         be.host_wait(be.record(self.compute))
-        be.host_wait(be.record(self.comm))
 
     def stats(self) -> dict[str, Any]:
         return {"graphs": self.graphs, **self.counts, "last_capture_error": self.last_capture_error}
