@@ -13,8 +13,10 @@ Contract of a step (every method runs on the device actor's worker thread):
 * copy ``i`` goes to slot ``i % slots`` on the program's own copy stream,
   after the event recorded behind the reader of copy ``i - slots`` (a slot is
   never overwritten while a kernel may still read it);
-* the reader of copy ``i`` waits on the compute stream for the event behind
-  copy ``i``, so the copy overlaps the kernels before it;
+* the kernels up to and including the reader of copy ``i`` (those after the
+  previous reader: light ones) run as one piece, which waits on the compute
+  stream for the event behind copy ``i``, so the copy overlaps the pieces
+  before it;
 * copies ``0 .. slots-1`` of a step are queued when its first kernel on this
   device runs, each later one right after the reader of the copy it
   replaces, so the copy stream stays ``slots - 1`` weights ahead.
@@ -23,7 +25,7 @@ On CPU the copies run when queued and every event is complete at once, so CI
 runs this same order.  The device's ``mem=`` budget counts the resident
 buffers and the slots, not the host homes.  The segment runner does not
 capture a streaming program's chunks (``capturable = False``); the program
-captures the pieces *between* streamed readers itself (eager the first
+captures the pieces ending at streamed readers itself (eager the first
 time, one CUDA graph the second, replayed after; ``graphs`` from the
 runner), so copies and events stay outside graphs and prefetch crosses
 chunks (copies overlap the CPU's kernels between two GPU chunks).
@@ -121,6 +123,10 @@ class StreamingProgram(AtenProgram):
                                "the one reader of its weight")
         self.copy_stream = self.ring.copy_stream
         self.copied: list[Any] = [None] * len(self.streamed)   # event behind copy i of this step
+        self.copy_done: list[Any] = [None] * max(slots, 1)     # per slot: the event copies into it record
+        # copy i: (its bytes of slot i % slots, its host home), views made once
+        self.views = [(self.slot[i % slots][:graph.buffers[b].nbytes], self.home[b][:graph.buffers[b].nbytes])
+                      for i, b in enumerate(self.streamed)]
         self.freed = self.ring.freed                             # (event,) behind the last reader of a slot
         self.first: int | None = None                           # first kernel of this device in a step
         self.copies = 0
@@ -142,18 +148,24 @@ class StreamingProgram(AtenProgram):
         self.first = kid if self.first is None else min(self.first, kid)
         return super().bind(kid)
 
-    def _issue(self, i: int) -> None:
-        be, b = self.backend, self.streamed[i]
-        slot = self.slot[i % self.slots]
-        if self.freed[i % self.slots] is not None:
-            be.wait(self.copy_stream, self.freed[i % self.slots][0])
-        n = self.graph.buffers[b].nbytes
-        be.copy(self.copy_stream, slot[:n], self.home[b][:n])
-        self.copied[i] = (be.record(self.copy_stream),)   # a tuple: the CPU seam's events are None
+    def _issue(self, i: int, compute) -> None:
+        """Queue copy ``i`` on the copy stream (the worker's current stream,
+        ``compute``, is made current again after)."""
+        be, k = self.backend, i % self.slots
+        if self.freed[k] is not None:
+            be.wait(self.copy_stream, self.freed[k][0])
+        dst, src = self.views[i]
+        be.copy(self.copy_stream, dst, src, compute)
+        # slot k's event, recorded again: the reader of the copy it last marked queued its wait already
+        self.copied[i] = self.copy_done[k] = (be.record(self.copy_stream, self.copy_done[k][0] if self.copy_done[k] else None),)
         self.copies += 1
-        self.copied_bytes += n
+        self.copied_bytes += dst.numel()
 
     def run(self, kernel_ids: Iterable[int]) -> None:
+        """Kernels between two streamed readers run as one piece with the
+        reader at its end: the compute stream waits for the reader's copy
+        before the piece (its other kernels are light), so a streamed
+        weight costs one replay, one wait and one event."""
         if not self.streamed:
             return super().run(kernel_ids)
         be = self.backend
@@ -164,29 +176,30 @@ class StreamingProgram(AtenProgram):
             if kid == self.first:   # a new step: the first copies go out at once
                 self.copied = [None] * m
                 for i in range(min(S, m)):
-                    self._issue(i)
-            mine = self.index.get(kid, ())
-            if not mine:
-                piece.append(kid)
+                    self._issue(i, compute)
+            piece.append(kid)
+            mine = self.index.get(kid)
+            if mine is None:
                 continue
-            self._piece(piece, compute)
-            piece = []
             for i in mine:
                 if self.copied[i] is None:
                     raise BackendError(f"kernel {kid} reads streamed weight {self.streamed[i]} before its copy "
                                        "was queued (plan out of copy order)")
                 be.wait(compute, self.copied[i][0])
-            self._piece([kid], compute)
+            self._piece(piece, compute)
+            piece = []
             for i in mine:
-                self.freed[i % S] = (be.record(compute),)
+                k = i % S
+                self.freed[k] = (be.record(compute, self.freed[k][0] if self.freed[k] else None),)
                 if i + S < m:
-                    self._issue(i + S)
+                    self._issue(i + S, compute)
         self._piece(piece, compute)
 
     def _piece(self, kernels: list[int], compute) -> None:
-        """Run kernels between two streamed readers: eagerly the first time,
-        captured (one CUDA graph, one memory pool for all pieces) the second,
-        replayed from then on; copies and events stay outside the graphs."""
+        """Run a piece (the kernels up to a streamed reader, or the last ones):
+        eagerly the first time, captured (one CUDA graph, one memory pool for
+        all pieces) the second, replayed from then on; copies and events stay
+        outside the graphs."""
         if not kernels:
             return
         key = (kernels[0], len(kernels))
@@ -206,7 +219,7 @@ class StreamingProgram(AtenProgram):
         if self.pool is None and self.device.type == "cuda":
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            unit = self.backend.replayable(eager, compute, pool=self.pool, warmup=False)
+            unit = self.backend.replayable(eager, compute, pool=self.pool, warmup=False, current=True)
         except Exception as e:   # e.g. a kernel that syncs with the host: this piece stays eager
             self.capture_error = f"{key}: {type(e).__name__}: {e}"
             self.graphs_failed += 1

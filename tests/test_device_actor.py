@@ -143,7 +143,7 @@ def test_a_chunk_that_cannot_be_captured_keeps_running_eagerly(tiny):
     want = PlanRunner(g, single_device_plan(g, "cpu"), tiny.values).step(inp)
     runner = SegmentRunner(DeviceSpec.parse("cpu"))
 
-    def refuse(fn, stream, pool=None, warmup=True):
+    def refuse(fn, stream, pool=None, warmup=True, current=False):
         raise RuntimeError("operation not permitted when stream is capturing")
     runner.backend.replayable = refuse
     kernels = list(range(len(g.kernels)))

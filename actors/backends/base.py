@@ -37,14 +37,14 @@ class DeviceBackend(Protocol):
     device: torch.device
 
     def stream(self, priority: int = 0) -> Stream: ...
-    def record(self, stream: Stream) -> Event: ...
+    def record(self, stream: Stream, event: Event | None = None) -> Event: ...
     def wait(self, stream: Stream, event: Event) -> None: ...
     def host_wait(self, event: Event) -> None: ...
     def replayable(self, fn: Callable[[], None], stream: Stream, pool=None,
-                   warmup: bool = True) -> Callable[[], None]: ...
+                   warmup: bool = True, current: bool = False) -> Callable[[], None]: ...
     def run_on(self, stream: Stream, fn: Callable[[], None]) -> None: ...
     def scope(self) -> contextlib.AbstractContextManager: ...
-    def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def copy(self, stream: Stream, dst: torch.Tensor, src: torch.Tensor, back: Stream | None = None) -> None: ...
     def synchronize(self) -> None: ...
     def time_kernel(self, fn: Callable[[], None], reps: int) -> float: ...
 
@@ -69,7 +69,7 @@ class CpuBackend:
     def stream(self, priority: int = 0) -> _CpuStream:
         return _CpuStream(priority)
 
-    def record(self, stream: _CpuStream) -> None:
+    def record(self, stream: _CpuStream, event: None = None) -> None:
         return None
 
     def wait(self, stream: _CpuStream, event: None) -> None:
@@ -79,7 +79,7 @@ class CpuBackend:
         return None
 
     def replayable(self, fn: Callable[[], None], stream: _CpuStream, pool=None,
-                   warmup: bool = True) -> Callable[[], None]:
+                   warmup: bool = True, current: bool = False) -> Callable[[], None]:
         return fn
 
     def run_on(self, stream: _CpuStream, fn: Callable[[], None]) -> None:
@@ -88,7 +88,7 @@ class CpuBackend:
     def scope(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def copy(self, stream: _CpuStream, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, stream: _CpuStream, dst: torch.Tensor, src: torch.Tensor, back: None = None) -> None:
         dst.copy_(src)
 
     def synchronize(self) -> None:

@@ -87,6 +87,12 @@ class SegmentRunner:
             replay()
             self.counts["replays"] += 1
             return
+        if not prog.capturable and key in self._units and self.backend.spec.sms is None:
+            # a program that captures its own pieces (weight streaming), warmed up: on a whole GPU it
+            # needs no scope, and the worker's current stream is the compute stream
+            prog.run(kernels)
+            self.counts["eager_runs"] += 1
+            return
 
         def chunk() -> None:
             prog.run(kernels)
@@ -101,7 +107,7 @@ class SegmentRunner:
             self.counts["eager_runs"] += 1
             return
         try:
-            replay = self.backend.replayable(chunk, self.compute, warmup=False)
+            replay = self.backend.replayable(chunk, self.compute, warmup=False, current=True)
         except Exception as e:   # e.g. a kernel that syncs with the host: this chunk stays eager
             self._eager_only.add(key)
             self.counts["capture_failures"] += 1
