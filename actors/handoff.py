@@ -80,14 +80,17 @@ class Handoff:
             gate.acquire()
             self._sleepers[key] = gate
         deadline = time.monotonic() + timeout
-        while not gate.acquire(timeout=poll):
-            if time.monotonic() >= deadline or give_up():
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or give_up():
                 with self._lock:
                     if self._sleepers.get(key) is gate:
                         del self._sleepers[key]
                     if key not in self._data:
                         return None
-                break   # put between the wait and the lock
+                break   # put between the last wait and the lock
+            if gate.acquire(timeout=min(left, poll)):
+                break
         with self._lock:
             self.counts["taken_on_worker"] += 1
             return self._data.pop(key)
