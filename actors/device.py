@@ -57,7 +57,7 @@ from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
                                      Ship, Stats, StepDone, Uninstall)
-from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.plan import Plan, plan_from_dict, program_blocks
 from tessera_actors.execution.runner import write_fed_inputs, write_inputs
 
 log = logging.getLogger("tessera_actors.device")
@@ -86,30 +86,8 @@ class _Installed:
     readers: dict = field(default_factory=dict)     # transfer tag -> snapshot of its bytes (sends of this device)
     writers: dict = field(default_factory=dict)     # transfer tag -> write of its bytes (receives)
     blocks: dict = field(default_factory=dict)      # program step of a run -> (end, kernels, sends)
+    transfers: dict = field(default_factory=dict)   # tag -> the plan's transfer
     ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
-
-
-def _blocks(plan: Plan, d: int) -> dict[int, tuple[int, list[int], list[int]]]:
-    """Per step ``i`` of device ``d``'s program that is not a receive: ``(end, kernels, sends)``
-    - the kernels of the runs from ``i`` on and the sends after them, up to
-    the next receive or a run after a send (``end``: the program step after
-    them).  Worked out once at install: a step's worker calls look it up."""
-    program = plan.programs[d]
-    out = {}
-    for i, st in enumerate(program):
-        if st.op == "recv":
-            continue
-        j, kernels, sends = i, [], []
-        while j < len(program) and program[j].op != "recv":
-            if program[j].op == "run":
-                if sends:
-                    break
-                kernels.extend(plan.segments[program[j].ref].kernels)
-            else:
-                sends.append(program[j].ref)
-            j += 1
-        out[i] = (j, kernels, sends)
-    return out
 
 
 class DeviceActor(Actor):
@@ -219,7 +197,8 @@ class DeviceActor(Actor):
                 inst.readers[t.tag] = prog.reader(t.buffer, t.ranges, pinned=crosses)
             if t.dst == d:
                 inst.writers[t.tag] = prog.writer(t.buffer, t.ranges)
-        inst.blocks = _blocks(plan, d)
+        inst.blocks = program_blocks(plan, d)
+        inst.transfers = {t.tag: t for t in plan.transfers}
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
@@ -438,7 +417,7 @@ class DeviceActor(Actor):
         never passes through the event loop."""
         plan, d, prog = inst.plan, inst.device, inst.prog
         runner = self.runner
-        transfers = {t.tag: t for t in plan.transfers}
+        transfers = inst.transfers
         busy = wait = 0.0
         spans: list | None = [] if msg.trace else None
         spin = 0.0 if msg.trace else self.spin_s   # a traced step records every worker call and receive

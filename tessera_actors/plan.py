@@ -297,6 +297,31 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
         d["mode"], d["microbatches"], d["predicted_step_s"], dict(d["meta"]))
 
 
+def program_blocks(plan: Plan, d: int) -> dict[int, tuple[int, list[int], list[int]]]:
+    """Per step ``i`` of device ``d``'s program that is not a receive:
+    ``(end, kernels, sends)`` - the kernels of the runs from ``i`` on and the
+    sends after them, up to the next receive or a run after a send (``end``:
+    the program step after them).  A device actor works this out once at
+    install; a step's worker calls look it up."""
+    program = plan.programs[d]
+    out = {}
+    for i, st in enumerate(program):
+        if st.op == "recv":
+            continue
+        j, kernels, sends = i, [], []
+        while j < len(program) and program[j].op != "recv":
+            if program[j].op == "run":
+                if sends:
+                    break
+                kernels.extend(plan.segments[program[j].ref].kernels)
+            else:
+                sends.append(program[j].ref)
+            j += 1
+        out[i] = (j, kernels, sends)
+    return out
+
+
 __all__ = ["ContiguousPlanner", "Plan", "PlanError", "Planner", "Segment", "Step", "Transfer", "build_plan",
-           "final_writes", "legal_cuts", "plan_from_dict", "plan_to_dict", "single_device_plan",
+           "final_writes", "legal_cuts", "plan_from_dict", "plan_to_dict", "program_blocks", "single_device_plan",
            "validate_assignment"]
+

@@ -2,7 +2,7 @@
 import pytest
 
 from tessera_actors.graph import Access, Buffer, GraphError, Kernel, KernelGraph
-from tessera_actors.plan import ContiguousPlanner, PlanError, build_plan
+from tessera_actors.plan import ContiguousPlanner, PlanError, build_plan, program_blocks
 
 
 def k(i, *acc, name=None):
@@ -74,6 +74,16 @@ def test_split_plan_transfers_exact_bytes():
     assert [s.op for s in p.programs[0]] == ["run", "send", "run", "send"]
     assert [s.op for s in p.programs[1]] == ["recv", "run", "recv", "run"]
     assert p.outputs == [(2, 0, 32, 1), (2, 32, 64, 1)]
+
+
+def test_program_blocks_stop_at_a_receive_and_at_a_run_after_a_send():
+    p = build_plan(reuse_graph(), ["cpu", "cpu?threads=1"], [0, 1, 0, 1])
+    send0, send1 = (s.ref for s in p.programs[0] if s.op == "send")
+    # device 0: run k0, send; run k2, send - each run with the send after it, one block each
+    assert program_blocks(p, 0) == {0: (2, [0], [send0]), 1: (2, [], [send0]), 2: (4, [2], [send1]),
+                                    3: (4, [], [send1])}
+    # device 1: every run ends at the next receive; receives have no block
+    assert program_blocks(p, 1) == {1: (2, [1], []), 3: (4, [3], [])}
 
 
 def test_state_groups_stay_together():

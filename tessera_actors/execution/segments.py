@@ -87,21 +87,21 @@ class SegmentRunner:
             replay()
             self.counts["replays"] += 1
             return
-        if not prog.capturable and key in self._units and self.backend.spec.sms is None:
-            # a program that captures its own pieces (weight streaming), warmed up: on a whole GPU it
-            # needs no scope, and the worker's current stream is the compute stream
-            prog.run(kernels)
-            self.counts["eager_runs"] += 1
-            return
+        warmed = key in self._units
 
         def chunk() -> None:
             prog.run(kernels)
 
         def eager() -> None:
+            if warmed and self.backend.spec.sms is None:
+                # warmed up on a whole GPU: nothing left to load lazily, and the worker's current
+                # stream is the compute stream (no scope, no stream context: on an H200 one is 13 us)
+                chunk()
+                return
             # a partition's Triton kernels load into its green context at their first launch
             with self.backend.scope(), self._on(self.compute):
                 chunk()
-        if not self.graphs or key not in self._units or key in self._eager_only or not prog.capturable:
+        if not self.graphs or not warmed or key in self._eager_only or not prog.capturable:
             eager()
             self._units.setdefault(key, None)
             self.counts["eager_runs"] += 1
