@@ -83,3 +83,90 @@ def test_many_hand_offs_ping_pong_between_two_threads_in_order():
         t.join(60)
     assert seen == [(i + 1) % 256 for i in range(n)]
     assert h_a.held() == h_b.held() == 0
+
+
+# -- device-side hand-offs (CPU backend: its "stream" is the calling thread) ----------------------------
+from actors.backends.base import CpuBackend  # noqa: E402
+from actors.handoff import Mailbox, Settling, settled  # noqa: E402
+from tessera_actors.devices import DeviceSpec  # noqa: E402
+
+
+def mailbox(nbytes=16):
+    return Mailbox(nbytes, CpuBackend(DeviceSpec.parse("cpu")), pinned=False)
+
+
+def test_a_queued_receive_waits_for_the_post_then_copies_the_bytes_and_marks_them_taken():
+    mb = mailbox()
+    got = {}
+    started = threading.Event()
+
+    def receiver():
+        started.set()
+        mb.queue(None, 5, lambda landing: got.setdefault("bytes", landing.clone()))
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    started.wait()
+    assert "bytes" not in got or got["bytes"] is None
+    mb.post(5, torch.arange(16, dtype=torch.uint8), timeout=30)
+    t.join(30)
+    assert torch.equal(got["bytes"], torch.arange(16, dtype=torch.uint8))
+    assert int(mb.words[Mailbox.TAKEN]) == 6 == int(mb.words[Mailbox.POSTED])
+
+
+def test_a_post_waits_until_the_previous_one_was_copied_out():
+    mb = mailbox()
+    mb.post(0, torch.zeros(16, dtype=torch.uint8), timeout=30)
+    with pytest.raises(TimeoutError, match="did not copy step 0"):
+        mb.post(1, torch.ones(16, dtype=torch.uint8), timeout=0.05)
+    assert int(mb.landing.sum()) == 0   # not overwritten
+    mb.queue(None, 0, lambda landing: None)
+    mb.post(1, torch.ones(16, dtype=torch.uint8), timeout=30)
+    assert int(mb.landing.sum()) == 16
+
+
+def test_steps_out_of_order_and_wrong_sizes_are_refused():
+    mb = mailbox()
+    mb.post(3, torch.zeros(16, dtype=torch.uint8), timeout=1)
+    mb.queue(None, 3, lambda landing: None)
+    with pytest.raises(RuntimeError, match="increasing order"):
+        mb.post(2, torch.zeros(16, dtype=torch.uint8), timeout=1)
+    with pytest.raises(RuntimeError, match="increasing order"):
+        mb.queue(None, 1, lambda landing: None)
+    with pytest.raises(ValueError, match="landing buffer of 16"):
+        mb.post(4, torch.zeros(8, dtype=torch.uint8), timeout=1)
+    with pytest.raises(ValueError, match="outside"):
+        mb.post(-1, torch.zeros(16, dtype=torch.uint8), timeout=1)
+
+
+def test_a_released_receive_runs_on_and_a_reset_lets_the_next_post_go():
+    mb = mailbox()
+    mb.post(0, torch.zeros(16, dtype=torch.uint8), timeout=1)   # the receiver never queued step 0
+    done = threading.Event()
+
+    def receiver():   # step 1 queued; its sender failed before posting
+        mb.queue(None, 1, lambda landing: None)
+        done.set()
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    assert not done.wait(0.05)
+    mb.release()
+    t.join(30)
+    assert done.is_set()
+    mb.reset()
+    mb.post(2, torch.ones(16, dtype=torch.uint8), timeout=1)   # not held up by the lost steps
+    mb.queue(None, 2, lambda landing: None)
+    assert int(mb.words[Mailbox.TAKEN]) == 3
+
+
+def test_settling_bytes_are_waited_for_once_before_they_are_read():
+    waits = []
+    s = Settling(torch.ones(2), waits.append, "event")
+    assert torch.equal(settled(s), torch.ones(2)) and waits == ["event"]
+    assert torch.equal(settled(s), torch.ones(2)) and waits == ["event"]
+    plain = torch.zeros(1)
+    assert settled(plain) is plain
+    h = Handoff(asyncio.new_event_loop())
+    h.put(("p", 0, 1), Settling(torch.zeros(6, dtype=torch.uint8), waits.append, None))
+    assert h.counts["direct_bytes"] == 6

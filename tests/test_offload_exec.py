@@ -11,6 +11,7 @@ import torch
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.runtime.errors import RemoteError
+from tessera_actors.runtime.messages import GetStats
 from tessera_actors.offload_run import adapt, deploy, greedy, predicted_busy
 from tessera_actors.plan import single_device_plan
 from tessera_actors.planning.offload import Offload, OffloadPlanner, estimate_rates
@@ -63,6 +64,27 @@ async def test_split_decode_streams_and_computes_on_the_cpu_with_single_device_t
     streamed = sum(g.buffers[b].nbytes for b in off["streamed"])
     assert sum(g.buffers[b].nbytes for b in plan.resident[0]) - streamed + off["slots"] * off["slot_bytes"] \
         == dep.installed[0].resident_bytes
+
+
+async def test_device_side_receives_give_single_device_tokens_and_move_every_byte(tiny):
+    """Each receive from the co-located peer queued as a wait on the
+    mailbox's posted word (here on the CPU backend, whose wait blocks the
+    worker), each send handed over before its bytes settle: bitwise the same
+    logits, every transfer of every step received once, its bytes counted."""
+    cap, budget, devices = tiny
+    g = cap.graph
+    plan, _ = plan_for(g, devices)
+    want, want_logits, _ = await run(g, single_device_plan(g, "cpu"), cap.values)
+    new = 6
+    async with ActorSystem("t") as system:
+        dep = await deploy(system, g, plan, cap.values, device_waits=True)
+        tokens, logits = await greedy(dep, PROMPT, new)
+        stats = [(await ref.ask(GetStats())).values for ref in dep.refs]
+    assert tokens == want[:new]
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+    steps = len(PROMPT) + new
+    assert sum(st["device_side_receives"] for st in stats) == steps * len(plan.transfers) > 0
+    assert sum(st["direct_bytes"] for st in stats) == steps * sum(t.nbytes for t in plan.transfers)
 
 
 async def test_the_budget_is_enforced_and_staging_counts(tiny):
@@ -164,3 +186,33 @@ async def test_split_decode_in_bfloat16_equals_single_device():
     tokens, logits, _ = await run(g, plan, cap.values)
     assert tokens == want
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+
+
+@pytest.mark.gpu
+async def test_a_gpu_waits_on_the_device_for_cpu_bytes_and_a_post_that_never_comes_fails_only_its_step():
+    """cpu -> cuda:0: the GPU queues each receive from the CPU as a stream
+    wait on host memory.  A step sent to the GPU alone (its CPU part never
+    runs) fails once the receive times out, its stream is let go, and the
+    next steps give the GPU-alone tokens."""
+    from tessera_actors.plan import ContiguousPlanner
+    from tessera_actors.runtime.messages import RunStep
+    cap, _, _ = tiny_model(torch.bfloat16)
+    g = cap.graph
+    devices = ["cpu", "cuda:0"]
+    plan = ContiguousPlanner().plan(g, devices)
+    assert any(t.src == 0 and t.dst == 1 for t in plan.transfers)
+    want, want_logits, _ = await run(g, single_device_plan(g, "cuda:0"), cap.values)
+    async with ActorSystem("t") as system:
+        dep = await deploy(system, g, plan, cap.values, recv_timeout=2.0)
+        first = {"input_ids": torch.tensor([[PROMPT[0]]]), "positions": torch.tensor([0])}
+        with pytest.raises(RemoteError, match="posted nothing"):
+            await dep.refs[1].ask(RunStep(dep.plan_id, 0, first if plan.inputs[1] else {}, outputs=False),
+                                  timeout=60)
+        dep.steps = 1   # step numbers go on increasing
+        tokens, logits = await greedy(dep, PROMPT, 8)
+        stats = (await dep.refs[1].ask(GetStats())).values
+    assert stats["device_side_receives"] > 0
+    assert tokens == want
+    cos = [torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
+           for a, b in zip(logits, want_logits)]
+    assert min(cos) >= 0.999
