@@ -113,6 +113,8 @@ class DeviceActor(Actor):
         self.busy_s = 0.0
         self.waiter: ThreadPoolExecutor | None = None
         self._queued = 0
+        self._waits_lock = asyncio.Lock()   # see _stream_lock
+        self._any_mailboxes = False
 
     async def on_start(self) -> None:
         # a thread starts with the intra-op thread count last set in the process: a device without
@@ -198,15 +200,19 @@ class DeviceActor(Actor):
         # the views of every transfer are made once; a hand-off to a co-located peer across PCIe
         # (GPU <-> CPU) leaves in pinned host memory
         here = plan.devices[d].startswith("cuda")
+        # device-side receives only where every co-located peer is a CPU: another device actor on a GPU
+        # of this process may synchronise the device (a capture does) while its bytes are still to come
+        gpu_peers = any(plan.devices[p].startswith("cuda") for p in inst.peers)
         for t in plan.transfers:
             if t.src == d:
                 crosses = t.dst in inst.peers and plan.devices[t.dst].startswith("cuda") != here
                 inst.readers[t.tag] = prog.reader(t.buffer, t.ranges, pinned=crosses)
             if t.dst == d:
                 inst.writers[t.tag] = prog.writer(t.buffer, t.ranges)
-                if waits and t.src in inst.peers:
+                if waits and t.src in inst.peers and not gpu_peers:
                     mb = Mailbox(t.nbytes, self.runner.backend, pinned=here)
                     inst.mailboxes[t.tag] = self.handoff.mailboxes[(msg.plan_id, t.tag)] = mb
+                    self._any_mailboxes = True
         inst.blocks = program_blocks(plan, d)
         inst.transfers = {t.tag: t for t in plan.transfers}
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
@@ -346,7 +352,7 @@ class DeviceActor(Actor):
                     await asyncio.wait({launched[0][2]})
                     self._land(plan_id, inst, *launched.popleft())
                 try:
-                    async with inst.ring_lock or contextlib.nullcontext():
+                    async with inst.ring_lock or contextlib.nullcontext(), self._stream_lock(inst):
                         done = await self._run_one(plan_id, inst, msg)
                 except Exception as exc:  # the asker gets the error; the device keeps serving
                     if not fut.done():
@@ -359,6 +365,17 @@ class DeviceActor(Actor):
                 if waiting is not None and not waiting.done():
                     waiting.set_exception(BackendError(f"{self.spec.name}: a step of plan {plan_id!r} was cancelled"))
             raise
+
+    def _stream_lock(self, inst: _Installed):
+        """Held around a step that hands off to co-located peers on a device
+        whose stream may wait on host memory: no other plan's work (whose
+        events a peer may be waiting on) is queued behind waits that only
+        this step's peers can end, so steps of different plans cannot wait
+        on each other's (a peer's worker blocked on one plan's event while
+        the stream waits for its post in another)."""
+        if not inst.peers or not self._any_mailboxes:
+            return contextlib.nullcontext()
+        return self._waits_lock
 
     def _local(self, inst: _Installed, msg: RunStep) -> bool:
         """Whether ``msg`` can be launched ahead: this device's program runs
