@@ -47,7 +47,7 @@ import torch
 
 from actors.backends.aten import AtenProgram, BackendError
 from actors.chunks import sub_ranges
-from actors.handoff import Handoff, Mailbox, Posted, Settling, hub_for, settled
+from actors.handoff import Handoff, Settling, hub_for, settled
 from actors.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from actors.sharing import Shares
@@ -88,22 +88,18 @@ class _Installed:
     blocks: dict = field(default_factory=dict)      # program step of a run -> (end, kernels, sends)
     transfers: dict = field(default_factory=dict)   # tag -> the plan's transfer
     ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
-    mailboxes: dict = field(default_factory=dict)   # transfer tag -> Mailbox (device-side receives)
 
 
 class DeviceActor(Actor):
     def __init__(self, spec: DeviceSpec, transfer: str = "transfer", recv_timeout: float = 60.0,
-                 graphs: bool | None = None, spin_s: float = SPIN_S, device_waits: bool | None = None) -> None:
+                 graphs: bool | None = None, spin_s: float = SPIN_S) -> None:
         """``graphs``: capture and replay runs of kernels (None: from
         ``TESSERA_CUDA_GRAPHS``, default on); ``spin_s``: how long at most
         the worker waits, after its kernels, for a co-located peer's transfer
         before leaving the wait to the event loop (0: always the loop); it
-        stops sooner when another worker call is queued; ``device_waits``:
-        receive a co-located peer's transfers device-side (:class:`~actors.handoff.Mailbox`;
-        None: on a GPU whose streams can wait on host memory)."""
+        stops sooner when another worker call is queued."""
         self.spec = spec
         self.spin_s = spin_s
-        self.device_waits = device_waits
         self.graphs = graphs_from_env() if graphs is None else graphs
         self.recv_timeout = recv_timeout
         self.transfer_name = transfer
@@ -113,8 +109,6 @@ class DeviceActor(Actor):
         self.busy_s = 0.0
         self.waiter: ThreadPoolExecutor | None = None
         self._queued = 0
-        self._waits_lock = asyncio.Lock()   # see _stream_lock
-        self._any_mailboxes = False
 
     async def on_start(self) -> None:
         # a thread starts with the intra-op thread count last set in the process: a device without
@@ -178,7 +172,7 @@ class DeviceActor(Actor):
         slots, slot_bytes = staging_of(plan, d)
         have = shares.ring(msg.share, slots, slot_bytes, msg.plan_id) if streamed else None
 
-        def build() -> tuple[AtenProgram, Any, bool]:
+        def build() -> tuple[AtenProgram, Any]:
             # one staging ring and one host home per weight serve the whole share group; the plan's own
             # buffers get what the group's leave of the budget
             shared, homes, ring, left = shares.allocate(graph, keys, home_keys, have, slots, slot_bytes,
@@ -187,11 +181,8 @@ class DeviceActor(Actor):
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)
-            be = self.runner.backend
-            waits = self.device_waits if self.device_waits is not None else (
-                self.runner.device.type == "cuda" and be.device_waits)
-            return prog, ring, bool(waits)
-        prog, ring, waits = await self._on_worker(build)
+            return prog, ring
+        prog, ring = await self._on_worker(build)
         inst = _Installed(graph, plan, d, prog)
         inst.share_keys = keys
         inst.home_keys = home_keys
@@ -200,19 +191,12 @@ class DeviceActor(Actor):
         # the views of every transfer are made once; a hand-off to a co-located peer across PCIe
         # (GPU <-> CPU) leaves in pinned host memory
         here = plan.devices[d].startswith("cuda")
-        # device-side receives only where every co-located peer is a CPU: another device actor on a GPU
-        # of this process may synchronise the device (a capture does) while its bytes are still to come
-        gpu_peers = any(plan.devices[p].startswith("cuda") for p in inst.peers)
         for t in plan.transfers:
             if t.src == d:
                 crosses = t.dst in inst.peers and plan.devices[t.dst].startswith("cuda") != here
                 inst.readers[t.tag] = prog.reader(t.buffer, t.ranges, pinned=crosses)
             if t.dst == d:
                 inst.writers[t.tag] = prog.writer(t.buffer, t.ranges)
-                if waits and t.src in inst.peers and not gpu_peers:
-                    mb = Mailbox(t.nbytes, self.runner.backend, pinned=here)
-                    inst.mailboxes[t.tag] = self.handoff.mailboxes[(msg.plan_id, t.tag)] = mb
-                    self._any_mailboxes = True
         inst.blocks = program_blocks(plan, d)
         inst.transfers = {t.tag: t for t in plan.transfers}
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
@@ -352,7 +336,7 @@ class DeviceActor(Actor):
                     await asyncio.wait({launched[0][2]})
                     self._land(plan_id, inst, *launched.popleft())
                 try:
-                    async with inst.ring_lock or contextlib.nullcontext(), self._stream_lock(inst):
+                    async with inst.ring_lock or contextlib.nullcontext():
                         done = await self._run_one(plan_id, inst, msg)
                 except Exception as exc:  # the asker gets the error; the device keeps serving
                     if not fut.done():
@@ -365,17 +349,6 @@ class DeviceActor(Actor):
                 if waiting is not None and not waiting.done():
                     waiting.set_exception(BackendError(f"{self.spec.name}: a step of plan {plan_id!r} was cancelled"))
             raise
-
-    def _stream_lock(self, inst: _Installed):
-        """Held around a step that hands off to co-located peers on a device
-        whose stream may wait on host memory: no other plan's work (whose
-        events a peer may be waiting on) is queued behind waits that only
-        this step's peers can end, so steps of different plans cannot wait
-        on each other's (a peer's worker blocked on one plan's event while
-        the stream waits for its post in another)."""
-        if not inst.peers or not self._any_mailboxes:
-            return contextlib.nullcontext()
-        return self._waits_lock
 
     def _local(self, inst: _Installed, msg: RunStep) -> bool:
         """Whether ``msg`` can be launched ahead: this device's program runs
@@ -461,26 +434,7 @@ class DeviceActor(Actor):
         program = plan.programs[d]
         peers, blocks, readers, writers = inst.peers, inst.blocks, inst.readers, inst.writers
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
-
-        mailboxes = inst.mailboxes
-        pending: list[tuple] = []   # keys of device-side receives queued, their senders' markers not taken yet
         be = runner.backend
-
-        def markers(wait: float, give_up=lambda: self._queued > 0) -> bool:
-            """On the worker: take the markers of the device-side receives
-            queued so far (waiting up to ``wait`` s for each, less when other
-            work wants the thread); False: one is not here yet."""
-            while pending:
-                if self.handoff.take(pending[0], wait, give_up) is None:
-                    return False
-                pending.pop(0)
-            return True
-
-        def before_capture() -> None:
-            # a capture synchronises the device: its queued waits must have been posted
-            if pending and not markers(self.recv_timeout, lambda: False):
-                raise TransferFailed(f"{self.spec.name}: step {msg.step}: a co-located peer did not post "
-                                     f"{pending[0][2]} within {self.recv_timeout:g} s")
 
         def work(i: int, writes: list, pre) -> tuple[int, list, float, float, float, Any, list]:
             """On the worker, from program step ``i`` (a run): blocks of kernels
@@ -493,7 +447,6 @@ class DeviceActor(Actor):
             waited = 0.0
             ship: list[tuple[int, Any]] = []
             local_spans: list = []
-            be.before_capture = before_capture
             if pre is not None:
                 pre()
             for buffer, ranges, data in writes:
@@ -501,15 +454,6 @@ class DeviceActor(Actor):
             while i < len(program):
                 if program[i].op == "recv":
                     t = transfers[program[i].ref]
-                    mb = mailboxes.get(t.tag)
-                    if mb is not None:   # queued: the device waits for the peer's post, the worker goes on
-                        mb.queue(runner.compute, msg.step, writers[t.tag])
-                        pending.append((plan_id, msg.step, t.tag))
-                        self.handoff.counts["device_side_receives"] += 1
-                        if spans is not None:
-                            local_spans.append([f"recv {t.tag} queued on the device", time.time(), time.time()])
-                        i += 1
-                        continue
                     if t.src not in peers or spin <= 0:
                         break
                     w0 = time.perf_counter()
@@ -522,69 +466,35 @@ class DeviceActor(Actor):
                     continue
                 b0 = time.time()
                 j, kernels, sends = blocks[i]
-                # bytes leaving for the transfer actor or a peer's mailbox need a host wait, before which
-                # the device's own queued waits must be known to end
-                hosted = [tag for tag in sends if transfers[tag].dst not in peers
-                          or (plan_id, tag) in peers[transfers[tag].dst].mailboxes]
-                if hosted and pending:
-                    w0 = time.perf_counter()
-                    ok = markers(spin)
-                    waited += time.perf_counter() - w0
-                    if not ok:
-                        break
                 if kernels:
                     runner.run((plan_id, i), prog, kernels)
                 if sends:
-                    # the snapshots queue behind the kernels; a peer that is not a mailbox gets them at
-                    # once with the event after them and waits on it itself
+                    # the snapshots queue behind the kernels; a co-located peer gets them at once with the
+                    # event after them and waits on it itself, the transfer actor once they are settled
                     out, event = runner.snapshot([readers[tag] for tag in sends])
-                    if hosted:
+                    if any(transfers[tag].dst not in peers for tag in sends):
                         be.host_wait(event)
+                        event = None
                     for tag, data in zip(sends, out):
                         dst = peers.get(transfers[tag].dst)
-                        key = (plan_id, msg.step, tag)
-                        if dst is None:
-                            ship.append((tag, data))
-                            continue
-                        mb = dst.mailboxes.get((plan_id, tag))
-                        if mb is not None:
-                            mb.post(msg.step, data, self.recv_timeout)
-                            dst.put(key, Posted(transfers[tag].nbytes))
+                        if dst is not None:
+                            dst.put((plan_id, msg.step, tag), data if event is None else
+                                    Settling(data, be.host_wait, event))
                         else:
-                            dst.put(key, data if hosted else Settling(data, be.host_wait, event))
+                            ship.append((tag, data))
                 if spans is not None:
                     label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
                     sent = sum(transfers[tag].nbytes for tag in sends)
                     local_spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), b0, time.time()])
                 i = j
-            got = None
-            if sampler is not None and i == len(program):
-                w0 = time.perf_counter()
-                if markers(spin):
-                    got = sampler()
-                waited += time.perf_counter() - w0
-            be.before_capture = None
+            got = sampler() if sampler is not None and i == len(program) else None
             return i, ship, time.perf_counter() - t0 - waited, waited, started, got, local_spans
 
-        async def await_markers() -> float:
-            """On the loop: the markers the worker did not wait for."""
-            w0 = time.perf_counter()
-            while pending:
-                key = pending[0]
-                try:
-                    await self.handoff.wait(key, self.recv_timeout)
-                except asyncio.TimeoutError:
-                    raise TransferFailed(f"{self.spec.name}: transfer {key[2]} of step {msg.step}: a co-located "
-                                         f"peer posted nothing within {self.recv_timeout:g} s") from None
-                pending.pop(0)
-            return time.perf_counter() - w0
-
         i = 0
-        done = False
         try:
             while i < len(program):
                 st = program[i]
-                if st.op == "recv" and transfers[st.ref].tag not in mailboxes:
+                if st.op == "recv":
                     t = transfers[st.ref]
                     what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
                     started = time.time()
@@ -618,15 +528,9 @@ class DeviceActor(Actor):
                     sampled = got
                 for tag, data in ship:
                     await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
-                if pending and (i == len(program) or program[i].op != "recv"):   # it stopped for a marker
-                    wait += await await_markers()
-            wait += await await_markers()
-            done = True
         finally:
             if peers:
                 self.handoff.discard(plan_id, msg.step)
-            if not done and mailboxes:
-                self._release(inst)
         if prelude is not None or staged:   # no kernels here, or the program ends with receives
             def rest(pre=prelude, writes=staged) -> None:
                 if pre is not None:
@@ -652,24 +556,6 @@ class DeviceActor(Actor):
         self.busy_s += busy
         return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs,
                         spans or [])
-
-    def _release(self, inst: _Installed) -> None:
-        """A step with device-side receives failed: its device's queued waits
-        pass now (host stores), and once the device is idle every post counts
-        as copied out, so the peers' next posts do not wait for this step."""
-        for mb in inst.mailboxes.values():
-            mb.release()
-        runner = self.runner
-
-        def reset() -> None:
-            if runner is not None:
-                runner.synchronize()
-            for mb in inst.mailboxes.values():
-                mb.reset()
-        try:
-            self.worker.submit(reset)
-        except RuntimeError:   # the worker is shut down (the actor stops): nothing waits any more
-            pass
 
     @staticmethod
     def _samples_here(inst: _Installed, msg: RunStep) -> bool:

@@ -205,7 +205,6 @@ async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, g
         out["served"] = eng.served
         st = (await eng.runtime.system.ref("device0").ask(GetStats())).values
         out["gpu_allocated_bytes"] = st["allocated_bytes"]   # the budgeted device: all buckets' buffers
-        out["device_side_receives"] = st.get("device_side_receives", 0)   # hand-offs its stream waited for
     out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
     await settle_gpu(gpu)
     return out
@@ -397,8 +396,7 @@ async def bench(cfg: OffloadConfig) -> dict:
                     "plan": plan.name,
                     "choices": off.get("choices", ""), "slots": off.get("slots", 0),
                     "slot_bytes": off.get("slot_bytes", 0),
-                    "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0,
-                    "device_side_receives": got["device_side_receives"]}
+                    "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
             if w == b1:
                 info["tokens_equal_reference"] = r["tokens"] == ref[w]["tokens"]   # free-running, greedy
                 info["first_difference"] = first_difference(r["tokens"], ref[w]["tokens"])

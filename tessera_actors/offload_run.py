@@ -69,12 +69,10 @@ class Deployed:
 
 
 async def deploy(system, graph: KernelGraph, plan: Plan, values: dict, plan_id: str = "offload",
-                 prefix: str = "", timeout: float = 600.0, graphs: bool | None = None,
-                 device_waits: bool | None = None, recv_timeout: float = 60.0) -> Deployed:
+                 prefix: str = "", timeout: float = 600.0, graphs: bool | None = None) -> Deployed:
     transfer = f"{prefix}transfer"
     await system.spawn(TransferActor(), transfer)
-    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), transfer=transfer, graphs=graphs,
-                                           device_waits=device_waits, recv_timeout=recv_timeout),
+    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), transfer=transfer, graphs=graphs),
                                f"{prefix}device{i}") for i, d in enumerate(plan.devices)]
     routes = [[i, "", f"{prefix}device{i}"] for i in range(len(refs))]
     g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)

@@ -40,10 +40,6 @@ class DeviceBackend(Protocol):
     def record(self, stream: Stream, event: Event | None = None) -> Event: ...
     def wait(self, stream: Stream, event: Event) -> None: ...
     def host_wait(self, event: Event) -> None: ...
-    device_waits: bool
-    def flag_words(self, words: int) -> torch.Tensor: ...
-    def wait_value(self, stream: Stream, flags: torch.Tensor, index: int, value: int) -> None: ...
-    def write_value(self, stream: Stream, flags: torch.Tensor, index: int, value: int) -> None: ...
     def replayable(self, fn: Callable[[], None], stream: Stream, pool=None,
                    warmup: bool = True, current: bool = False) -> Callable[[], None]: ...
     def run_on(self, stream: Stream, fn: Callable[[], None]) -> None: ...
@@ -69,7 +65,6 @@ class CpuBackend:
             raise ValueError(f"CpuBackend needs a cpu device, got {spec.name}")
         self.spec = spec
         self.device = torch.device("cpu")
-        self.before_capture: Callable[[], None] | None = None   # nothing is captured on a CPU
 
     def stream(self, priority: int = 0) -> _CpuStream:
         return _CpuStream(priority)
@@ -82,26 +77,6 @@ class CpuBackend:
 
     def host_wait(self, event: None) -> None:
         return None
-
-    # waits on host memory: on a CPU the "stream" is the calling thread, so a wait blocks it (tests
-    # run the device-side hand-off's logic this way; the device actor uses it on CPUs only when told)
-    device_waits = True
-    WAIT_LIMIT_S = 60.0
-
-    def flag_words(self, words: int) -> torch.Tensor:
-        return torch.zeros(words, dtype=torch.int32)
-
-    def wait_value(self, stream: _CpuStream, flags: torch.Tensor, index: int, value: int) -> None:
-        words = flags.numpy()
-        deadline = time.monotonic() + self.WAIT_LIMIT_S
-        while (int(words[index]) & 0xFFFFFFFF) < (value & 0xFFFFFFFF):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.spec.name}: waited {self.WAIT_LIMIT_S:g} s for word {index} to reach "
-                                   f"{value}")
-            time.sleep(50e-6)
-
-    def write_value(self, stream: _CpuStream, flags: torch.Tensor, index: int, value: int) -> None:
-        flags.numpy()[index] = value & 0x7FFFFFFF
 
     def replayable(self, fn: Callable[[], None], stream: _CpuStream, pool=None,
                    warmup: bool = True, current: bool = False) -> Callable[[], None]:

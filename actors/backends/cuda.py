@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import logging
-import os
 import threading
 from typing import Callable, Iterator
 
@@ -34,73 +32,6 @@ def current_green():
     context). Kernel modules loaded by the driver API (Triton's) belong to
     one context; a kernel first launched here is loaded into this one."""
     return _GREEN.get()
-
-
-class _MemOps:
-    """The driver's stream memory operations, through ctypes (torch does not
-    expose them): a stream waits on, or writes, a 32-bit word of pinned host
-    memory, addressed by its device pointer."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        def fn(*names: str):
-            for n in names:
-                f = getattr(lib, n, None)
-                if f is not None:
-                    f.restype = ctypes.c_int
-                    return f
-            raise OSError(f"libcuda has none of {names}")
-        self.wait = fn("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
-        self.write = fn("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
-        for f in (self.wait, self.write):
-            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        self._pointer = fn("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
-        self._pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-        self._addresses: dict[int, int] = {}
-
-    def address(self, flags: torch.Tensor) -> int:
-        host = flags.data_ptr()
-        dev = self._addresses.get(host)
-        if dev is None:
-            out = ctypes.c_uint64(0)
-            _check(self._pointer(ctypes.byref(out), ctypes.c_void_p(host), 0), "cuMemHostGetDevicePointer")
-            dev = self._addresses[host] = out.value
-        return dev
-
-
-_MEM_OPS: dict[int, _MemOps | None] = {}
-
-
-def _check(code: int, what: str) -> None:
-    if code != 0:
-        raise RuntimeError(f"{what} failed with CUDA driver error {code}")
-
-
-def _mem_ops(device: torch.device) -> _MemOps | None:
-    """The stream memory operations of ``device``, once tried for real (a
-    wait on a word already written, and a write, on a new stream); None
-    where the driver lacks or refuses them (``TESSERA_DEVICE_WAITS=0``:
-    never used)."""
-    idx = device.index or 0
-    if idx in _MEM_OPS:
-        return _MEM_OPS[idx]
-    ops = None
-    if os.environ.get("TESSERA_DEVICE_WAITS", "1").strip().lower() not in ("0", "off", "false", "no"):
-        try:
-            ops = _MemOps(ctypes.CDLL("libcuda.so.1"))
-            flags = torch.zeros(2, dtype=torch.int32, pin_memory=True)
-            flags[0] = 7
-            s = torch.cuda.Stream(device)
-            _check(ops.wait(s.cuda_stream, ops.address(flags), 7, 0), "cuStreamWaitValue32")
-            _check(ops.write(s.cuda_stream, ops.address(flags) + 4, 9, 0), "cuStreamWriteValue32")
-            s.synchronize()
-            if int(flags[1]) != 9:
-                raise RuntimeError("a stream's write to host memory did not land")
-        except (OSError, RuntimeError, AttributeError) as e:
-            log.warning("cuda:%d: streams cannot wait on host memory (%s); hand-offs from the CPU wake the "
-                        "device's worker instead", idx, e)
-            ops = None
-    _MEM_OPS[idx] = ops
-    return ops
 
 
 class CudaBackend:
@@ -127,7 +58,6 @@ class CudaBackend:
                 raise ValueError(f"{spec.name}: budget {spec.mem} bytes exceeds the GPU's {props.total_memory}")
             torch.cuda.set_per_process_memory_fraction(frac, self.device)
         self._streams: list[torch.cuda.Stream] = []
-        self.before_capture: Callable[[], None] | None = None   # called before each capture synchronises
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -174,31 +104,6 @@ class CudaBackend:
         """Block the calling thread until ``event`` completed (and nothing else)."""
         event.synchronize()
 
-    # -- waits on host memory (stream memory operations) ------------------
-    def flag_words(self, words: int) -> torch.Tensor:
-        """``words`` int32 words of pinned host memory that :meth:`wait_value`
-        and :meth:`write_value` address (zeroed)."""
-        return torch.zeros(words, dtype=torch.int32, pin_memory=True)
-
-    @property
-    def device_waits(self) -> bool:
-        """Whether a stream can wait on a word of host memory here (the
-        driver's stream memory operations; probed once per process)."""
-        return _mem_ops(self.device) is not None
-
-    def wait_value(self, stream: torch.cuda.Stream, flags: torch.Tensor, index: int, value: int) -> None:
-        """Queue on ``stream``: wait until ``flags[index] >= value`` (unsigned
-        32-bit); the host or another stream writes it."""
-        ops = _mem_ops(self.device)
-        _check(ops.wait(stream.cuda_stream, ops.address(flags) + 4 * index, value & 0xFFFFFFFF, 0),
-               "cuStreamWaitValue32")
-
-    def write_value(self, stream: torch.cuda.Stream, flags: torch.Tensor, index: int, value: int) -> None:
-        """Queue on ``stream``: ``flags[index] = value`` once the work before it is done."""
-        ops = _mem_ops(self.device)
-        _check(ops.write(stream.cuda_stream, ops.address(flags) + 4 * index, value & 0xFFFFFFFF, 0),
-               "cuStreamWriteValue32")
-
     # -- work -------------------------------------------------------------
     def replayable(self, fn: Callable[[], None], stream: torch.cuda.Stream, pool=None,
                    warmup: bool = True, current: bool = False) -> Callable[[], None]:
@@ -218,8 +123,6 @@ class CudaBackend:
         if warmup:
             with torch.cuda.device(self.device), self.scope(), torch.cuda.stream(stream):
                 fn()
-        if self.before_capture is not None:   # e.g. a device actor making sure its queued waits end
-            self.before_capture()
         with _CAPTURE_LOCK:
             stream.synchronize()
             g = torch.cuda.CUDAGraph()
