@@ -47,7 +47,7 @@ import torch
 
 from actors.backends.aten import AtenProgram, BackendError
 from actors.chunks import sub_ranges
-from actors.handoff import Handoff, Settling, hub_for, settled
+from actors.handoff import Handoff, hub_for
 from actors.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from actors.sharing import Shares
@@ -434,7 +434,6 @@ class DeviceActor(Actor):
         program = plan.programs[d]
         peers, blocks, readers, writers = inst.peers, inst.blocks, inst.readers, inst.writers
         staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
-        be = runner.backend
 
         def work(i: int, writes: list, pre) -> tuple[int, list, float, float, float, Any, list]:
             """On the worker, from program step ``i`` (a run): blocks of kernels
@@ -450,7 +449,7 @@ class DeviceActor(Actor):
             if pre is not None:
                 pre()
             for buffer, ranges, data in writes:
-                prog.write(buffer, ranges, settled(data))
+                prog.write(buffer, ranges, data)
             while i < len(program):
                 if program[i].op == "recv":
                     t = transfers[program[i].ref]
@@ -461,27 +460,20 @@ class DeviceActor(Actor):
                     waited += time.perf_counter() - w0
                     if data is None:
                         break   # the peer is slow: wait on the loop, the worker stays free meanwhile
-                    writers[t.tag](settled(data))
+                    writers[t.tag](data)
                     i += 1
                     continue
                 b0 = time.time()
                 j, kernels, sends = blocks[i]
                 if kernels:
                     runner.run((plan_id, i), prog, kernels)
-                if sends:
-                    # the snapshots queue behind the kernels; a co-located peer gets them at once with the
-                    # event after them and waits on it itself, the transfer actor once they are settled
-                    out, event = runner.snapshot([readers[tag] for tag in sends])
-                    if any(transfers[tag].dst not in peers for tag in sends):
-                        be.host_wait(event)
-                        event = None
-                    for tag, data in zip(sends, out):
-                        dst = peers.get(transfers[tag].dst)
-                        if dst is not None:
-                            dst.put((plan_id, msg.step, tag), data if event is None else
-                                    Settling(data, be.host_wait, event))
-                        else:
-                            ship.append((tag, data))
+                out = runner.read([readers[tag] for tag in sends]) if sends else []   # settled: the peer may read them
+                for tag, data in zip(sends, out):
+                    dst = peers.get(transfers[tag].dst)
+                    if dst is not None:
+                        dst.put((plan_id, msg.step, tag), data)
+                    else:
+                        ship.append((tag, data))
                 if spans is not None:
                     label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
                     sent = sum(transfers[tag].nbytes for tag in sends)
@@ -535,8 +527,8 @@ class DeviceActor(Actor):
             def rest(pre=prelude, writes=staged) -> None:
                 if pre is not None:
                     pre()
-                for buffer, ranges, data in writes:
-                    prog.write(buffer, ranges, settled(data))
+                for w in writes:
+                    prog.write(*w)
             await self._on_worker(rest)
         tokens: list[int] = []
         logprobs: list[float] = []

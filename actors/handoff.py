@@ -19,13 +19,6 @@ touches another's state.
 Keys are ``(plan_id, step, tag)``.  Bytes for a step that ends without
 taking them (it failed) are dropped with the step (``discard``) or the plan
 (``drop``).
-
-A sender whose device queues work (a GPU) puts a :class:`Settling`: the
-snapshot as soon as its copy is *queued*, with the event behind it; the
-receiver's worker waits on that event (the driver spins, the GIL is
-released) before it writes the bytes.  The sender's worker does not stop
-for its device, and the receiver, woken while the device still computes,
-sees the bytes within microseconds of their copy.
 """
 from __future__ import annotations
 
@@ -59,7 +52,7 @@ class Handoff:
 
     def put(self, key: tuple, data: Any) -> None:
         """From any thread: the bytes of transfer ``key``."""
-        nbytes = _nbytes(data)
+        nbytes = data.numel() * data.element_size() if hasattr(data, "numel") else 0
         sleeper = None
         with self._lock:
             self.counts["direct_transfers"] += 1
@@ -136,33 +129,6 @@ class Handoff:
     def held(self) -> int:
         with self._lock:
             return len(self._data)
-
-
-class Settling:
-    """Bytes whose copy is queued on the sender's device, with the wait
-    (``host_wait`` on the event behind the copy) that makes them readable."""
-
-    __slots__ = ("data", "_wait", "_event")
-
-    def __init__(self, data: Any, host_wait: Callable[[Any], None], event: Any) -> None:
-        self.data, self._wait, self._event = data, host_wait, event
-
-    def settle(self) -> Any:
-        if self._event is not None:
-            self._wait(self._event)
-            self._event = None
-        return self.data
-
-
-def settled(data: Any) -> Any:
-    """The bytes of a hand-off, waited for when they are still being copied."""
-    return data.settle() if isinstance(data, Settling) else data
-
-
-def _nbytes(data: Any) -> int:
-    if isinstance(data, Settling):
-        data = data.data
-    return data.numel() * data.element_size() if hasattr(data, "numel") else 0
 
 
 class HandoffHub:

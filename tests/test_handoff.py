@@ -83,18 +83,3 @@ def test_many_hand_offs_ping_pong_between_two_threads_in_order():
         t.join(60)
     assert seen == [(i + 1) % 256 for i in range(n)]
     assert h_a.held() == h_b.held() == 0
-
-
-from actors.handoff import Settling, settled  # noqa: E402
-
-
-def test_settling_bytes_are_waited_for_once_before_they_are_read():
-    waits = []
-    s = Settling(torch.ones(2), waits.append, "event")
-    assert torch.equal(settled(s), torch.ones(2)) and waits == ["event"]
-    assert torch.equal(settled(s), torch.ones(2)) and waits == ["event"]
-    plain = torch.zeros(1)
-    assert settled(plain) is plain
-    h = Handoff(asyncio.new_event_loop())
-    h.put(("p", 0, 1), Settling(torch.zeros(6, dtype=torch.uint8), waits.append, None))
-    assert h.counts["direct_bytes"] == 6

@@ -67,10 +67,9 @@ async def test_split_decode_streams_and_computes_on_the_cpu_with_single_device_t
 
 
 async def test_hand_offs_between_co_located_devices_move_every_byte_once(tiny):
-    """Each send to the co-located peer is handed over when its copy is
-    queued (a :class:`~actors.handoff.Settling`, settled by the receiver):
-    every transfer of every step arrives once, bytes counted, the logits
-    bitwise those of one device."""
+    """Each transfer to the co-located peer goes thread to thread
+    (:mod:`actors.handoff`): every transfer of every step arrives once, its
+    bytes counted, the logits bitwise those of one device."""
     cap, budget, devices = tiny
     g = cap.graph
     plan, _ = plan_for(g, devices)

@@ -133,15 +133,10 @@ class SegmentRunner:
         stream to order (on an H200 a pinned hand-off's receiver then copies
         with a queued DMA or a plain memcpy, not a synchronous pageable
         transfer: that was 70 to 110 us per hand-off)."""
-        out, event = self.snapshot(readers)
-        self.backend.host_wait(event)
+        out = [r() for r in readers]
+        be = self.backend
+        be.host_wait(be.record(self.compute))
         return out
-
-    def snapshot(self, readers: Sequence[Callable[[], Any]]) -> tuple[list[Any], Any]:
-        """The snapshots of ``readers`` queued on the compute stream, and the
-        event behind them (settled once it completes; None on a CPU, where
-        they are settled already)."""
-        return [r() for r in readers], self.backend.record(self.compute)
 
     def _on(self, stream):
         return torch.cuda.stream(stream) if self.device.type == "cuda" else contextlib.nullcontext()
