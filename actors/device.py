@@ -87,6 +87,7 @@ class _Installed:
     writers: dict = field(default_factory=dict)     # transfer tag -> write of its bytes (receives)
     blocks: dict = field(default_factory=dict)      # program step of a run -> (end, kernels, sends)
     transfers: dict = field(default_factory=dict)   # tag -> the plan's transfer
+    outputs: list = field(default_factory=list)     # (buffer, start, end, snapshot) of the outputs on this device
     ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
 
 
@@ -199,6 +200,7 @@ class DeviceActor(Actor):
                 inst.writers[t.tag] = prog.writer(t.buffer, t.ranges)
         inst.blocks = program_blocks(plan, d)
         inst.transfers = {t.tag: t for t in plan.transfers}
+        inst.outputs = [(b, s, e, prog.reader(b, [(s, e)])) for b, s, e, dev in plan.outputs if dev == d]
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
@@ -422,7 +424,7 @@ class DeviceActor(Actor):
         spans: list | None = [] if msg.trace else None
         spin = 0.0 if msg.trace else self.spin_s   # a traced step records every worker call and receive
         prelude = self._inputs_writer(inst, msg)
-        mine = [(b, s, e) for b, s, e, dev in plan.outputs if dev == d]
+        mine = inst.outputs
         sampler = None
         if self._samples_here(inst, msg):
             from tessera_actors.serving.sampling import to_host
@@ -542,12 +544,12 @@ class DeviceActor(Actor):
             mine = []
 
         def outputs() -> list[Any]:
-            return runner.read([prog.reader(b, [(s, e)]) for b, s, e in mine])
+            return runner.read([r for *_, r in mine])
         data = await self._on_worker(outputs) if mine else []
         self.steps_run += 1
         self.busy_s += busy
-        return StepDone(plan_id, msg.step, d, [list(r) for r in mine], data, busy, wait, tokens, logprobs,
-                        spans or [])
+        return StepDone(plan_id, msg.step, d, [[b, s, e] for b, s, e, _ in mine], data, busy, wait, tokens,
+                        logprobs, spans or [])
 
     @staticmethod
     def _samples_here(inst: _Installed, msg: RunStep) -> bool:

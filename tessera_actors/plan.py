@@ -324,4 +324,3 @@ def program_blocks(plan: Plan, d: int) -> dict[int, tuple[int, list[int], list[i
 __all__ = ["ContiguousPlanner", "Plan", "PlanError", "Planner", "Segment", "Step", "Transfer", "build_plan",
            "final_writes", "legal_cuts", "plan_from_dict", "plan_to_dict", "program_blocks", "single_device_plan",
            "validate_assignment"]
-

@@ -428,7 +428,7 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
                         f"({o.fixed_bytes()} bytes, of which {o.reserve} are kept for transient results and the "
                         f"other buckets' own buffers; budget {o.budget})")
     s, b = min(tried, key=lambda x: x[1][1].step_s)[0]
-    from .offload_baselines import layer_offload, streaming   # coarse plans are candidates too
+    # the coarse plans are candidates too (offload_baselines, imported at the end of this module)
     return _best([o.fit(_chooser(o, s, b, polish, runs), s, s * b, limit=b), *(r for _, r in tried),
                   layer_offload(o), streaming(o, slot_options)])
 
@@ -560,7 +560,6 @@ class OffloadPlanner:
         if self.policy == "tessera":
             got = tessera(o, self.slot_options)
         else:
-            from .offload_baselines import layer_offload, streaming
             got = layer_offload(o) if self.policy == "layer_offload" else streaming(o, self.slot_options)
             if got is None:
                 raise PlanError(f"offload: no {self.policy} placement fits {o.devices[o.gpu]} "
