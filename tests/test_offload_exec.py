@@ -166,12 +166,77 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
             write_inputs(p, g, inputs, [b for b in g.buffers if g.buffers[b].role == "input"])
             p.run(range(len(g.kernels)))
         assert torch.equal(ref.view(out), prog.view(out))
-    m = len(off["streamed"])
-    assert prog.copies == 3 * m
-    assert prog.copied_bytes == 3 * sum(g.buffers[b].nbytes for b in off["streamed"])
+    m, first = len(off["streamed"]), min(off["slots"], len(off["streamed"]))
+    # each weight once per step, and the fourth step's first copies queued by the third
+    assert prog.copies == 3 * m + first
+    assert prog.copied_bytes == (3 * sum(g.buffers[b].nbytes for b in off["streamed"])
+                                 + sum(g.buffers[b].nbytes for b in off["streamed"][:first]))
+    assert prog.ahead_used == 2 * first   # steps 2 and 3 found their first copies queued
     pieces = len(prog.units)
     # step 1 eager, step 2 captured and run, step 3 replayed
     assert pieces >= m and prog.replays == 2 * pieces
+
+
+def _streaming_pair(tiny):
+    """A reference program and two streaming programs of the tiny graph on one
+    staging ring and one KV cache (a share group's buckets), streaming
+    different weights."""
+    from actors.backends.aten import AtenProgram
+    from actors.backends.base import CpuBackend
+    from actors.streaming import Staging, StreamingProgram
+    from tessera_actors.devices import DeviceSpec
+    cap, budget, devices = tiny
+    g = cap.graph
+    readers: dict = {}
+    for k in g.kernels:
+        for a in k.accesses:
+            if g.buffers[a.buffer].role == "weight":
+                readers.setdefault(a.buffer, set()).add(k.id)
+    order = sorted((b for b, ks in readers.items() if len(ks) == 1), key=lambda b: min(readers[b]))
+    mine, theirs = order[1::2][:3], order[0::2][:3]   # interleaved: each program's slots hold the other's weights
+    slot = max(g.buffers[b].nbytes for b in mine + theirs)
+    cpu, be = torch.device("cpu"), CpuBackend(DeviceSpec.parse("cpu"))
+    ring = Staging(cpu, 2, slot, be)
+    everything = sorted(g.buffers)
+    ref = AtenProgram(g, cpu, everything)
+    state = {b: torch.zeros(max(g.buffers[b].nbytes, 1), dtype=torch.uint8) for b in g.buffers
+             if g.buffers[b].role == "state"}   # one KV cache, as a share group's
+    a, b = (StreamingProgram(g, cpu, everything, s, 2, slot, be, shared=state, ring=ring) for s in (mine, theirs))
+    for p in (ref, a, b):
+        p.load(cap.values)
+        for k in range(len(g.kernels)):
+            p.bind(k)
+    return g, cap, ref, a, b
+
+
+def _step(g, progs, step):
+    from tessera_actors.execution.runner import write_inputs
+    inputs = {"input_ids": torch.tensor([[5 + step]]), "positions": torch.tensor([step])}
+    for p in progs:
+        write_inputs(p, g, inputs, [b for b in g.buffers if g.buffers[b].role == "input"])
+        p.run(range(len(g.kernels)))
+    out = g.meta["output_views"][0]
+    return [p.view(out).clone() for p in progs]
+
+
+def test_copies_queued_ahead_are_dropped_when_another_program_takes_the_ring(tiny):
+    g, cap, ref, a, b = _streaming_pair(tiny)
+    # a, a, b, a, b, b, a: every change of program finds the slots holding the other's weights
+    for step, p in enumerate("aabab" "ba"):
+        want, got = _step(g, [ref, a if p == "a" else b], step)
+        assert torch.equal(want, got), f"step {step} ({p})"
+    assert a.ahead_used == 2 and b.ahead_used == 2   # a -> a and b -> b only: the slots' first copies
+
+
+def test_a_load_drops_the_copies_queued_ahead(tiny):
+    g, cap, ref, a, _ = _streaming_pair(tiny)
+    _step(g, [ref, a], 0)
+    changed = {bid: torch.zeros_like(v) if bid in a.home else v for bid, v in cap.values.items()}
+    for p in (ref, a):
+        p.load(changed)
+    want, got = _step(g, [ref, a], 1)
+    assert torch.equal(want, got)
+    assert a.ahead_used == 0
 
 
 async def test_split_decode_in_bfloat16_equals_single_device():
