@@ -177,14 +177,13 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
     assert pieces >= m and prog.replays == 2 * pieces
 
 
-def _streaming_pair(tiny):
+def _streaming_pair(tiny, device="cpu"):
     """A reference program and two streaming programs of the tiny graph on one
     staging ring and one KV cache (a share group's buckets), streaming
-    different weights."""
+    different weights, on ``device`` (the reference on the same device)."""
     from actors.backends.aten import AtenProgram
-    from actors.backends.base import CpuBackend
+    from actors.backends.base import backend_for
     from actors.streaming import Staging, StreamingProgram
-    from tessera_actors.devices import DeviceSpec
     cap, budget, devices = tiny
     g = cap.graph
     readers: dict = {}
@@ -195,13 +194,14 @@ def _streaming_pair(tiny):
     order = sorted((b for b, ks in readers.items() if len(ks) == 1), key=lambda b: min(readers[b]))
     mine, theirs = order[1::2][:3], order[0::2][:3]   # interleaved: each program's slots hold the other's weights
     slot = max(g.buffers[b].nbytes for b in mine + theirs)
-    cpu, be = torch.device("cpu"), CpuBackend(DeviceSpec.parse("cpu"))
-    ring = Staging(cpu, 2, slot, be)
+    be = backend_for(device)
+    dev = be.device
+    ring = Staging(dev, 2, slot, be)
     everything = sorted(g.buffers)
-    ref = AtenProgram(g, cpu, everything)
-    state = {b: torch.zeros(max(g.buffers[b].nbytes, 1), dtype=torch.uint8) for b in g.buffers
+    ref = AtenProgram(g, dev, everything)
+    state = {b: torch.zeros(max(g.buffers[b].nbytes, 1), dtype=torch.uint8, device=dev) for b in g.buffers
              if g.buffers[b].role == "state"}   # one KV cache, as a share group's
-    a, b = (StreamingProgram(g, cpu, everything, s, 2, slot, be, shared=state, ring=ring) for s in (mine, theirs))
+    a, b = (StreamingProgram(g, dev, everything, s, 2, slot, be, shared=state, ring=ring) for s in (mine, theirs))
     for p in (ref, a, b):
         p.load(cap.values)
         for k in range(len(g.kernels)):
@@ -219,9 +219,13 @@ def _step(g, progs, step):
     return [p.view(out).clone() for p in progs]
 
 
-def test_copies_queued_ahead_are_dropped_when_another_program_takes_the_ring(tiny):
-    g, cap, ref, a, b = _streaming_pair(tiny)
-    # a, a, b, a, b, b, a: every change of program finds the slots holding the other's weights
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_copies_queued_ahead_are_dropped_when_another_program_takes_the_ring(tiny, device):
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g, cap, ref, a, b = _streaming_pair(tiny, device)
+    # a, a, b, a, b, b, a: every change of program finds the slots holding the other's weights (on a
+    # GPU the copies are queued, so a missing wait shows as a wrong output)
     for step, p in enumerate("aabab" "ba"):
         want, got = _step(g, [ref, a if p == "a" else b], step)
         assert torch.equal(want, got), f"step {step} ({p})"
