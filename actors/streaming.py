@@ -158,6 +158,15 @@ class StreamingProgram(AtenProgram):
         self.first = kid if self.first is None else min(self.first, kid)
         return super().bind(kid)
 
+    def settle(self) -> None:
+        """Return once the copies this program queued are done (the copies
+        ahead of a next step have no reader to wait for them); they are
+        dropped.  On the worker, before the program goes."""
+        if self.streamed and self.copy_stream is not None:
+            be = self.backend
+            be.host_wait(be.record(self.copy_stream))
+        self._drop_ahead()
+
     def _drop_ahead(self) -> None:
         self.ahead = {}
         if self.ring.ahead is self:

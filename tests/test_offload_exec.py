@@ -243,6 +243,16 @@ def test_a_load_drops_the_copies_queued_ahead(tiny):
     assert a.ahead_used == 0
 
 
+def test_forgetting_a_program_settles_its_copies_queued_ahead(tiny):
+    from tessera_actors.devices import DeviceSpec
+    from tessera_actors.execution.segments import SegmentRunner
+    g, cap, ref, a, _ = _streaming_pair(tiny)
+    _step(g, [ref, a], 0)
+    assert a.ring.ahead is a and a.ahead   # the next step's first copies are queued
+    SegmentRunner(DeviceSpec.parse("cpu")).forget("plan", a)   # an uninstall: nothing may write the ring later
+    assert a.ring.ahead is None and not a.ahead
+
+
 async def test_split_decode_in_bfloat16_equals_single_device():
     cap, budget, devices = tiny_model(torch.bfloat16)
     g = cap.graph

@@ -144,8 +144,14 @@ class SegmentRunner:
     def forget(self, plan_id: str, *keep_alive: Any) -> None:
         """Drop the replayable units of ``plan_id`` once the device finished
         what is queued (``keep_alive``: e.g. the plan's program, so its
-        arena outlives the work that uses it)."""
+        arena outlives the work that uses it; one that queues work on other
+        streams - a streaming program's copies queued ahead of a next step
+        that will not come - is settled too, ``settle()``)."""
         self.synchronize()
+        for p in keep_alive:
+            settle = getattr(p, "settle", None)
+            if settle is not None:
+                settle()
         for key in [k for k in self._units if k[0] == plan_id]:
             self.counts["units"] -= self._units.pop(key) is not None
         self._eager_only = {k for k in self._eager_only if k[0] != plan_id}
