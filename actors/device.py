@@ -251,10 +251,25 @@ class DeviceActor(Actor):
         sh = self.shares
         own = sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
+                      **self._streaming_stats(),
                       **self.handoff.counts, "shared_bytes": sh.device_bytes() - sh.staging_bytes(),
                       "staging_bytes": sh.staging_bytes(), "home_bytes": sum(t.numel() for t in sh.homes.values()),
                       # what this device allocated: shared weights and state, staging, every plan's own buffers
                       "allocated_bytes": sh.device_bytes() + own})
+
+    def _streaming_stats(self) -> dict[str, Any]:
+        """Over the installed plans that stream weights here: copies queued,
+        those a step found queued ahead by the step before, pieces replayed
+        as CUDA graphs, captures that failed (those pieces run eagerly) and
+        the last failure (read from the loop while the worker counts: ints
+        and one string)."""
+        progs = [i.prog for i in self.plans.values() if getattr(i.prog, "streamed", None)]
+        errors = [p.capture_error for p in progs if p.capture_error]
+        return {"streamed_copies": sum(p.copies for p in progs),
+                "streamed_copies_ahead_used": sum(p.ahead_used for p in progs),
+                "streamed_replays": sum(p.replays for p in progs),
+                "streamed_capture_failures": sum(p.graphs_failed for p in progs),
+                "streamed_last_capture_error": errors[-1] if errors else ""}
 
     def _plan(self, plan_id: str) -> _Installed:
         try:

@@ -177,6 +177,12 @@ async def time_prefill(eng: AsyncEngine, tokens: int, reps: int, vocab: int) -> 
             "busy_fraction": [sum(b[d] for b in busy) / sum(times) for d in range(len(busy[0]))] if busy else []}
 
 
+# the budgeted device's counters a result row carries (GetStats): how its chunks and streamed pieces ran
+GPU_STATS = ("captures", "replays", "eager_runs", "capture_failures", "last_capture_error", "streamed_copies",
+             "streamed_copies_ahead_used", "streamed_replays", "streamed_capture_failures",
+             "streamed_last_capture_error", "direct_transfers", "taken_on_worker", "taken_on_loop")
+
+
 async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, gpu: DeviceSpec,
                 label: str) -> dict:
     """One engine (``devices``, ``planner``): every workload of the run
@@ -205,6 +211,7 @@ async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, g
         out["served"] = eng.served
         st = (await eng.runtime.system.ref("device0").ask(GetStats())).values
         out["gpu_allocated_bytes"] = st["allocated_bytes"]   # the budgeted device: all buckets' buffers
+        out["gpu_stats"] = {k: st[k] for k in GPU_STATS if k in st}
     out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
     await settle_gpu(gpu)
     return out
@@ -393,6 +400,7 @@ async def bench(cfg: OffloadConfig) -> dict:
                     "activation_bytes_per_token": plan.bytes_per_step() / per,
                     "gpu_busy": min(1.0, busy[0]), "cpu_busy": min(1.0, busy[1]) if len(plan.devices) > 1 else 0.0,
                     "gpu_peak_bytes": got["gpu_peak_bytes"], "gpu_allocated_bytes": got["gpu_allocated_bytes"],
+                    "gpu_stats": got.get("gpu_stats", {}),
                     "plan": plan.name,
                     "choices": off.get("choices", ""), "slots": off.get("slots", 0),
                     "slot_bytes": off.get("slot_bytes", 0),

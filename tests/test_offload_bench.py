@@ -33,6 +33,10 @@ def test_offload_bench_cpu_smoke(tmp_path):
         assert pol["tokens_equal_reference"] and pol["first_difference"] is None
     tessera = doc["decode_b1"]["policies"]["tessera"]
     assert tessera["forced_tokens_equal_reference"] and tessera["min_logits_cosine"] > 0.999999
+    streaming = doc["decode_b1"]["policies"]["streaming"]["gpu_stats"]
+    # the served steps found their first copies queued by the step before; no streamed piece fell back
+    assert streaming["streamed_copies"] > 0 and streaming["streamed_copies_ahead_used"] > 0
+    assert streaming["streamed_capture_failures"] == 0 and streaming["streamed_last_capture_error"] == ""
     assert (out / "offload.png").stat().st_size > 0
 
 
@@ -51,3 +55,7 @@ def test_offload_bench_on_a_gpu_with_two_real_size_layers(tmp_path):
     assert t["gpu_peak_bytes"] <= row["gpu_budget_bytes"] and t["gpu_allocated_bytes"] <= row["gpu_budget_bytes"]
     assert t["min_logits_cosine"] >= 0.999
     assert t["kernels_on_cpu"] > 0 or t["pcie_bytes_per_token"] > 0
+    if t["pcie_bytes_per_token"] > 0:   # streamed pieces run as CUDA graphs, first copies queued a step ahead
+        st = t["gpu_stats"]
+        assert st["streamed_replays"] > 0 and st["streamed_capture_failures"] == 0, st
+        assert st["streamed_copies_ahead_used"] > 0, st
