@@ -49,6 +49,7 @@ import torch
 
 from actors.backends.aten import AtenProgram, BackendError
 from tessera_actors.graph import KernelGraph
+from tessera_actors.planning.staging import ring_layout, slot_pitch
 from tessera_actors.plan import Plan
 
 
@@ -59,20 +60,24 @@ def streamed_buffers(plan: Plan, device: int) -> list[int]:
 
 
 class Staging:
-    """A device's staging ring: ``slots`` device buffers of ``slot_bytes``,
-    the copy stream, and per slot the event behind its last reader.  The
-    streaming programs of one share group (a served model's buckets) share
-    one ring; their steps must then use it one at a time (the device actor
-    runs them under one lock), so the copies of a step always wait for the
-    last reader of their slot, whichever program it belonged to."""
+    """A device's staging ring: ``slots * slot_bytes`` bytes of device memory
+    (``slot``: its slots as views), the copy stream, and the event behind
+    the last streamed read of the ring.  The streaming programs of one
+    share group (a served model's buckets) share one ring; their steps must
+    then use it one at a time (the device actor runs them under one lock):
+    a step of a program other than the ring's last ``user`` queues its first
+    copies behind that last read."""
 
     def __init__(self, device: torch.device, slots: int, slot_bytes: int, backend: Any) -> None:
         self.slots, self.slot_bytes = slots, slot_bytes
-        self.slot = [torch.zeros(max(slot_bytes, 1), dtype=torch.uint8, device=device) for _ in range(slots)]
-        self.copy_stream = backend.stream(priority=-1) if slots else None
-        self.freed: list[Any] = [None] * max(slots, 1)   # (event,) behind the last reader of a slot
         self.nbytes = slots * slot_bytes
-        self.ahead: Any = None   # the program whose next step's first copies are queued in the ring
+        pitch = slot_pitch(slot_bytes)   # slots start aligned, as separate allocations would
+        self.buf = torch.zeros(max(slots * pitch, 1), dtype=torch.uint8, device=device)
+        self.slot = [self.buf[k * pitch:k * pitch + slot_bytes] for k in range(slots)]
+        self.copy_stream = backend.stream(priority=-1) if slots else None
+        self.last_read: Any = None   # (event,) behind the latest streamed reader, any program's
+        self.user: Any = None        # the program whose step used the ring last
+        self.ahead: Any = None       # the program whose next step's first copies are queued in the ring
 
 
 class StreamingProgram(AtenProgram):
@@ -82,11 +87,12 @@ class StreamingProgram(AtenProgram):
                  streamed: Sequence[int], slots: int, slot_bytes: int, backend: Any,
                  memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None,
                  graphs: bool = False, ring: Staging | None = None,
-                 homes: dict[int, torch.Tensor] | None = None) -> None:
+                 homes: dict[int, torch.Tensor] | None = None, mode: str = "slots") -> None:
         """``ring``: a shared :class:`Staging` (its bytes are the caller's to
         count), else the program's own; ``homes``: host tensors that are the
         homes of streamed weights (shared by the programs of a share group),
-        the others get their own."""
+        the others get their own; ``mode``: how copies fill the ring
+        (:func:`~tessera_actors.planning.staging.ring_layout`)."""
         ids = set(buffer_ids)
         self.streamed = [b for b in streamed if b in ids]
         if self.streamed and slots < 1:
@@ -99,6 +105,11 @@ class StreamingProgram(AtenProgram):
         if memory_limit is not None and own + staging > memory_limit:
             raise BackendError(f"{device}: plan needs {own} bytes of buffers and {staging} of staging, "
                                f"budget is {memory_limit} (short by {own + staging - memory_limit})")
+        sizes = [graph.buffers[b].nbytes for b in self.streamed]
+        try:
+            self.layout = ring_layout(sizes, slots, slot_bytes, mode)
+        except ValueError as e:
+            raise BackendError(f"{device}: {e}") from None
         super().__init__(graph, device, ids - set(self.streamed), memory_limit, shared)
         self.nbytes = own + staging
         self.backend, self.slots = backend, slots
@@ -108,11 +119,9 @@ class StreamingProgram(AtenProgram):
                      torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, pin_memory=pin)
                      for b in self.streamed}
         self.ring = ring if ring is not None else Staging(device, slots if self.streamed else 0, slot_bytes, backend)
-        self.slot = self.ring.slot
-        for i, b in enumerate(self.streamed):
-            if graph.buffers[b].nbytes > slot_bytes:
-                raise BackendError(f"weight {b} ({graph.buffers[b].nbytes} bytes) exceeds a slot of {slot_bytes}")
-            self.arena[b] = self.slot[i % slots]   # views bind to the slot's own storage
+        for i, (b, n) in enumerate(zip(self.streamed, sizes)):
+            at = self.layout.offsets[i]
+            self.arena[b] = self.ring.buf[at:at + max(n, 1)]   # views bind to the ring's own storage
         self.index = {}                             # reader kernel -> copy indices
         for k in graph.kernels:
             for a in k.accesses:
@@ -129,12 +138,14 @@ class StreamingProgram(AtenProgram):
             raise BackendError(f"streamed weights {many[:4]} have several reader kernels; a slot is freed after "
                                "the one reader of its weight")
         self.copy_stream = self.ring.copy_stream
-        self.copied: list[Any] = [None] * len(self.streamed)   # event behind copy i of this step
-        self.copy_done: list[Any] = [None] * max(slots, 1)     # per slot: the event copies into it record
-        # copy i: (its bytes of slot i % slots, its host home), views made once
-        self.views = [(self.slot[i % slots][:graph.buffers[b].nbytes], self.home[b][:graph.buffers[b].nbytes])
-                      for i, b in enumerate(self.streamed)]
-        self.freed = self.ring.freed                             # (event,) behind the last reader of a slot
+        m = len(self.streamed)
+        self.copied: list[Any] = [None] * m      # (event,) behind copy i of this step, once queued
+        self.copy_ev: list[Any] = [None] * m     # copy i's event object, recorded again every step
+        self.read_ev: list[Any] = [None] * m     # the event behind copy i's reader, likewise
+        self.queued = 0                          # copies of this step queued so far (in order)
+        self.queued_ahead = 0                    # copies of the next step queued by this one
+        # copy i: (its bytes in the ring, its host home), views made once
+        self.views = [(self.arena[b][:n], self.home[b][:n]) for b, n in zip(self.streamed, sizes)]
         self.first: int | None = None                           # first kernel of this device in a step
         self.copies = 0
         self.copied_bytes = 0
@@ -174,30 +185,54 @@ class StreamingProgram(AtenProgram):
 
     def _start(self, compute) -> None:
         """A new step: its first copies, unless the step before queued them
-        into the ring and no other program used the ring since."""
-        m, S = len(self.streamed), self.slots
+        into the ring and no other program used the ring since; those it
+        queues now wait for the ring's last read (a step that failed halfway
+        or another program's may have read any of its bytes)."""
         ahead = self.ahead if self.ring.ahead is self else {}
-        self.ahead, self.ring.ahead = {}, None   # this step takes the ring over
-        self.copied = [None] * m
-        for i in range(min(S, m)):
+        self.ahead, self.ring.ahead, self.ring.user = {}, None, self   # this step takes the ring over
+        self.copied = [None] * len(self.streamed)
+        self.queued = self.queued_ahead = 0
+        after = self.layout.after
+        while self.queued < len(after) and after[self.queued] < 0:
+            i = self.queued
             if i in ahead:
                 self.copied[i] = ahead[i]
                 self.ahead_used += 1
             else:
-                self._issue(i, compute)
+                self._issue(i, self.ring.last_read, compute)
+            self.queued += 1
 
-    def _issue(self, i: int, compute) -> None:
-        """Queue copy ``i`` on the copy stream (the worker's current stream,
-        ``compute``, is made current again after)."""
-        be, k = self.backend, i % self.slots
-        if self.freed[k] is not None:
-            be.wait(self.copy_stream, self.freed[k][0])
+    def _issue(self, i: int, wait: Any, compute) -> tuple:
+        """Queue copy ``i`` on the copy stream behind ``wait`` ((event,) or
+        None); the worker's current stream, ``compute``, is made current
+        again after.  Returns the copy's (event,)."""
+        be = self.backend
+        if wait is not None:
+            be.wait(self.copy_stream, wait[0])
         dst, src = self.views[i]
         be.copy(self.copy_stream, dst, src, compute)
-        # slot k's event, recorded again: the reader of the copy it last marked queued its wait already
-        self.copied[i] = self.copy_done[k] = (be.record(self.copy_stream, self.copy_done[k][0] if self.copy_done[k] else None),)
+        # copy i's event, recorded again: the reader of the copy it last marked queued its wait already
+        self.copy_ev[i] = (be.record(self.copy_stream, self.copy_ev[i][0] if self.copy_ev[i] else None),)
+        self.copied[i] = self.copy_ev[i]
         self.copies += 1
         self.copied_bytes += dst.numel()
+        return self.copy_ev[i]
+
+    def _read(self, i: int, compute) -> None:
+        """Copy ``i``'s reader is queued: record the event behind it, queue
+        every copy of this step whose bytes only it held until now, and the
+        next step's first copies that overwrite no byte still to be read."""
+        be, lay = self.backend, self.layout
+        self.read_ev[i] = (be.record(compute, self.read_ev[i][0] if self.read_ev[i] else None),)
+        self.ring.last_read = self.read_ev[i]
+        while self.queued < len(lay.after) and lay.after[self.queued] <= i:
+            self._issue(self.queued, self.read_ev[lay.after[self.queued]], compute)
+            self.queued += 1
+        while self.queued_ahead < len(lay.wrap) and lay.wrap[self.queued_ahead] <= i:
+            j = self.queued_ahead
+            self.ahead[j] = self._issue(j, self.read_ev[lay.wrap[j]], compute)
+            self.ring.ahead = self
+            self.queued_ahead += 1
 
     def run(self, kernel_ids: Iterable[int]) -> None:
         """Kernels between two streamed readers run as one piece with the
@@ -208,7 +243,6 @@ class StreamingProgram(AtenProgram):
             return super().run(kernel_ids)
         be = self.backend
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        m, S = len(self.streamed), self.slots
         piece: list[int] = []
         for kid in kernel_ids:
             if kid == self.first:   # a new step: the first copies go out at once
@@ -220,19 +254,12 @@ class StreamingProgram(AtenProgram):
             for i in mine:
                 if self.copied[i] is None:
                     raise BackendError(f"kernel {kid} reads streamed weight {self.streamed[i]} before its copy "
-                                       "was queued (plan out of copy order)")
+                                       "was queued (plan out of copy order, or a ring too small for it)")
                 be.wait(compute, self.copied[i][0])
             self._piece(piece, compute)
             piece = []
-            for i in mine:
-                k = i % S
-                self.freed[k] = (be.record(compute, self.freed[k][0] if self.freed[k] else None),)
-                if i + S < m:
-                    self._issue(i + S, compute)
-                elif k < m:   # slot k's last copy of the step was read: the next step's first copy into it
-                    self._issue(k, compute)
-                    self.ahead[k] = self.copied[k]
-                    self.ring.ahead = self
+            for i in sorted(mine):
+                self._read(i, compute)
         self._piece(piece, compute)
 
     def _piece(self, kernels: list[int], compute) -> None:
@@ -307,7 +334,7 @@ def program_for(cls: type[AtenProgram], graph: KernelGraph, plan: Plan, device: 
         off = plan.meta["offload"]
         prog = StreamingProgram(graph, runner.device, plan.resident[device], streamed, int(off["slots"]),
                                 int(off["slot_bytes"]), runner.backend, memory_limit, shared, runner.graphs,
-                                ring, homes)
+                                ring, homes, str(off.get("ring", "slots")))
     else:
         prog = cls(graph, runner.device, plan.resident[device], memory_limit=memory_limit, shared=shared)
     if slow > 1.0:

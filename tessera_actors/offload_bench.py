@@ -79,6 +79,7 @@ class OffloadConfig:
     switch_s: float = 200e-6
     measure: bool = True              # measure CPU GEMV and PCIe rates on a GPU machine
     layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
+    rings: tuple[str, ...] = ("slots",)   # staging ring modes: the first for every policy, others Tessera again
 
     @property
     def build_device(self) -> str:
@@ -366,8 +367,11 @@ async def bench(cfg: OffloadConfig) -> dict:
         results[w]["ideal_tok_s"] = per / results[w]["ideal_step_s"]
 
     runs = [("gpu_only", gspec.name, "contiguous", {})] if fits else []
-    runs += [(pol, ",".join(devices), "offload", {**options, "policy": pol})
+    runs += [(pol, ",".join(devices), "offload", {**options, "policy": pol, "ring": cfg.rings[0]})
              for pol in ("layer_offload", "streaming", "tessera")]
+    # Tessera with another staging ring, side by side in the same run (its own row, not the headline)
+    runs += [(f"tessera_ring_{r}", ",".join(devices), "offload", {**options, "policy": "tessera", "ring": r})
+             for r in cfg.rings[1:]]
     first = work[0]
     if not fits:
         for w in work:
@@ -408,7 +412,7 @@ async def bench(cfg: OffloadConfig) -> dict:
             if w == b1:
                 info["tokens_equal_reference"] = r["tokens"] == ref[w]["tokens"]   # free-running, greedy
                 info["first_difference"] = first_difference(r["tokens"], ref[w]["tokens"])
-                if pol == "tessera":
+                if pol.startswith("tessera"):
                     values = got["served"].values[bucket_of(cfg, w)]
                     lg = await forced_logits(g, plan, values, [1, 2, 3], ref[w]["tokens"], gpu)
                     forced = [int(x.argmax()) for x in lg]
@@ -516,14 +520,27 @@ def add_arguments(b) -> None:
     b.add_argument("--no-measure", action="store_true",
                    help="DESIGN.md rates and --switch-us instead of measuring them")
     b.add_argument("--layers", type=int, default=0, help="only this many layers (a quick real-size check)")
+    b.add_argument("--ring", default="slots",
+                   help="staging ring: slots (one weight a slot) or bytes (packed); a list (slots,bytes) runs "
+                        "Tessera once more per further mode, as tessera_ring_<mode>")
     b.add_argument("--out", default="benchmarks/results/offload")
+
+
+def rings_of(text: str) -> tuple[str, ...]:
+    from .planning.staging import RING_MODES
+    rings = tuple(r.strip() for r in text.split(",") if r.strip())
+    bad = [r for r in rings if r not in RING_MODES]
+    if not rings or bad or len(set(rings)) != len(rings):
+        raise SystemExit(f"--ring {text!r}: a list of distinct modes of {', '.join(RING_MODES)}")
+    return rings
 
 
 def main(args) -> int:
     # batch 1 first: its unbudgeted GPU-only reference must run before a budget caps the allocator
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
-                        args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers)
+                        args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
+                        rings_of(args.ring))
     run_offload_bench(cfg)
     return 0
 

@@ -109,7 +109,7 @@ def predicted_busy(o: Offload, plan: Plan) -> list[float]:
     """Per-device busy seconds of one step of ``plan`` on the step model."""
     off = plan.meta.get("offload") or {}
     p = Placement(list(plan.assignment), list(off.get("streamed", ())), int(off.get("slots", 0)),
-                  int(off.get("slot_bytes", 0)))
+                  int(off.get("slot_bytes", 0)), ring=str(off.get("ring", "slots")))
     return list(o.simulate(p).busy_s)
 
 

@@ -15,7 +15,7 @@ def test_offload_bench_cpu_smoke(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "tessera_actors.cli", "bench", "offload", "--model", "llama", "--size", "tiny",
            "--gpu-budget", "0.6", "--batch", "1,2", "--prefill", "8", "--steps", "3", "--prefill-steps", "1",
-           "--dtype", "float32", "--out", str(out)]
+           "--dtype", "float32", "--ring", "slots,bytes", "--out", str(out)]
     env = {"TESSERA_GIT_COMMIT": "abc123"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -31,8 +31,10 @@ def test_offload_bench_cpu_smoke(tmp_path):
             assert pol["plan"].startswith("offload-")
     for pol in doc["decode_b1"]["policies"].values():
         assert pol["tokens_equal_reference"] and pol["first_difference"] is None
-    tessera = doc["decode_b1"]["policies"]["tessera"]
-    assert tessera["forced_tokens_equal_reference"] and tessera["min_logits_cosine"] > 0.999999
+    for name in ("tessera", "tessera_ring_bytes"):   # the packed staging ring too, side by side
+        tessera = doc["decode_b1"]["policies"][name]
+        assert tessera["forced_tokens_equal_reference"] and tessera["min_logits_cosine"] > 0.999999, name
+    assert doc["config"]["rings"] == ["slots", "bytes"]
     streaming = doc["decode_b1"]["policies"]["streaming"]["gpu_stats"]
     # the served steps found their first copies queued by the step before; no streamed piece fell back
     assert streaming["streamed_copies"] > 0 and streaming["streamed_copies_ahead_used"] > 0

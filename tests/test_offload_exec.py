@@ -36,9 +36,9 @@ def tiny():
     return tiny_model(torch.float32)
 
 
-def plan_for(g, devices, costs=None):
+def plan_for(g, devices, costs=None, ring="slots"):
     costs = costs or estimate_rates(g, devices, switch_s=1e-5)
-    return OffloadPlanner(costs=costs, pcie_bps=PCIE).plan(g, devices), costs
+    return OffloadPlanner(costs=costs, pcie_bps=PCIE, ring=ring).plan(g, devices), costs
 
 
 async def run(g, plan, values, new=8, prefix=""):
@@ -48,11 +48,13 @@ async def run(g, plan, values, new=8, prefix=""):
         return tokens, logits, dep
 
 
-async def test_split_decode_streams_and_computes_on_the_cpu_with_single_device_tokens(tiny):
+@pytest.mark.parametrize("ring", ["slots", "bytes"])
+async def test_split_decode_streams_and_computes_on_the_cpu_with_single_device_tokens(tiny, ring):
     cap, budget, devices = tiny
     g = cap.graph
-    plan, _ = plan_for(g, devices)
+    plan, _ = plan_for(g, devices, ring=ring)
     off = plan.meta["offload"]
+    assert off["ring"] == ring
     assert set(off["choices"]) == {"R", "S", "C"}, off["choices"]
     assert off["streamed"] and plan.kernels_per_device()[1] > 0 and plan.transfers
     want, want_logits, _ = await run(g, single_device_plan(g, "cpu"), cap.values)
@@ -177,10 +179,11 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
     assert pieces >= m and prog.replays == 2 * pieces
 
 
-def _streaming_pair(tiny, device="cpu"):
+def _streaming_pair(tiny, device="cpu", mode="slots", backend=None):
     """A reference program and two streaming programs of the tiny graph on one
     staging ring and one KV cache (a share group's buckets), streaming
-    different weights, on ``device`` (the reference on the same device)."""
+    different weights, on ``device`` (the reference on the same device),
+    the ring filled as ``mode`` says (``backend``: instead of the device's)."""
     from actors.backends.aten import AtenProgram
     from actors.backends.base import backend_for
     from actors.streaming import Staging, StreamingProgram
@@ -192,16 +195,18 @@ def _streaming_pair(tiny, device="cpu"):
             if g.buffers[a.buffer].role == "weight":
                 readers.setdefault(a.buffer, set()).add(k.id)
     order = sorted((b for b, ks in readers.items() if len(ks) == 1), key=lambda b: min(readers[b]))
-    mine, theirs = order[1::2][:3], order[0::2][:3]   # interleaved: each program's slots hold the other's weights
+    mine, theirs = order[1::2][:6], order[0::2][:6]   # interleaved: each program's slots hold the other's weights
     slot = max(g.buffers[b].nbytes for b in mine + theirs)
-    be = backend_for(device)
+    be = backend or backend_for(device)
     dev = be.device
-    ring = Staging(dev, 2, slot, be)
+    slots = 2 if mode == "slots" else 1   # packed, one slot's bytes hold several weights and wrap within a step
+    ring = Staging(dev, slots, slot, be)
     everything = sorted(g.buffers)
     ref = AtenProgram(g, dev, everything)
     state = {b: torch.zeros(max(g.buffers[b].nbytes, 1), dtype=torch.uint8, device=dev) for b in g.buffers
              if g.buffers[b].role == "state"}   # one KV cache, as a share group's
-    a, b = (StreamingProgram(g, dev, everything, s, 2, slot, be, shared=state, ring=ring) for s in (mine, theirs))
+    a, b = (StreamingProgram(g, dev, everything, s, slots, slot, be, shared=state, ring=ring, mode=mode)
+            for s in (mine, theirs))
     for p in (ref, a, b):
         p.load(cap.values)
         for k in range(len(g.kernels)):
@@ -219,17 +224,19 @@ def _step(g, progs, step):
     return [p.view(out).clone() for p in progs]
 
 
+@pytest.mark.parametrize("mode", ["slots", "bytes"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
-def test_copies_queued_ahead_are_dropped_when_another_program_takes_the_ring(tiny, device):
+def test_copies_queued_ahead_are_dropped_when_another_program_takes_the_ring(tiny, device, mode):
     if device.startswith("cuda") and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    g, cap, ref, a, b = _streaming_pair(tiny, device)
+    g, cap, ref, a, b = _streaming_pair(tiny, device, mode)
     # a, a, b, a, b, b, a: every change of program finds the slots holding the other's weights (on a
     # GPU the copies are queued, so a missing wait shows as a wrong output)
     for step, p in enumerate("aabab" "ba"):
         want, got = _step(g, [ref, a if p == "a" else b], step)
         assert torch.equal(want, got), f"step {step} ({p})"
-    assert a.ahead_used == 2 and b.ahead_used == 2   # a -> a and b -> b only: the slots' first copies
+    first = sum(1 for x in a.layout.after if x < 0)   # a step's copies that overwrite only the step before's
+    assert a.ahead_used == first and b.ahead_used == sum(1 for x in b.layout.after if x < 0)   # a -> a, b -> b
 
 
 def test_a_load_drops_the_copies_queued_ahead(tiny):

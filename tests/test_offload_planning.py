@@ -187,3 +187,56 @@ def test_a_budget_only_the_cpu_placement_fits_is_placed_not_refused():
     planner.expect([g for name, g in served.graphs.items() if name != ref])
     plan = planner.plan(served.graphs[ref], devices)
     assert plan.meta["offload"]["gpu_bytes"] <= 400000
+
+
+def sized_chain(sizes, names):
+    """``chain`` with weights of ``sizes`` bytes named ``names``."""
+    g = chain(len(sizes))
+    for i, (n, name) in enumerate(zip(sizes, names)):
+        g.buffers[100 + i] = Buffer(100 + i, n, "weight", name=name)
+    g.kernels[:] = [Kernel(k.id, k.name, k.kind, (k.accesses[0], Access(100 + k.id, 0, sizes[k.id], "r"),
+                                                   k.accesses[2]), layer=k.layer) for k in g.kernels]
+    return g
+
+
+def test_a_packed_ring_keeps_the_copy_engine_further_ahead_on_the_model():
+    # two big weights, a long CPU kernel, eight small weights: during the CPU kernel two slots take
+    # two small copies, the packed ring (as many bytes) all eight
+    sizes = [W, W, W] + [W // 4] * 8
+    devs = [f"cuda:0?mem={10 * W}", "cpu?threads=12"]
+    g = sized_chain(sizes, [f"w{i}" for i in range(len(sizes))])
+    costs = rates(devs, [0.05] * len(sizes), [4.0] * len(sizes))
+    steps = {}
+    for ring in ("slots", "bytes"):
+        o = Offload(g, devs, costs, pcie_bps=W / MS, ring=ring)
+        choice = {u: "S" for u in o.units}
+        choice[sorted(o.units, key=lambda u: o.kernels[u][0])[2]] = "C"   # the CPU kernel
+        p = o.placement(choice, 2, W)
+        steps[ring] = o.simulate(p).step_s
+    assert steps["bytes"] < steps["slots"] - 1 * MS   # the same copies, queued earlier
+    assert Offload(g, devs, costs, ring="bytes").placement({}, 2).ring == "bytes"
+    with pytest.raises(PlanError, match="ring"):
+        Offload(g, devs, costs, ring="pages")
+
+
+def test_units_are_classed_by_their_weight_names_without_layer_numbers():
+    from tessera_actors.planning.offload import unit_classes
+    sizes = [W] * 6
+    devs = [f"cuda:0?mem={10 * W}", "cpu?threads=12"]
+    g = sized_chain(sizes, [f"layers.{i // 2}.{'ab'[i % 2]}.weight" for i in range(6)])
+    o = Offload(g, devs, rates(devs, [0.05] * 6, [5.0] * 6))
+    names = [[g.buffers[o.units[u][0]].name for u in cls] for cls in unit_classes(o, sorted(o.units))]
+    assert names == [["layers.0.a.weight", "layers.1.a.weight", "layers.2.a.weight"],
+                     ["layers.0.b.weight", "layers.1.b.weight", "layers.2.b.weight"]]
+
+
+def test_the_packed_ring_planner_plans_within_the_budget_and_says_so():
+    sizes = [W // 4, W, W // 4, W] * 3
+    devs = [f"cuda:0?mem={4 * W}", "cpu?threads=12"]
+    g = sized_chain(sizes, [f"layers.{i // 2}.{'ab'[i % 2]}" for i in range(len(sizes))])
+    costs = rates(devs, [0.05] * len(sizes), [1.0] * len(sizes))
+    plan = OffloadPlanner(costs=costs, pcie_bps=W / MS, ring="bytes").plan(g, devs)
+    off = plan.meta["offload"]
+    assert off["ring"] == "bytes" and off["gpu_bytes"] <= off["budget"]
+    with pytest.raises(PlanError, match="ring"):
+        OffloadPlanner(costs=costs, ring="pages")

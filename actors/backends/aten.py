@@ -99,8 +99,12 @@ class AtenProgram:
         except KeyError:
             raise BackendError(f"buffer {b} is not resident on {self.device}") from None
         _check_view(ref, item, base.numel())
+        # a buffer may be a view into a larger allocation (a staging ring's bytes): offsets count from its start
+        start = base.storage_offset() * base.element_size() + off
+        if start % item:
+            raise BackendError(f"buffer {b}: a {dt} view at byte {start} of its storage is not aligned")
         return torch.empty(0, dtype=dtype, device=self.device).set_(
-            base.untyped_storage(), off // item, tuple(shape), tuple(stride))
+            base.untyped_storage(), start // item, tuple(shape), tuple(stride))
 
     def load(self, values: dict[int, torch.Tensor]) -> None:
         """Copy initial bytes (flat uint8) into resident buffers; others ignored."""

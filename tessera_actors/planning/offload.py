@@ -37,6 +37,7 @@ from ..graph import KernelGraph
 from ..plan import Plan, PlanError, build_plan
 from .costs import CostTable, DeviceModel, device_model
 from .pinning import state_homes
+from .staging import RING_MODES, ring_layout
 
 # DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
 # beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
@@ -92,6 +93,7 @@ class Placement:
     slots: int
     slot_bytes: int
     choice: dict[int, str] = field(default_factory=dict)
+    ring: str = "slots"   # how copies fill the staging ring (``staging.ring_layout``)
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,12 @@ class Offload:
     """The graph's units and the budget of one (gpu, cpu) pair."""
 
     def __init__(self, graph: KernelGraph, devices: Sequence[str], costs: CostTable,
-                 pcie_bps: float = PCIE_BPS, reserve: int = 0, heavy_fraction: float = 0.01) -> None:
+                 pcie_bps: float = PCIE_BPS, reserve: int = 0, heavy_fraction: float = 0.01,
+                 ring: str = "slots") -> None:
+        if ring not in RING_MODES:
+            raise PlanError(f"unknown staging ring mode {ring!r}; known: {', '.join(RING_MODES)}")
         self.graph, self.devices, self.costs, self.pcie_bps, self.reserve = graph, list(devices), costs, pcie_bps, reserve
+        self.ring = ring
         specs = [DeviceSpec.parse(d) for d in devices]
         budgeted = [i for i, s in enumerate(specs) if s.mem is not None]
         if len(specs) != 2 or len(budgeted) != 1 or specs[1 - budgeted[0]].kind != "cpu":
@@ -191,11 +197,16 @@ class Offload:
                     out[k] = gpu if home is None else home
         return out
 
-    def placement(self, choice: dict[int, str], slots: int) -> Placement:
+    def placement(self, choice: dict[int, str], slots: int, slot_bytes: int | None = None) -> Placement:
+        """The kernels' devices and streamed weights of ``choice``; the ring's
+        ``slots`` hold the largest streamed weight each, or in ``bytes`` mode
+        ``slot_bytes`` each when given (the ring the budget was charged for)."""
         streamed = sorted((b for u, c in choice.items() if c == "S" for b in self.units[u]),
                           key=lambda b: self.readers[b][0])
-        slot_bytes = max((self.graph.buffers[b].nbytes for b in streamed), default=0)
-        return Placement(self.assignment(choice), streamed, slots if streamed else 0, slot_bytes, dict(choice))
+        biggest = max((self.graph.buffers[b].nbytes for b in streamed), default=0)
+        slot_bytes = slot_bytes if self.ring == "bytes" and slot_bytes else biggest
+        return Placement(self.assignment(choice), streamed, slots if streamed else 0, slot_bytes, dict(choice),
+                         self.ring)
 
     def gpu_bytes(self, p: Placement) -> int:
         """Bytes the GPU device allocates for placement ``p`` (as the streaming
@@ -211,18 +222,23 @@ class Offload:
     # -- the step model --------------------------------------------------
     def simulate(self, p: Placement) -> StepTime:
         g, costs, gpu = self.graph, self.costs, self.gpu
-        a, streamed, S = p.assignment, p.streamed, max(p.slots, 1)
+        unit_of, units = self.unit_of, self.units
+        a, streamed = p.assignment, p.streamed
         idx = {b: i for i, b in enumerate(streamed)}
         nbytes = [g.buffers[b].nbytes for b in streamed]
+        after = ring_layout(nbytes, p.slots, p.slot_bytes, p.ring).after if streamed else ()
         copy_end: dict[int, float] = {}
-        slot_free = [0.0] * S
         engine = [0.0]
+        queued = [0]   # copies issued so far, in order
 
-        def issue(i: int) -> None:
-            start = max(engine[0], slot_free[i % S])
-            engine[0] = copy_end[i] = start + nbytes[i] / self.pcie_bps
-        for i in range(min(S, len(streamed))):
-            issue(i)
+        def issue(upto: int, t: float) -> None:
+            # every copy whose overwritten bytes were read by copy ``upto``'s reader (at ``t``) goes out
+            while queued[0] < len(after) and after[queued[0]] <= upto:
+                i = queued[0]
+                start = max(engine[0], t)
+                engine[0] = copy_end[i] = start + nbytes[i] / self.pcie_bps
+                queued[0] += 1
+        issue(-1, 0.0)
         busy = [0.0, 0.0]
         arrived: set = set()
         end, prev = 0.0, None
@@ -236,15 +252,14 @@ class Offload:
                     moved += e.nbytes
             if moved or (prev is not None and prev != d):
                 t += costs.comm_s(1 - d, d, moved)
-            mine = [idx[b] for b in self._streamed_reads(k.id, idx)] if d == gpu else []
+            u = unit_of.get(k.id) if d == gpu else None
+            mine = [idx[b] for b in units[u] if b in idx] if u is not None else ()
             for i in mine:
                 t = max(t, copy_end[i])
             end = t + costs.times[k.id][d]
             busy[d] += costs.times[k.id][d]
             for i in mine:
-                slot_free[i % S] = end
-                if i + S < len(streamed):
-                    issue(i + S)
+                issue(i, end)
             prev = d
         pcie_bytes = sum(nbytes)
         return StepTime(end, tuple(busy), pcie_bytes / self.pcie_bps, pcie_bytes)
@@ -289,7 +304,7 @@ class Offload:
             return None
         for _ in range(50):
             choice = choose(self.resident_fill(capacity, order, limit))
-            p = self.placement(choice, slots)
+            p = self.placement(choice, slots, limit)
             over = self.gpu_bytes(p) - self.budget
             if over <= 0:
                 return p, self.simulate(p)
@@ -370,7 +385,7 @@ def _best_split(o: Offload, slots: int, limit: int, resident: set[int],
         for f in fracs:
             ch = {u: "R" for u in resident}
             ch.update(_pattern(o, rest, f, run, limit))
-            t = o.simulate(o.placement(ch, slots)).step_s
+            t = o.simulate(o.placement(ch, slots, limit)).step_s
             if best is None or t < best[1]:
                 best = (ch, t)
     return best
@@ -398,7 +413,7 @@ def _chooser(o: Offload, slots: int, limit: int, rounds: int, runs: Sequence[int
                         continue
                     for u in block:
                         ch[u] = home
-                    t2 = o.simulate(o.placement(ch, slots)).step_s
+                    t2 = o.simulate(o.placement(ch, slots, limit)).step_s
                     if t2 < t - 1e-12:
                         t, improved = t2, True
                         break
@@ -407,6 +422,78 @@ def _chooser(o: Offload, slots: int, limit: int, rounds: int, runs: Sequence[int
             if not improved:
                 break
         return ch
+    return choose
+
+
+def unit_classes(o: Offload, units: Sequence[int]) -> list[list[int]]:
+    """``units`` (program order) by role: the name of a unit's first weight
+    with its numbers taken out (``decoder.layers.7.ffn.up.weight`` ->
+    ``decoder.layers.#.ffn.up.weight``), so a class is one weight of every
+    layer; classes in the order of their first unit."""
+    by: dict[str, list[int]] = {}
+    for u in units:
+        name = o.graph.buffers[o.units[u][0]].name or f"#{u}"
+        key = ".".join("#" if part.isdigit() else part for part in name.split("."))
+        by.setdefault(key, []).append(u)
+    return list(by.values())
+
+
+def _class_chooser(o: Offload, slots: int, limit: int, rounds: int = 3):
+    """``resident -> choice``: rounds over the classes of the streamable
+    units (:func:`unit_classes`), each time the number of a class's units
+    computed on the CPU (spread evenly over its layers, the others streamed)
+    that gives the shortest step on the model, the other classes as they
+    are; started from the best of one class entirely on the CPU and a
+    second one partly (the rest streamed).  It finds mixes a flip of one unit cannot
+    reach: the CPU computing a layer's ``up`` everywhere and its ``gate`` in
+    every third layer, where one CPU run serves both (two device changes,
+    not four)."""
+    first = {u: o.kernels[u][0] for u in o.units}
+
+    def spread(cls: list[int], k: int, ch: dict[int, str]) -> None:
+        n = len(cls)
+        on_cpu = {int((i + 0.5) * n / k) for i in range(k)} if k else set()
+        for i, u in enumerate(cls):
+            ch[u] = "C" if i in on_cpu else "S"
+
+    def descend(ch: dict[int, str], classes: list[list[int]]) -> tuple[dict[int, str], float]:
+        t = o.simulate(o.placement(ch, slots, limit)).step_s
+        for _ in range(rounds):
+            improved = False
+            for cls in classes:
+                now = sum(ch[u] == "C" for u in cls)
+                best_k = now
+                for k in range(len(cls) + 1):
+                    if k == now:
+                        continue
+                    spread(cls, k, ch)
+                    t2 = o.simulate(o.placement(ch, slots, limit)).step_s
+                    if t2 < t - 1e-12:
+                        t, best_k, improved = t2, k, True
+                spread(cls, best_k, ch)
+            if not improved:
+                break
+        return ch, t
+
+    def choose(resident: set[int]) -> dict[int, str]:
+        base = {u: "R" if u in resident else ("S" if u in o.streamable and o.size[u] <= limit else "C")
+                for u in o.units}
+        classes = unit_classes(o, sorted((u for u in base if base[u] == "S"), key=first.get))
+        # seeds: one class on the CPU, a second one partly (a coarse grid), the rest streamed
+        seed, best_t = dict(base), o.simulate(o.placement(base, slots, limit)).step_s
+        for full in classes:
+            for part in classes:
+                if part is full:
+                    continue
+                n = len(part)
+                for k in range(0, n + 1, max(1, n // 8)):
+                    ch = dict(base)
+                    spread(full, len(full), ch)
+                    spread(part, k, ch)
+                    t = o.simulate(o.placement(ch, slots, limit)).step_s
+                    if t < best_t:
+                        seed, best_t = ch, t
+        return descend(dict(seed), classes)[0]
     return choose
 
 
@@ -428,8 +515,12 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
                         f"({o.fixed_bytes()} bytes, of which {o.reserve} are kept for transient results and the "
                         f"other buckets' own buffers; budget {o.budget})")
     s, b = min(tried, key=lambda x: x[1][1].step_s)[0]
+    # a ring filled by bytes holds more small weights than it has slots: class mixes, every ring size
+    # (slots of the best split's slot size b)
+    mixes = ([o.fit(_class_chooser(o, n, b), n, n * b, limit=b) for n in slot_options]
+             if o.ring == "bytes" and b else [])
     # the coarse plans are candidates too (offload_baselines, imported at the end of this module)
-    return _best([o.fit(_chooser(o, s, b, polish, runs), s, s * b, limit=b), *(r for _, r in tried),
+    return _best([o.fit(_chooser(o, s, b, polish, runs), s, s * b, limit=b), *(r for _, r in tried), *mixes,
                   layer_offload(o), streaming(o, slot_options)])
 
 
@@ -482,11 +573,16 @@ def follow(o: Offload, homes: dict[str, str], slots: int, slot_bytes: int, polic
     limit = slot_bytes if slots else 0
     if policy == "tessera":
         choice = _chooser(o, slots, limit, polish)(resident)
+        if o.ring == "bytes" and slots:   # class mixes too (see tessera)
+            mix = _class_chooser(o, slots, limit)(resident)
+            if (o.simulate(o.placement(mix, slots, slot_bytes)).step_s
+                    < o.simulate(o.placement(choice, slots, slot_bytes)).step_s):
+                choice = mix
     else:
         stream = policy == "streaming"
         choice = {u: "R" if u in resident else
                   ("S" if stream and u in o.streamable and o.size[u] <= limit else "C") for u in o.units}
-    p = o.placement(choice, slots)
+    p = o.placement(choice, slots, slot_bytes)
     for _ in range(len(o.units)):
         # a unit the assignment put on the GPU though it is not resident there is streamed instead;
         # one that cannot be is reported by the device when the plan does not fit its budget
@@ -497,7 +593,7 @@ def follow(o: Offload, homes: dict[str, str], slots: int, slot_bytes: int, polic
             break
         for u in moved:
             choice[u] = "S"
-        p = o.placement(choice, slots)
+        p = o.placement(choice, slots, slot_bytes)
     if p.streamed:
         p.slot_bytes = slot_bytes
     return p, o.simulate(p)
@@ -509,7 +605,7 @@ def to_plan(o: Offload, p: Placement, name: str, st: StepTime | None = None) -> 
     plan = build_plan(o.graph, o.devices, p.assignment, name=name)
     plan.predicted_step_s = st.step_s if st else None
     plan.meta["offload"] = {"device": o.gpu, "streamed": list(p.streamed), "slots": p.slots,
-                            "slot_bytes": p.slot_bytes, "gpu_bytes": o.gpu_bytes(p), "budget": o.budget,
+                            "slot_bytes": p.slot_bytes, "ring": p.ring, "gpu_bytes": o.gpu_bytes(p), "budget": o.budget,
                             "choices": "".join(p.choice[u] for u in sorted(p.choice))}
     return plan
 
@@ -518,7 +614,9 @@ class OffloadPlanner:
     """``Planner`` for a budgeted GPU beside a CPU.  ``costs``: a measured
     table (None: :func:`estimate_rates` per graph, with ``cpu_bps`` - the
     CPU's measured DRAM rate - and ``switch_s``); ``policy``: ``tessera``
-    (:func:`tessera`), ``layer_offload`` or ``streaming`` (the baselines).
+    (:func:`tessera`), ``layer_offload`` or ``streaming`` (the baselines);
+    ``ring``: how streamed weights fill the staging ring, ``slots`` (one per
+    slot) or ``bytes`` (packed; :mod:`~tessera_actors.planning.staging`).
 
     A served model is several graphs (batch sizes, prompt chunks) in one
     share group: the first graph planned decides which weights are resident
@@ -529,9 +627,12 @@ class OffloadPlanner:
 
     def __init__(self, costs: CostTable | None = None, pcie_bps: float = PCIE_BPS, reserve: int = 0,
                  slot_options: Sequence[int] = (2, 3, 4, 6, 8), cpu_bps: float | None = None,
-                 switch_s: float = SWITCH_S, policy: str = "tessera") -> None:
+                 switch_s: float = SWITCH_S, policy: str = "tessera", ring: str = "slots") -> None:
         if policy not in POLICIES:
             raise PlanError(f"unknown offload policy {policy!r}; known: {', '.join(POLICIES)}")
+        if ring not in RING_MODES:
+            raise PlanError(f"unknown staging ring mode {ring!r}; known: {', '.join(RING_MODES)}")
+        self.ring = ring
         self.costs, self.pcie_bps, self.reserve, self.slot_options = costs, pcie_bps, int(reserve), tuple(slot_options)
         self.cpu_bps, self.switch_s, self.policy = cpu_bps, switch_s, policy
         self.extra = 0                              # bytes of the other graphs' own buffers (expect)
@@ -547,7 +648,7 @@ class OffloadPlanner:
     def offload(self, graph: KernelGraph, devices: Sequence[str], reserve: int = 0) -> Offload:
         costs = self.costs if self.costs is not None else estimate_rates(graph, devices, self.switch_s, self.cpu_bps)
         costs.check_graph(graph)
-        return Offload(graph, devices, costs, self.pcie_bps, self.reserve + reserve)
+        return Offload(graph, devices, costs, self.pcie_bps, self.reserve + reserve, ring=self.ring)
 
     def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
         names = {b.name for b in graph.buffers.values() if b.role == "weight" and b.name}
