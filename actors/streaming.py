@@ -10,22 +10,25 @@ host memory (pinned on CUDA) and whose kernels read them from a slot.
 
 Contract of a step (every method runs on the device actor's worker thread):
 
-* copy ``i`` goes to slot ``i % slots`` on the program's own copy stream,
-  after the event recorded behind the reader of copy ``i - slots`` (a slot is
-  never overwritten while a kernel may still read it);
+* copy ``i`` goes where the ring's layout puts it
+  (:func:`~tessera_actors.planning.staging.ring_layout`: slot ``i % slots``,
+  or packed by bytes) on the ring's copy stream, after the event recorded
+  behind the reader of the latest earlier copy whose bytes it overwrites (no
+  byte is overwritten while a kernel may still read it);
 * the kernels up to and including the reader of copy ``i`` (those after the
   previous reader: light ones) run as one piece, which waits on the compute
   stream for the event behind copy ``i``, so the copy overlaps the pieces
   before it;
-* each copy is queued right after the reader of the copy it replaces, so the
-  copy stream stays ``slots - 1`` weights ahead; the reader of a slot's last
-  copy of a step queues the next step's first copy into that slot (the
-  weights do not change between steps), so the copy stream goes on across
+* each copy is queued right after that reader, so the copy stream stays as
+  far ahead as the ring allows; the reader of the last copy of a step into
+  some bytes queues the next step's first copy into them (the weights do
+  not change between steps), so the copy stream goes on across
   the step boundary instead of idling until the next step's first kernel
   (on an H200 at batch 1, 4.4 ms a step).  Those copies are used only when
   the next step of the ring is this program's: a step of another program of
   the share group (another bucket) takes the ring over, and this program's
-  next step queues its first copies again; so does a load of new values.
+  next step queues its first copies again; a load of new values into any
+  program of the group drops them too (the group shares the host homes).
 
 On CPU the copies run when queued and every event is complete at once, so CI
 runs this same order.  The device's ``mem=`` budget counts the resident
@@ -159,7 +162,13 @@ class StreamingProgram(AtenProgram):
         self.capture_error = ""
 
     def load(self, values: dict[int, torch.Tensor]) -> None:
-        self._drop_ahead()   # copies queued ahead hold the old values
+        # copies queued ahead hold the old values, whichever program of the share group (they share homes)
+        # queued them; and one may still be reading a home: let the copy stream finish first
+        self.ahead = {}
+        self.ring.ahead = None
+        if self.streamed and self.copy_stream is not None:
+            be = self.backend
+            be.host_wait(be.record(self.copy_stream))
         for b, v in values.items():
             if b in self.home:
                 self.home[b][: v.numel()].copy_(v.reshape(-1).view(torch.uint8))
@@ -256,7 +265,12 @@ class StreamingProgram(AtenProgram):
                     raise BackendError(f"kernel {kid} reads streamed weight {self.streamed[i]} before its copy "
                                        "was queued (plan out of copy order, or a ring too small for it)")
                 be.wait(compute, self.copied[i][0])
-            self._piece(piece, compute)
+            try:
+                self._piece(piece, compute)
+            except BaseException:
+                # the reader may have queued work before it raised: the next step's first copies wait for it
+                self.ring.last_read = (be.record(compute),)
+                raise
             piece = []
             for i in sorted(mine):
                 self._read(i, compute)

@@ -250,6 +250,26 @@ def test_a_load_drops_the_copies_queued_ahead(tiny):
     assert a.ahead_used == 0
 
 
+def test_a_load_through_another_program_of_the_group_drops_the_copies_queued_ahead(tiny):
+    """Buckets share the host homes: new values loaded through one program
+    reach the next step of another that had its first copies queued."""
+    from actors.backends.base import backend_for
+    from actors.streaming import StreamingProgram
+    g, cap, ref, a, _ = _streaming_pair(tiny)
+    twin = StreamingProgram(g, a.device, sorted(g.buffers), a.streamed, a.slots, a.ring.slot_bytes,
+                            backend_for("cpu"), ring=a.ring, homes=a.home,
+                            shared={b: a.arena[b] for b in g.buffers if g.buffers[b].role == "state"})
+    for k in range(len(g.kernels)):
+        twin.bind(k)
+    _step(g, [ref, a], 0)
+    assert a.ring.ahead is a
+    changed = {bid: v * 0 if bid in a.home else v for bid, v in cap.values.items()}
+    for p in (ref, twin):
+        p.load(changed)
+    want, got = _step(g, [ref, a], 1)
+    assert torch.equal(want, got)
+
+
 def test_forgetting_a_program_settles_its_copies_queued_ahead(tiny):
     from tessera_actors.devices import DeviceSpec
     from tessera_actors.execution.segments import SegmentRunner
