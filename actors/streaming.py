@@ -68,8 +68,8 @@ class Staging:
     the last streamed read of the ring.  The streaming programs of one
     share group (a served model's buckets) share one ring; their steps must
     then use it one at a time (the device actor runs them under one lock):
-    a step of a program other than the ring's last ``user`` queues its first
-    copies behind that last read."""
+    a step that finds no copies of its own queued ahead (``ahead``) queues
+    its first copies behind that last read."""
 
     def __init__(self, device: torch.device, slots: int, slot_bytes: int, backend: Any) -> None:
         self.slots, self.slot_bytes = slots, slot_bytes
@@ -79,7 +79,6 @@ class Staging:
         self.slot = [self.buf[k * pitch:k * pitch + slot_bytes] for k in range(slots)]
         self.copy_stream = backend.stream(priority=-1) if slots else None
         self.last_read: Any = None   # (event,) behind the latest streamed reader, any program's
-        self.user: Any = None        # the program whose step used the ring last
         self.ahead: Any = None       # the program whose next step's first copies are queued in the ring
 
 
@@ -164,11 +163,8 @@ class StreamingProgram(AtenProgram):
     def load(self, values: dict[int, torch.Tensor]) -> None:
         # copies queued ahead hold the old values, whichever program of the share group (they share homes)
         # queued them; and one may still be reading a home: let the copy stream finish first
-        self.ahead = {}
-        self.ring.ahead = None
-        if self.streamed and self.copy_stream is not None:
-            be = self.backend
-            be.host_wait(be.record(self.copy_stream))
+        self._drain()
+        self.ahead, self.ring.ahead = {}, None
         for b, v in values.items():
             if b in self.home:
                 self.home[b][: v.numel()].copy_(v.reshape(-1).view(torch.uint8))
@@ -182,10 +178,14 @@ class StreamingProgram(AtenProgram):
         """Return once the copies this program queued are done (the copies
         ahead of a next step have no reader to wait for them); they are
         dropped.  On the worker, before the program goes."""
+        self._drain()
+        self._drop_ahead()
+
+    def _drain(self) -> None:
+        """Return once the ring's copy stream has done what is queued on it."""
         if self.streamed and self.copy_stream is not None:
             be = self.backend
             be.host_wait(be.record(self.copy_stream))
-        self._drop_ahead()
 
     def _drop_ahead(self) -> None:
         self.ahead = {}
@@ -198,7 +198,7 @@ class StreamingProgram(AtenProgram):
         queues now wait for the ring's last read (a step that failed halfway
         or another program's may have read any of its bytes)."""
         ahead = self.ahead if self.ring.ahead is self else {}
-        self.ahead, self.ring.ahead, self.ring.user = {}, None, self   # this step takes the ring over
+        self.ahead, self.ring.ahead = {}, None   # this step takes the ring over
         self.copied = [None] * len(self.streamed)
         self.queued = self.queued_ahead = 0
         after = self.layout.after

@@ -24,7 +24,8 @@ its inputs when the device changes) and, if it reads a streamed weight, when
 that copy ended; the copy engine runs copies one at a time in order.
 
 Baselines from the same rates and the same model live in
-``offload_baselines.py`` (GPU-only, layer offload, streaming, the ideal).
+``offload_baselines.py`` (GPU-only, layer offload, streaming, the ideal);
+per-role mixes for the packed staging ring in ``offload_mixes.py``.
 Pure Python; no torch.
 """
 from __future__ import annotations
@@ -264,10 +265,6 @@ class Offload:
         pcie_bytes = sum(nbytes)
         return StepTime(end, tuple(busy), pcie_bytes / self.pcie_bps, pcie_bytes)
 
-    def _streamed_reads(self, k: int, idx: dict[int, int]) -> list[int]:
-        u = self.unit_of.get(k)
-        return [b for b in self.units[u] if b in idx] if u is not None else []
-
     # -- choosing --------------------------------------------------------
     def resident_fill(self, capacity: int, order: Sequence[int] | None = None,
                       limit: int | None = None) -> set[int]:
@@ -425,78 +422,6 @@ def _chooser(o: Offload, slots: int, limit: int, rounds: int, runs: Sequence[int
     return choose
 
 
-def unit_classes(o: Offload, units: Sequence[int]) -> list[list[int]]:
-    """``units`` (program order) by role: the name of a unit's first weight
-    with its numbers taken out (``decoder.layers.7.ffn.up.weight`` ->
-    ``decoder.layers.#.ffn.up.weight``), so a class is one weight of every
-    layer; classes in the order of their first unit."""
-    by: dict[str, list[int]] = {}
-    for u in units:
-        name = o.graph.buffers[o.units[u][0]].name or f"#{u}"
-        key = ".".join("#" if part.isdigit() else part for part in name.split("."))
-        by.setdefault(key, []).append(u)
-    return list(by.values())
-
-
-def _class_chooser(o: Offload, slots: int, limit: int, rounds: int = 3):
-    """``resident -> choice``: rounds over the classes of the streamable
-    units (:func:`unit_classes`), each time the number of a class's units
-    computed on the CPU (spread evenly over its layers, the others streamed)
-    that gives the shortest step on the model, the other classes as they
-    are; started from the best of one class entirely on the CPU and a
-    second one partly (the rest streamed).  It finds mixes a flip of one unit cannot
-    reach: the CPU computing a layer's ``up`` everywhere and its ``gate`` in
-    every third layer, where one CPU run serves both (two device changes,
-    not four)."""
-    first = {u: o.kernels[u][0] for u in o.units}
-
-    def spread(cls: list[int], k: int, ch: dict[int, str]) -> None:
-        n = len(cls)
-        on_cpu = {int((i + 0.5) * n / k) for i in range(k)} if k else set()
-        for i, u in enumerate(cls):
-            ch[u] = "C" if i in on_cpu else "S"
-
-    def descend(ch: dict[int, str], classes: list[list[int]]) -> tuple[dict[int, str], float]:
-        t = o.simulate(o.placement(ch, slots, limit)).step_s
-        for _ in range(rounds):
-            improved = False
-            for cls in classes:
-                now = sum(ch[u] == "C" for u in cls)
-                best_k = now
-                for k in range(len(cls) + 1):
-                    if k == now:
-                        continue
-                    spread(cls, k, ch)
-                    t2 = o.simulate(o.placement(ch, slots, limit)).step_s
-                    if t2 < t - 1e-12:
-                        t, best_k, improved = t2, k, True
-                spread(cls, best_k, ch)
-            if not improved:
-                break
-        return ch, t
-
-    def choose(resident: set[int]) -> dict[int, str]:
-        base = {u: "R" if u in resident else ("S" if u in o.streamable and o.size[u] <= limit else "C")
-                for u in o.units}
-        classes = unit_classes(o, sorted((u for u in base if base[u] == "S"), key=first.get))
-        # seeds: one class on the CPU, a second one partly (a coarse grid), the rest streamed
-        seed, best_t = dict(base), o.simulate(o.placement(base, slots, limit)).step_s
-        for full in classes:
-            for part in classes:
-                if part is full:
-                    continue
-                n = len(part)
-                for k in range(0, n + 1, max(1, n // 8)):
-                    ch = dict(base)
-                    spread(full, len(full), ch)
-                    spread(part, k, ch)
-                    t = o.simulate(o.placement(ch, slots, limit)).step_s
-                    if t < best_t:
-                        seed, best_t = ch, t
-        return descend(dict(seed), classes)[0]
-    return choose
-
-
 def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Sequence[int] = (1, 2, 3, 4, 6),
             polish: int = 3) -> tuple[Placement, StepTime]:
     """The three-way choice: residents by time saved per byte; the rest
@@ -517,7 +442,7 @@ def tessera(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs: Seq
     s, b = min(tried, key=lambda x: x[1][1].step_s)[0]
     # a ring filled by bytes holds more small weights than it has slots: class mixes, every ring size
     # (slots of the best split's slot size b)
-    mixes = ([o.fit(_class_chooser(o, n, b), n, n * b, limit=b) for n in slot_options]
+    mixes = ([o.fit(class_chooser(o, n, b), n, n * b, limit=b) for n in slot_options]
              if o.ring == "bytes" and b else [])
     # the coarse plans are candidates too (offload_baselines, imported at the end of this module)
     return _best([o.fit(_chooser(o, s, b, polish, runs), s, s * b, limit=b), *(r for _, r in tried), *mixes,
@@ -574,7 +499,7 @@ def follow(o: Offload, homes: dict[str, str], slots: int, slot_bytes: int, polic
     if policy == "tessera":
         choice = _chooser(o, slots, limit, polish)(resident)
         if o.ring == "bytes" and slots:   # class mixes too (see tessera)
-            mix = _class_chooser(o, slots, limit)(resident)
+            mix = class_chooser(o, slots, limit)(resident)
             if (o.simulate(o.placement(mix, slots, slot_bytes)).step_s
                     < o.simulate(o.placement(choice, slots, slot_bytes)).step_s):
                 choice = mix
@@ -672,7 +597,8 @@ class OffloadPlanner:
 
 
 from .offload_baselines import gpu_only, ideal, layer_offload, streaming  # noqa: E402  (re-exported)
+from .offload_mixes import class_chooser, unit_classes  # noqa: E402  (re-exported)
 
 __all__ = ["CPU_GEMV_BPS", "Offload", "OffloadPlanner", "PCIE_BPS", "POLICIES", "Placement", "StepTime",
            "estimate_rates", "follow", "gpu_only", "homes_of", "host_model", "ideal", "layer_offload", "streaming",
-           "tessera", "to_plan"]
+           "tessera", "to_plan", "unit_classes"]
