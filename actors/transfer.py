@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.chunks import DEFAULT_CHUNK_BYTES, chunk_spans
+from tessera_actors.execution.spans import DEFAULT_CHUNK_BYTES, chunk_spans
 from actors.links import LinkHub, backend_available
 from tessera_actors.runtime.actor import Actor, ActorRef, handler
 from tessera_actors.devices import DeviceSpec

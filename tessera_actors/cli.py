@@ -16,26 +16,17 @@ import sys
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from .capture_cli import main
+    from tessera_actors.capture.cli import main
     return main(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planning.cli import plan_command
+    from tessera_actors.planning.cli import plan_command
     return plan_command(args.graph, args.devices.split(","), args.mode, args.png, args.costs)
 
 
-def _budget(text: str) -> float | None:
-    from .devices import parse_bytes
-    try:
-        v = float(text)
-    except ValueError:
-        return float(parse_bytes(text))
-    return v or None
-
-
 def _arena(args: argparse.Namespace) -> int:
-    from .arena import ArenaConfig, default_devices, run_arena
+    from tessera_actors.bench.arena import ArenaConfig, default_devices, run_arena
     devices = tuple(args.devices.split(",")) if args.devices else default_devices()
     if len(devices) != 2:
         raise ValueError("--devices takes two devices: L,R")
@@ -50,13 +41,13 @@ def _arena(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["node"]:   # the node daemon parses its own flags (argparse's REMAINDER would take --listen)
-        from .node import main as node_main
+        from tessera_actors.node import main as node_main
         return int(node_main(argv[1:]) or 0)
     ap = argparse.ArgumentParser(prog="tessera", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = ap.add_subparsers(dest="command", required=True)
 
-    from . import demo
+    from tessera_actors import demo
     p = sub.add_parser("demo", help="split decoding across node processes and check it against one device")
     demo.add_arguments(p)
     p.set_defaults(fn=demo.main)
@@ -76,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cost table next to the graph (read by tessera plan)")
     p.set_defaults(fn=_capture)
 
-    from . import check_cli
+    from tessera_actors.check import cli as check_cli
     p = sub.add_parser("check", help="capture a model and check random orders and splits against one device and eager")
     check_cli.add_arguments(p)
     p.set_defaults(fn=check_cli.main)
@@ -89,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default=None, help="write a timeline of the predicted schedule")
     p.set_defaults(fn=_plan)
 
-    from . import advise
+    from tessera_actors import advise
     p = sub.add_parser("advise", help="predict every policy on a pair of GPU types we may not have")
     advise.add_arguments(p)
     p.set_defaults(fn=advise.main)
@@ -112,22 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--policies", default="", help="comma-separated subset (default: all)")
     b.add_argument("--out", default="benchmarks/results/arena_served")
     b.set_defaults(fn=_arena)
-    from .serving import loadgen
+    from tessera_actors.serving import loadgen
     b = bsub.add_parser("serve", help="replay a request trace through tessera serve (--url) or an in-process AsyncEngine")
     loadgen.add_arguments(b)
     b.set_defaults(fn=loadgen.run_command)
 
-    from .serving import server
+    from tessera_actors.serving import server
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with a chat page")
     server.add_arguments(p)
     p.set_defaults(fn=server.run_command)
 
-    from . import roofline
+    from tessera_actors.bench import roofline
     b = bsub.add_parser("roofline", help="one GPU: tessera step vs torch.compile(reduce-overhead) vs the HBM/GEMM floor")
     roofline.add_arguments(b)
     b.set_defaults(fn=roofline.main)
 
-    from . import offload_bench
+    from tessera_actors.bench import offload as offload_bench
     b = bsub.add_parser("offload", help="a model over the GPU budget: kernel-level CPU+GPU placement vs offloading")
     offload_bench.add_arguments(b)
     b.set_defaults(fn=offload_bench.main)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from .attention import CachedAttention
-from .common import (ReferenceModel, RMSNorm, SwiGLU, example_ids, lm_positions,
+from tessera_actors.models.attention import CachedAttention
+from tessera_actors.models.common import (ReferenceModel, RMSNorm, SwiGLU, example_ids, lm_positions,
                      rope_inv_freq, rope_tables)
 
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture import capture_module
-from ..capture.aten import storage_bytes
-from ..graph import KernelGraph
-from .config import EngineConfig
-from .params import EngineError
+from tessera_actors.capture import capture_module
+from tessera_actors.capture.aten import storage_bytes
+from tessera_actors.graph import KernelGraph
+from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.params import EngineError
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
 def cpu_only(cfg: EngineConfig) -> bool:
     """Whether every device of the deployment is a CPU (devices, or the
     node processes' devices); anything unparsable counts as not."""
-    from ..devices import parse_devices
+    from tessera_actors.devices import parse_devices
     try:
         specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
     except Exception:   # noqa: BLE001 - an unusual device string only loses the fused CPU kernel
@@ -168,7 +168,7 @@ def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, buil
     """The real model, built once per configuration in a process (engines of
     one benchmark share its weights: they are only ever read); generated on
     ``build_device`` and kept in host memory."""
-    from .. import models
+    from tessera_actors import models
     m = models.get(model, size, dtype=dtype, seed=seed, device=build_device, **dict(kw))
     if build_device != "cpu":
         m = m.to("cpu")
@@ -184,7 +184,7 @@ def _dtype(name: str) -> torch.dtype:
 def load_served_model(cfg: EngineConfig) -> ServedModel:
     """Build the model (real weights for ``smollm2``), check it takes the
     serving inputs, capture every bucket.  Blocking (call in a thread)."""
-    from .. import models
+    from tessera_actors import models
     dtype = _dtype(cfg.dtype)
     kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
     if cfg.model == "smollm2":
@@ -193,7 +193,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
     try:
         if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
-            from ..models import hf
+            from tessera_actors.models import hf
             cfg.kv_windows = (cfg.max_model_len,)   # its attention reads the whole cache
             real = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
                                    **cfg.overrides)
@@ -235,7 +235,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
         graphs[b.name], values[b.name], buckets[b.name] = cap.graph, vals, b
     meta_gguf = None
     if cfg.model in ("smollm2", "hf:smollm2"):
-        from ..models.smollm2 import _reader
+        from tessera_actors.models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
     return ServedModel(cfg.model, real, vocab, graphs, values, buckets, meta_gguf)

@@ -41,13 +41,13 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from ..planning.monitor import Monitor
-from .batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
-from .config import EngineConfig
-from .deploy import bucket_name, decode_sizes, load_served_model, window_for
-from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
-from .runtime import Runtime, StepFailed
-from .text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
+from tessera_actors.planning.monitor import Monitor
+from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
+from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.deploy import bucket_name, decode_sizes, load_served_model, window_for
+from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
+from tessera_actors.serving.deployment import Deployment, StepFailed
+from tessera_actors.serving.text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -65,7 +65,7 @@ class _Step:
     """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
     sampling-entry order), the prompt tokens it feeds (prefill), its bucket,
     the placement generation, the launch order, and its step number when its
-    tokens can feed the next step on the device (``Runtime.reserve``)."""
+    tokens can feed the next step on the device (``Deployment.reserve``)."""
     key: str
     reqs: list
     chunk: int
@@ -86,7 +86,7 @@ class AsyncEngine:
         self.cfg = config
         self.model_name = config.model
         self.max_model_len = config.max_model_len
-        self.runtime: Runtime | None = None
+        self.deployment: Deployment | None = None
         self._requests: dict[str, _Request] = {}
         self._waiting: list[_Request] = []
         self._prefill: list[_Request] = []
@@ -128,13 +128,13 @@ class AsyncEngine:
         self.slots = SlotAllocator(self.cfg.group_bounds(self.groups))
         self.trace = None
         if self.cfg.trace_dir:
-            from .trace import StepTrace
+            from tessera_actors.serving.trace import StepTrace
             self.trace = StepTrace()
-        self.runtime = Runtime(self.cfg, served, self._on_lost, self.trace)
+        self.deployment = Deployment(self.cfg, served, self._on_lost, self.trace)
         try:
-            await self.runtime.start()
+            await self.deployment.start()
         except BaseException:
-            await self.runtime.stop()
+            await self.deployment.stop()
             raise
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -148,8 +148,8 @@ class AsyncEngine:
         self._deliver()
         for req in list(self._requests.values()):
             self._finish(req, "abort")
-        if self.runtime is not None:
-            await self.runtime.stop()
+        if self.deployment is not None:
+            await self.deployment.stop()
         self.write_trace()
 
     def write_trace(self) -> str | None:
@@ -345,12 +345,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
             req = self._prefill[0]
-            bucket = self.runtime.runnable(self._prefill_bucket(req))
+            bucket = self.deployment.runnable(self._prefill_bucket(req))
             _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
                                                   self._rows_of(bucket))
-            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
+            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [req.seq.rid]))
             req.in_step += 1
-            inflight[task] = _Step("prefill", [req], n, bucket, self.runtime.generation, next(self._order))
+            inflight[task] = _Step("prefill", [req], n, bucket, self.deployment.generation, next(self._order))
         if self._catchup:
             return
         for g, rows in enumerate(self._group_rows()):
@@ -373,12 +373,12 @@ class AsyncEngine:
         reqs = [r for r in rows if r.finished is None and r.seq.may_decode(self.max_model_len)]
         if not reqs or self._switching:
             return None   # a plan switch waits for every decode step in flight to land: none starts meanwhile
-        if prev is not None and (prev.number is None or prev.generation != self.runtime.generation or self._prefill):
+        if prev is not None and (prev.number is None or prev.generation != self.deployment.generation or self._prefill):
             return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device)
         lo, hi = self.slots.bounds[g]
         sizes = decode_sizes(self.cfg, hi - lo)
         size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
-        bucket = self.runtime.runnable(bucket_name("decode", size, lo, window_for(
+        bucket = self.deployment.runnable(bucket_name("decode", size, lo, window_for(
             self.cfg, max(r.seq.next_position for r in reqs))), (lo, hi))
         fed = None
         if prev is not None:
@@ -387,8 +387,8 @@ class AsyncEngine:
             fed = {r.seq.rid: i for i, r in enumerate(prev.reqs)}
         _, inputs, sample, token_rows = decode_inputs([r.seq for r in reqs], lo, sizes, self.max_model_len,
                                                       self._rows_of(bucket), fed)
-        number = self.runtime.reserve(bucket) if self.cfg.lookahead else None
-        task = asyncio.get_running_loop().create_task(self.runtime.step(
+        number = self.deployment.reserve(bucket) if self.cfg.lookahead else None
+        task = asyncio.get_running_loop().create_task(self.deployment.step(
             bucket, inputs, sample, [r.seq.rid for r in reqs], number, token_rows,
             prev.number if prev is not None else -1))
         for r in reqs:
@@ -396,10 +396,10 @@ class AsyncEngine:
             r.seq.pending += 1
         if prev is not None:
             self.counters["lookahead_steps"] += 1
-        return task, _Step(key, reqs, 0, bucket, self.runtime.generation, next(self._order), number)
+        return task, _Step(key, reqs, 0, bucket, self.deployment.generation, next(self._order), number)
 
     def _rows_of(self, bucket: str) -> int | None:
-        b = self.runtime.served.buckets.get(bucket)
+        b = self.deployment.served.buckets.get(bucket)
         return b.size if b is not None else None
 
     def _prefill_bucket(self, req: _Request) -> str:
@@ -415,7 +415,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             return
         except StepFailed as e:
-            if self._lost or generation != self.runtime.generation:
+            if self._lost or generation != self.deployment.generation:
                 return   # a loss is pending, or the step belonged to a placement since replaced: recovery redoes it
             log.warning("%s", e)
             self._lost_or_fail(reqs, e)
@@ -505,7 +505,7 @@ class AsyncEngine:
         # gap is then the loss plus the re-prefills, not plus the decode steps between them)
         self._catchup = {r.seq.rid for r in self._prefill}
         try:   # the re-prefills' first buckets at once; decode steps stand in on the reference bucket
-            await self.runtime.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
+            await self.deployment.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
         except Exception as e:
             raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
@@ -529,7 +529,7 @@ class AsyncEngine:
         return "throughput" if self.groups > 1 else "latency"
 
     def stats(self) -> dict:
-        rt = self.runtime
+        rt = self.deployment
         ref = rt.placed.get(rt.reference_bucket()) if rt else None
         placement, devices = {}, []
         if ref is not None:
@@ -552,12 +552,12 @@ class AsyncEngine:
         its decode buckets and its shortest and longest prompt chunks are,
         and places the chunk sizes between them in the background (a prompt
         meanwhile runs in a longer chunk)."""
-        if self.runtime is not None:
-            await self.runtime.wait_placed()
+        if self.deployment is not None:
+            await self.deployment.wait_placed()
 
     def health(self) -> dict:
-        ok = self._dead is None and not self._lost and self.runtime is not None and bool(self.runtime.placed)
-        return {"ok": ok, "lost": sorted(self.runtime.lost) if self.runtime else [], "error": self._dead}
+        ok = self._dead is None and not self._lost and self.deployment is not None and bool(self.deployment.placed)
+        return {"ok": ok, "lost": sorted(self.deployment.lost) if self.deployment else [], "error": self._dead}
 
 
 def _is_id_list(prompt) -> bool:

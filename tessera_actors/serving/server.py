@@ -41,9 +41,9 @@ from typing import Any
 
 from aiohttp import web
 
-from . import openai_api as oa
-from .flags import add_engine_arguments, engine_kwargs
-from .metrics import CONTENT_TYPE, ServerMetrics
+from tessera_actors.serving import openai_api as oa
+from tessera_actors.serving.flags import add_engine_arguments, engine_kwargs
+from tessera_actors.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")
 STATIC = Path(__file__).with_name("static")
@@ -79,7 +79,7 @@ STATE = web.AppKey("state", ServerState)
 
 
 def _engine_errors():
-    from . import EngineBusy, EngineDead, EngineError, InvalidRequest
+    from tessera_actors.serving import EngineBusy, EngineDead, EngineError, InvalidRequest
     return InvalidRequest, EngineBusy, EngineDead, EngineError
 
 
@@ -133,7 +133,7 @@ async def _errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
 
 
 def _sampling_params(req: oa.ApiRequest, max_tokens: int):
-    from . import SamplingParams
+    from tessera_actors.serving import SamplingParams
     kw = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
               seed=req.seed, stop=list(req.stop))
     if req.ignore_eos and "ignore_eos" in {f.name for f in dataclasses.fields(SamplingParams)}:
@@ -332,7 +332,7 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None) -> None:
     Prints one line ``tessera serve: ready http://HOST:PORT ...`` on stdout once
     it accepts requests. On stop, in-flight requests are aborted, then the
     server and the engine shut down."""
-    from . import AsyncEngine
+    from tessera_actors.serving import AsyncEngine
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

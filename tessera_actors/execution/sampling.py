@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from tessera_actors.execution.runner import to_device
+from tessera_actors.execution.inputs import to_device
 
 _MASK64 = (1 << 64) - 1
 
