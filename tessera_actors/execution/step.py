@@ -11,8 +11,8 @@ its outputs, the inputs it reads.  :meth:`DeviceStep.begin` starts a step
   receive the event loop must wait for (``waiting``), or ``done``: the
   program ended, the step's tokens were sampled on the device and their
   copy to host memory is queued behind an event (``landing``);
-* :meth:`StepRun.stage` (on the loop) keeps received bytes for the next
-  ``advance``;
+* :meth:`StepRun.stage` and :meth:`StepRun.received` (on the loop) keep
+  the received bytes for the next ``advance``;
 * :meth:`StepRun.landed` (after ``landing`` completed) gives the answer.
 
 A step without transfers or outputs is one ``advance`` call that is done at
@@ -123,10 +123,16 @@ class StepRun:
         self.host: torch.Tensor | None = None   # sampled ids and log probabilities, in host memory
         self.data: list = []
         self.busy = self.waited = 0.0
+        self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
 
     def stage(self, buffer: int, ranges: list, data: Any) -> None:
-        """Received bytes the next :meth:`advance` writes before its kernels."""
+        """Received bytes (a whole transfer, or one chunk of it) the next
+        :meth:`advance` writes before its kernels."""
         self.staged.append((buffer, ranges, data))
+
+    def received(self) -> None:
+        """The receive :meth:`advance` stopped at has all its bytes staged."""
+        self.i += 1
 
     def advance(self) -> Progress:
         """On the worker: from the current program step on, until the
@@ -143,6 +149,7 @@ class StepRun:
             st.prog.write(buffer, ranges, data)
         self.staged = []
         program, key = st.program, (st.plan_id, msg.step)
+        before = [st.runner.counts[k] for k in self.counts]
         while self.i < len(program):
             op = program[self.i]
             if op.op == "recv":
@@ -158,6 +165,8 @@ class StepRun:
                 self.i += 1
                 continue
             self._block(ship)
+        for k, b in zip(self.counts, before):
+            self.counts[k] += st.runner.counts[k] - b
         busy = time.perf_counter() - t0 - waited
         self.busy += busy
         self.waited += waited

@@ -194,7 +194,10 @@ class StepDone:
     holding the logits (empty elsewhere), with its log probability in
     ``logprobs``.  ``spans`` (when traced): ``[what, start, end]`` in wall-clock
     seconds (``time.time()``) for each run of kernels, transfer wait and
-    sampling, in order."""
+    sampling, in order.  ``replays`` / ``eager_runs`` / ``capture_failures``:
+    this device's runs of kernels in the step replayed as CUDA graphs, run
+    eagerly (a first run, a CPU, graphs off, or a capture that failed), and
+    captures that failed."""
     plan_id: str
     step: int
     device: int
@@ -205,6 +208,9 @@ class StepDone:
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     spans: list = dataclasses.field(default_factory=list)
+    replays: int = 0
+    eager_runs: int = 0
+    capture_failures: int = 0
 
 
 @message

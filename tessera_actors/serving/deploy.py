@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -111,47 +111,32 @@ def bucket_inputs(bucket: Bucket, device: str | torch.device = "meta") -> dict[s
 
 
 @contextlib.contextmanager
-def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
+def shaped(model: torch.nn.Module, bucket: Bucket):
     """Capture-time constants of a bucket on the attention modules: the first
-    KV row of a decode group (``row_base``), the window (``kv_window``) and,
-    for a deployment on CPU devices only, the fused CPU attention kernel
-    (``cpu_fused``)."""
+    KV row of a decode group (``row_base``) and the window (``kv_window``)."""
     mods = [m for m in model.modules() if hasattr(m, "row_base")]
     if bucket.window and any(not hasattr(m, "kv_window") for m in mods):
         raise EngineError("this model's attention has no kv_window; serve it with kv_windows=()")
-    old = [(m.row_base, getattr(m, "kv_window", 0), getattr(m, "cpu_fused", None)) for m in mods]
+    old = [(m.row_base, getattr(m, "kv_window", 0)) for m in mods]
     for m in mods:
         m.row_base = bucket.base
         if hasattr(m, "kv_window"):
             m.kv_window = bucket.window
-        if hasattr(m, "cpu_fused"):
-            m.cpu_fused = cpu_only
     try:
         yield
     finally:
-        for m, (b, w, f) in zip(mods, old):
+        for m, (b, w) in zip(mods, old):
             m.row_base = b
             if hasattr(m, "kv_window"):
                 m.kv_window = w
-            if f is not None:
-                m.cpu_fused = f
-
-
-def cpu_only(cfg: EngineConfig) -> bool:
-    """Whether every device of the deployment is a CPU (devices, or the
-    node processes' devices); anything unparsable counts as not."""
-    from tessera_actors.devices import parse_devices
-    try:
-        specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
-    except Exception:   # noqa: BLE001 - an unusual device string only loses the fused CPU kernel
-        return False
-    return bool(specs) and all(s.kind == "cpu" for s in specs)
 
 
 @dataclass
 class ServedModel:
-    """The real model (values), its tokenizer/template metadata and the
-    captured bucket graphs with their values by buffer id."""
+    """The real model (values; its state dropped), its tokenizer/template
+    metadata, the captured bucket graphs with their values by buffer id, and
+    how each bucket was captured (``captures``: ``inductor`` | ``aten``, or
+    ``aten (inductor failed: ...)``)."""
 
     name: str
     model: torch.nn.Module
@@ -160,6 +145,19 @@ class ServedModel:
     values: dict[str, dict[int, torch.Tensor]]
     buckets: dict[str, Bucket]
     gguf_meta: dict | None
+    captures: dict[str, str] = field(default_factory=dict)
+
+
+def drop_state(model: torch.nn.Module) -> None:
+    """Replace the model's state buffers (its KV cache: ``max_seqs`` x
+    ``max_model_len`` slots) by empty tensors: the cache starts as zeros on
+    the devices and is never shipped, so the host keeps only the weights."""
+    for name in getattr(model, "state_names", lambda: [])():
+        path, _, buf = name.rpartition(".")
+        mod = model.get_submodule(path) if path else model
+        t = mod._buffers.get(buf)
+        if t is not None and t.numel():
+            mod._buffers[buf] = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 @functools.lru_cache(maxsize=2)
@@ -167,9 +165,10 @@ def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, buil
            ) -> torch.nn.Module:
     """The real model, built once per configuration in a process (engines of
     one benchmark share its weights: they are only ever read); generated on
-    ``build_device`` and kept in host memory."""
+    ``build_device`` and kept in host memory, without its state."""
     from tessera_actors import models
     m = models.get(model, size, dtype=dtype, seed=seed, device=build_device, **dict(kw))
+    drop_state(m)
     if build_device != "cpu":
         m = m.to("cpu")
         if torch.cuda.is_available():
@@ -181,16 +180,10 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_served_model(cfg: EngineConfig) -> ServedModel:
-    """Build the model (real weights for ``smollm2``), check it takes the
-    serving inputs, capture every bucket.  Blocking (call in a thread)."""
+def _models(cfg: EngineConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the real model in host memory, the same model on the meta device)."""
     from tessera_actors import models
-    dtype = _dtype(cfg.dtype)
     kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
-    if cfg.model == "smollm2":
-        limit = 8192   # SmolLM2-135M-Instruct's own context (GGUF llama.context_length)
-        if cfg.max_model_len > limit:
-            raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
     try:
         if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
             from tessera_actors.models import hf
@@ -199,17 +192,54 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
                                    **cfg.overrides)
             meta = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
                                    device="meta", **cfg.overrides)
+            return real, meta
+        key = tuple(sorted(kw.items()))
+        try:
+            hash(key)
+        except TypeError:   # an unhashable override (a dict): build it afresh
+            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+            drop_state(real)
         else:
-            key = tuple(sorted(kw.items()))
-            try:
-                hash(key)
-            except TypeError:   # an unhashable override (a dict): build it afresh
-                real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
-            else:
-                real = _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
-            meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
+        return real, models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
     except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
+
+
+def weight_values(name: str, graph: KernelGraph, named: dict[str, torch.Tensor], state: set[str],
+                  captured: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+    """The initial bytes of a bucket graph's weights, by buffer id: the real
+    model's tensor of the buffer's name (flat bytes of its storage, no copy),
+    or for an unnamed constant the bytes the capture recorded."""
+    vals = {}
+    for buf in graph.buffers.values():
+        if buf.role == "weight":
+            t = named.get(buf.name)
+            if t is None and captured is not None and not buf.name and buf.id in captured:
+                vals[buf.id] = captured[buf.id].cpu()
+                continue
+            if t is None:
+                raise EngineError(f"bucket {name}: weight buffer {buf.id} ({buf.name!r}) has no tensor "
+                                  "of that name in the model")
+            vals[buf.id] = storage_bytes(t)
+        elif buf.role == "state" and buf.name not in state:
+            raise EngineError(f"bucket {name}: {buf.name!r} is written but is not a state buffer")
+    return vals
+
+
+def load_served_model(cfg: EngineConfig, progress=None) -> ServedModel:
+    """Build the model (real weights for ``smollm2``), check it takes the
+    serving inputs, capture every bucket: with inductor (Triton kernels,
+    PTX access sets) when every device is a GPU of this process's kind, else
+    on the meta device as aten ops (:func:`capture_kind`).  ``progress(done,
+    total, bucket)`` is called after each bucket.  Blocking (call in a
+    thread)."""
+    dtype = _dtype(cfg.dtype)
+    if cfg.model == "smollm2":
+        limit = 8192   # SmolLM2-135M-Instruct's own context (GGUF llama.context_length)
+        if cfg.max_model_len > limit:
+            raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
+    real, meta = _models(cfg, dtype)
     params = inspect.signature(real.forward).parameters
     if not {"input_ids", "positions", "rows", "last"} <= set(params):
         raise EngineError(f"model {cfg.model!r} cannot be served: its forward takes {list(params)}, the engine "
@@ -217,25 +247,51 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
     named = {n: t for n, t in real.named_parameters()}
     named.update(dict(real.named_buffers()))
     state = set(real.state_names())
-    graphs, values, buckets = {}, {}, {}
-    fused = cpu_only(cfg)
-    for b in buckets_for(cfg):
-        with shaped(meta, b, fused):
-            cap = capture_module(meta, bucket_inputs(b))
-        vals = {}
-        for buf in cap.graph.buffers.values():
-            if buf.role == "weight":
-                t = named.get(buf.name)
-                if t is None:
-                    raise EngineError(f"bucket {b.name}: weight buffer {buf.id} ({buf.name!r}) has no tensor "
-                                      "of that name in the model")
-                vals[buf.id] = storage_bytes(t)
-            elif buf.role == "state" and buf.name not in state:
-                raise EngineError(f"bucket {b.name}: {buf.name!r} is written but is not a state buffer")
-        graphs[b.name], values[b.name], buckets[b.name] = cap.graph, vals, b
+    buckets = buckets_for(cfg)
+    kind = capture_kind(cfg)
+    if kind == "inductor":
+        from tessera_actors.serving.gpu_capture import capture_on_gpu
+        graphs, captured, captures = capture_on_gpu(cfg, real, meta, buckets, progress)
+    else:
+        from tessera_actors.serving.gpu_capture import attention_form, set_attention_form
+        set_attention_form(meta, attention_form(cfg, gpu=all_cuda(cfg)))
+        graphs, captured, captures = {}, {}, {}
+        for i, b in enumerate(buckets):
+            graphs[b.name], captures[b.name] = capture_aten(meta, b), "aten"
+            if progress is not None:
+                progress(i + 1, len(buckets), b.name)
+    values = {b.name: weight_values(b.name, graphs[b.name], named, state, captured.get(b.name)) for b in buckets}
     meta_gguf = None
     if cfg.model in ("smollm2", "hf:smollm2"):
         from tessera_actors.models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
-    return ServedModel(cfg.model, real, vocab, graphs, values, buckets, meta_gguf)
+    return ServedModel(cfg.model, real, vocab, graphs, values, {b.name: b for b in buckets}, meta_gguf, captures)
+
+
+def capture_aten(meta: torch.nn.Module, bucket: Bucket) -> KernelGraph:
+    """The bucket's graph captured as aten ops on the meta device (no
+    arithmetic: well under a second for a real-size model); attention is
+    one kernel that each device runs as its own (:mod:`~tessera_actors.capture.fused`)."""
+    with shaped(meta, bucket):
+        graph = capture_module(meta, bucket_inputs(bucket)).graph
+    graph.meta["capture"] = "aten"
+    return graph
+
+
+def capture_kind(cfg: EngineConfig) -> str:
+    """``cfg.capture``, or for ``auto``: ``inductor`` when every device of the
+    deployment (in-process, or of every node) is a CUDA device and this
+    process sees one (it compiles there), else ``aten``."""
+    if cfg.capture != "auto":
+        return cfg.capture
+    if not all_cuda(cfg) or cfg.model.startswith("hf:"):
+        return "aten"
+    return "inductor" if torch.cuda.is_available() else "aten"
+
+
+def all_cuda(cfg: EngineConfig) -> bool:
+    """Whether every device of the deployment (in-process, or of every node) is a GPU."""
+    from tessera_actors.devices import parse_devices
+    specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
+    return bool(specs) and all(s.kind == "cuda" for s in specs)
