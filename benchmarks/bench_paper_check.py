@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tessera_actors.advise import MODELS, evaluate, load_params  # noqa: E402
+from tessera_actors.planning.advise import MODELS, evaluate, load_params  # noqa: E402
 
 PAIRS = (("A100", "L40S"), ("H100", "RTX-PRO-6000"), ("B200", "H100"))
 PAPER = {"Tessera/PD": {"mean": 1.51, "max": 2.32}, "Tessera/AF": {"mean": 1.35, "max": 1.69},

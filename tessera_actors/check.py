@@ -40,7 +40,7 @@ from .capture.aten import capture_module, module_roles
 from .capture.pytree import flatten_outputs
 from .devices import DeviceSpec
 from .plan import Plan, Segment, build_plan, single_device_plan
-from .planners import get_planner
+from .planning.registry import get_planner
 from tessera_actors.execution.runner import PlanRunner
 from tessera_actors.runtime.testing import random_assignment, random_topological_order
 

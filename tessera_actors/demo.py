@@ -33,7 +33,7 @@ from tessera_actors.execution.stepper import Engine
 from .graph import KernelGraph
 from tessera_actors.runtime.messages import GetStats, Place
 from .plan import Plan, plan_from_dict
-from .planners import get_planner
+from .planning.registry import get_planner
 from tessera_actors.runtime.system import ActorSystem
 
 

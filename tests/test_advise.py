@@ -6,7 +6,8 @@ import json
 import msgpack
 import pytest
 
-from tessera_actors import advise, cli
+from tessera_actors import cli
+from tessera_actors.planning import advise
 
 
 @pytest.fixture(scope="module")

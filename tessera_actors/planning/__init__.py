@@ -8,10 +8,10 @@ from .baselines import (BaselineResult, af_plan, homo_plan, layer_split_plan, pd
                         request_distribution, single_graph_baselines, workload_throughput)
 from .costs import PRESETS, CostTable, DeviceModel, costs_path_for, device_model
 from .monitor import Monitor, PlanSwitcher, StepTicket
-from .planner import MilpPlanner, PlannerConfig, plan_both
+from .planner import MilpPlanner, PlannerConfig
 from .simulate import Prediction, simulate
 
 __all__ = ["BaselineResult", "CostTable", "DeviceModel", "MilpPlanner", "Monitor", "PRESETS",
            "PlanSwitcher", "PlannerConfig", "Prediction", "StepTicket", "af_plan", "costs_path_for",
-           "device_model", "homo_plan", "layer_split_plan", "pd_throughput", "plan_both",
+           "device_model", "homo_plan", "layer_split_plan", "pd_throughput",
            "request_distribution", "simulate", "single_graph_baselines", "workload_throughput"]

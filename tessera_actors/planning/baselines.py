@@ -41,7 +41,7 @@ from ..graph import KernelGraph
 from ..plan import Plan, PlanError, build_plan, legal_cuts, validate_assignment
 from .coarsen import layer_of
 from .costs import CostTable
-from .planner import annotate, choose_inflight, default_inflight, fits, memory_inflight
+from .inflight import annotate, choose_inflight, default_inflight, fits, memory_inflight
 from .simulate import simulate
 
 _ATTN_SCOPE = re.compile(r"attn|attention", re.I)

@@ -38,7 +38,7 @@ from ..devices import parse_devices
 from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
 from ..plan import Plan, plan_from_dict
-from ..planners import get_planner
+from ..planning.registry import get_planner
 from ..planning.pinning import state_homes, weight_homes
 from tessera_actors.runtime.system import ActorSystem
 from .config import EngineConfig
@@ -173,9 +173,9 @@ class Runtime:
     def profile_reference(self) -> dict:
         """Measured per-kernel times of the reference bucket on every
         in-process device (and measured links between them), keyed for the
-        planner (``planners.graph_key``).  Blocking."""
+        planner (``planning.registry.graph_key``).  Blocking."""
         from actors.backends.base import backend_for
-        from ..planners import graph_key
+        from ..planning.registry import graph_key
         from ..planning.costs import CostTable
         from tessera_actors.execution.profile import measured_links, profile_kernels
         from .deploy import bucket_inputs

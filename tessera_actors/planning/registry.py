@@ -3,9 +3,9 @@
 ``contiguous``: the simple rule (contiguous runs, equal kernel shares);
 ``layers``: a layer split balanced by the cost table (a pipeline);
 ``af``: attention on one device, the rest on the other (AF disaggregation);
-``milp``: the memory-aware MILP (``tessera_actors.planning``): Tessera;
+``milp``: the memory-aware MILP (:mod:`.planner`): Tessera;
 ``offload``: a budgeted GPU beside a CPU, every weight resident, streamed
-or computed on the CPU (``tessera_actors.planning.offload``).
+or computed on the CPU (:mod:`.offload`).
 
 ``costs`` (optional) maps a graph's fingerprint (:func:`graph_key`) to its
 measured :class:`~tessera_actors.planning.costs.CostTable` on the devices
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from .graph import KernelGraph
-from .plan import ContiguousPlanner, Plan, Planner, PlanError
+from ..graph import KernelGraph
+from ..plan import ContiguousPlanner, Plan, Planner, PlanError
 
 NAMES = ("contiguous", "layers", "af", "milp", "offload")
 
@@ -32,15 +32,15 @@ class _CostsPlanner:
         self.name, self.costs = name, dict(costs or {})
 
     def _table(self, graph: KernelGraph, devices: Sequence[str]):
-        from .planning.costs import CostTable
+        from .costs import CostTable
         table = self.costs.get(graph_key(graph))
         if table is not None and list(table.devices) == list(devices):
             return table
         return CostTable.estimate(graph, devices)
 
     def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
-        from .planning import MilpPlanner
-        from .planning.baselines import af_plan, layer_split_plan
+        from .baselines import af_plan, layer_split_plan
+        from .planner import MilpPlanner
         costs = self._table(graph, devices)
         if self.name == "milp":
             return MilpPlanner(costs).plan(graph, devices, mode)
@@ -59,6 +59,6 @@ def get_planner(name: str, costs: Mapping[tuple, object] | None = None, **option
             raise PlanError(f"planner {name!r} takes no options {sorted(options)}")
         return _CostsPlanner(name, costs)
     if name == "offload":
-        from .planning.offload import OffloadPlanner
+        from .offload import OffloadPlanner
         return OffloadPlanner(**options)
     raise ValueError(f"unknown planner {name!r}; known: {', '.join(NAMES)}")
