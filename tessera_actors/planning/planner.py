@@ -22,6 +22,7 @@ naming the shortfall in bytes.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from contextlib import contextmanager
@@ -34,8 +35,9 @@ from .baselines import candidate_assignments
 from .coarsen import build_problem
 from .costs import CostTable
 from .inflight import annotate, choose_inflight, default_inflight, fits, memory_inflight
-from .milp import solve_or_explain
+from .milp import Solution, objective_of, solve_or_explain
 from .simulate import Prediction, simulate
+from .symmetry import device_types, expand, type_table
 
 
 @dataclass
@@ -46,7 +48,7 @@ class PlannerConfig:
     mip_rel_gap: float = 0.01
     max_units: int = 300
     tie_layers: bool = True
-    tie_blocks: int | None = None        # default: one per device, at most 8
+    tie_blocks: int | None = None        # default: planner.tie_blocks(devices)
     max_inflight: int | None = None      # micro-batches in flight at most; default max(8, 2 x devices) <= 32
     fallback: bool = True                # compare with the single-plan baselines
     progress: bool = False               # a tqdm bar (stderr) while the MILP solves
@@ -117,8 +119,11 @@ class MilpPlanner:
         cfg, costs = self.config, self._costs(graph, devices)
         ndev = len(devices)
         t0 = time.perf_counter()
-        prob = build_problem(graph, costs, cfg.max_units, cfg.tie_layers,
-                             cfg.tie_blocks or min(ndev, 8))
+        # beyond four devices identical ones are planned as one type (symmetry.py)
+        types = device_types(costs) if ndev > 4 else [[d] for d in range(ndev)]
+        table = type_table(costs, types) if len(types) < ndev else costs
+        prob = build_problem(graph, table, cfg.max_units, cfg.tie_layers,
+                             cfg.tie_blocks or tie_blocks(ndev, table is not costs))
         limit = cfg.time_limit_s or (4.5 if ndev <= 4 else 45.0)
         max_inflight = cfg.max_inflight or default_inflight(ndev)
         thr = mode == "throughput"
@@ -138,10 +143,13 @@ class MilpPlanner:
         best = best_pred = sol = None
         best_score, solve_total = -float("inf"), 0.0
         for depth in depths:
-            with _progress(cfg.progress, limit, f"MILP {prob.ncls} classes x {ndev} devices"):
-                s = solve_or_explain(prob, costs, mode, time_limit_s=limit, mip_rel_gap=cfg.mip_rel_gap,
-                                     inflight=depth, verbose=cfg.solver_log)
-            p = build_plan(graph, devices, prob.assignment(s.class_device), name=f"tessera-{mode}", mode=mode)
+            with _progress(cfg.progress, limit, f"MILP {prob.ncls} classes x {len(types)} device types"):
+                s = solve_or_explain(prob, table, mode, time_limit_s=limit, mip_rel_gap=cfg.mip_rel_gap,
+                                     inflight=depth, verbose=cfg.solver_log, mult=[len(t) for t in types])
+            kernels = prob.assignment(s.class_device)
+            if table is not costs:
+                kernels, s = _expand(graph, costs, types, kernels, mode, depth, s)
+            p = build_plan(graph, devices, kernels, name=f"tessera-{mode}", mode=mode)
             pred, score = evaluate(p)
             solve_total += s.solve_s
             if score > best_score:
@@ -163,9 +171,37 @@ class MilpPlanner:
             "solver": {"objective_s": sol.objective_s, "bound_s": sol.bound_s, "mip_gap": sol.gap,
                        "status": sol.status, "solve_s": sol.solve_s, "variables": sol.nvars,
                        "rows": sol.nrows, "depth": sol_depth, "solves": len(depths),
-                       "solve_total_s": solve_total, **prob.stats},
+                       "solve_total_s": solve_total, "device_types": len(types), **prob.stats},
             "plan_s": time.perf_counter() - t0,
             "costs": costs.source,
         })
         return best
 
+
+def tie_blocks(ndev: int, by_type: bool = False) -> int:
+    """Runs of repeated layers that get a placement pattern of their own:
+    one per device on two devices; on more, four per device (at most 16), so
+    a pipeline's stages can end between any two of them.  Planned by device
+    type (``by_type``), every repeated layer gets the one pattern: the
+    expansion cuts the program into stretches of layers, one per device of
+    a type, and equal layers make equal stretches balance every type."""
+    if by_type:
+        return 1
+    return ndev if ndev <= 2 else min(4 * ndev, 16)
+
+
+def _expand(graph: KernelGraph, costs: CostTable, types: list[list[int]], kernel_type: list[int], mode: str,
+            inflight: int, s: Solution) -> tuple[list[int], Solution]:
+    """The type-level MILP solution ``s`` expanded to devices
+    (:func:`.symmetry.expand`), and its solution: the MILP objective of the
+    expansion over untied kernels on every device, against the type-level
+    lower bound (a lower bound of the per-device problem over the same
+    classes)."""
+    kernels = expand(graph, costs, types, kernel_type)
+    untied = build_problem(graph, costs, max_units=len(graph.kernels), tie_layers=False)
+    lead: dict[int, int] = {}
+    for (a, _), c in zip(untied.chunks, untied.chunk_class):
+        lead.setdefault(c, a)
+    val = objective_of(untied, costs, [kernels[lead[c]] for c in range(untied.ncls)], mode, inflight)
+    gap = max(val - s.bound_s, 0.0) / val if val else 0.0
+    return kernels, dataclasses.replace(s, class_device=[], objective_s=val, gap=gap)
