@@ -15,6 +15,9 @@ are all points of it - and minimises ``tau``, the seconds of one unit:
   (``s >= x[p,d] - x[v,d]``), and arrive likewise (``r >= x[v,d] - x[p,d]``);
   egress and ingress of a device, at its fastest link's bandwidth, each
   ``<= mult_d tau`` (latencies are left out: a bound may only be optimistic);
+* repeated layers whose kernels cost the same are tied (one class per
+  position for all of them): the LP is convex, so averaging a split over
+  identical layers loses nothing and the tied LP has the same optimum;
 * memory: a device holds a weight or state buffer (by name: graphs of one
   model share them; the largest size) in the largest share of any class
   that touches it: ``y[b,d] >= x[g,c,d]``, ``sum_b bytes_b y[b,d] <=
@@ -38,7 +41,7 @@ from scipy.sparse import coo_matrix
 
 from ..graph import KernelGraph
 from ..plan import PlanError
-from .coarsen import build_problem
+from .coarsen import build_problem, tied_positions
 from .costs import CostTable
 
 
@@ -103,7 +106,8 @@ def placement_bound(work: Sequence[tuple[KernelGraph, CostTable, float]],
     for gi, (graph, costs, n_exec) in enumerate(work):
         if costs.ndev != D:
             raise PlanError(f"graph {gi}'s cost table has {costs.ndev} devices, the first one's {D}")
-        prob = build_problem(graph, costs, max_units=len(graph.kernels), tie_layers=False)
+        prob = build_problem(graph, costs, max_units=len(graph.kernels), tie_layers=_layers_equal(graph, costs),
+                             tie_blocks=1)
         x0 = lp.var(prob.ncls * D)
         xs.append((x0, prob))
         for c in range(prob.ncls):
@@ -154,6 +158,23 @@ def placement_bound(work: Sequence[tuple[KernelGraph, CostTable, float]],
         per = (x * prob.cost).sum(axis=0)
         share.append(tuple(float(v) for v in per / max(per.sum(), 1e-30)))
     return Bound(t, 1.0 / t if t > 0 else float("inf"), busy, tuple(share))
+
+
+def _layers_equal(graph: KernelGraph, costs: CostTable) -> bool:
+    """Repeated layers cost the same kernel by kernel, so classes may be tied
+    across them: averaging any split over identical layers is a split of the
+    same loads, transfers and memory, so the tied LP has the untied optimum."""
+    times = np.asarray(costs.times, dtype=float).reshape(len(graph.kernels), costs.ndev)
+    first: dict[tuple[int, int], int] = {}
+    tied = False
+    for k, pos in enumerate(tied_positions(graph, 1)):
+        if pos is None:
+            continue
+        tied = True
+        j = first.setdefault(pos, k)
+        if not np.array_equal(times[j], times[k]):
+            return False
+    return tied
 
 
 def _memory_rows(lp: _Lp, graph: KernelGraph, gi: int, prob, x0: int, D: int,

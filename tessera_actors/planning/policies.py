@@ -59,6 +59,9 @@ def parse_gpus(text: str) -> list[str]:
 
 def _homo_step(graph: KernelGraph, costs: CostTable, d: int) -> float | None:
     """Step seconds of the whole graph on device ``d``; None when it does not fit."""
+    held = sum(b.nbytes for b in graph.buffers.values() if b.role in ("weight", "state"))
+    if costs.mem[d] is not None and held > costs.mem[d]:
+        return None
     plan = build_plan(graph, costs.devices, [d] * len(graph.kernels), name=f"homo[{costs.devices[d]}]")
     return None if any(fits(graph, plan, costs)) else costs.device_total(d)
 
@@ -90,13 +93,13 @@ def _planned(graph: KernelGraph, costs: CostTable, planner: str) -> Option | Non
     """The throughput plan of ``planner`` (``layers``, ``af`` or ``milp``) as an option."""
     try:
         if planner == "layers":
-            p, label = layer_split_plan(graph, costs.devices, costs, max_inflight=8), "pipeline"
+            p, label = layer_split_plan(graph, costs.devices, costs, _inflight(costs)), "pipeline"
         elif planner == "af":
             p = af_plan(graph, costs.devices, costs)
             label = f"attention on {p.meta.get('attention_device')}"
         else:
-            p = MilpPlanner(costs, PlannerConfig(max_inflight=8, time_limit_s=2.0 if costs.ndev <= 4 else 30.0)
-                            ).plan(graph, costs.devices, "throughput")
+            p = MilpPlanner(costs, PlannerConfig(time_limit_s=2.0 if costs.ndev <= 4 else 30.0,
+                                                 max_inflight=_inflight(costs))).plan(graph, costs.devices, "throughput")
             label = "MILP plan" if p.meta["source"] == "milp" else f"fell back to {p.meta['source']}"
     except PlanError:
         return None
@@ -106,6 +109,13 @@ def _planned(graph: KernelGraph, costs: CostTable, planner: str) -> Option | Non
     for k, d in enumerate(p.assignment):
         busy[d] += costs.times[k][d]
     return Option(p.meta["predicted"]["throughput"], tuple(busy), p.microbatches, label)
+
+
+def _inflight(costs: CostTable) -> int | None:
+    """Micro-batches in flight a plan may use: the planner's default, at most
+    16 (past that a pipeline over 16 GPUs gains little and simulating it
+    costs the advisor its minute)."""
+    return None if costs.ndev <= 8 else 16
 
 
 def unit_s(parts: Sequence[tuple[Option, float]], link_s: float = 0.0) -> float:
@@ -232,8 +242,9 @@ def _result(cell: _Cell, groups: dict, found: dict, bound) -> dict[str, Any]:
 
 def _split_policies(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelGraph, c: CostTable) -> None:
     """PD, AF, Layer split and Tessera at decode batch ``b``.  Tessera picks,
-    for each bucket, the MILP's plan or one GPU alone, whichever pair of
-    plans makes the most tokens/s together."""
+    for each bucket, the MILP's plan, the pipeline or one GPU alone,
+    whichever pair of plans makes the most tokens/s together (plans of one
+    bucket at a time: the MILP does not see the other bucket's load)."""
     two = len(cell.gpus) == 2
     if two and not cell.dit:
         _pd(cell, keep, pre, homo, b, g, c)
@@ -249,8 +260,9 @@ def _split_policies(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelG
         keep("Layer split", cell.tokens_per_s(b, pre.get("layers"), ls), ls.inflight * b,
              f"decode pipeline x{ls.inflight}; prefill pipeline")
     milp = _planned(g, c, "milp")
-    decs = [o for o in [milp, *homo] if o]
-    pres = [o for o in [pre.get("milp"), *single] if o] or [None]
+    # the planner's own candidates: its MILP plan, the pipeline, one GPU alone (per bucket)
+    decs = [o for o in [milp, ls, *homo] if o]
+    pres = [o for o in [pre.get("milp"), pre.get("layers"), *single] if o] or [None]
     best = None
     for d in decs:
         for p in pres:
