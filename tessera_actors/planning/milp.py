@@ -156,7 +156,6 @@ def _build(prob: Problem, costs: CostTable, mode: str, inflight: int, slack: boo
     base_r = base_s + (G * D if thr else 0)
     base_y = base_r + G * D
     M = len(prob.mem_groups)
-    ycol = {d: j for j, d in enumerate(capped)}
     base_sl = base_y + M * len(capped)
     nvars = base_sl + (len(capped) if slack else 0)
 
@@ -205,21 +204,7 @@ def _build(prob: Problem, costs: CostTable, mode: str, inflight: int, slack: boo
         for gi in range(G):
             for d in range(D):
                 obj[base_r + gi * D + d] = in_c[gi, d]
-    for m, grp in enumerate(prob.mem_groups):
-        for d in capped:
-            for c in grp.classes:
-                rows.add([base_y + m * len(capped) + ycol[d], ix(c, d)], [1.0, -1.0], 0.0, np.inf)
-    for d in capped:
-        cols = [ix(c, d) for c in range(C)] + [base_y + m * len(capped) + ycol[d] for m in range(M)]
-        # Each memory row is scaled by its budget (right-hand side 1), so
-        # kilobyte and terabyte budgets are equally well conditioned.
-        cap = max(float(costs.mem[d]) * mult[d], 1.0)
-        vals = list(prob.class_mem / cap) + [g.nbytes / cap for g in prob.mem_groups]
-        if slack:
-            cols.append(base_sl + ycol[d])
-            vals.append(-1.0)
-            obj[base_sl + ycol[d]] = cap
-        rows.add(cols, vals, -np.inf, 1.0)
+    _memory_rows(rows, obj, prob, costs, mult, capped, base_y, base_sl if slack else None)
     if slack:
         keep = obj[base_sl:].copy()
         obj[:] = 0.0
@@ -229,6 +214,30 @@ def _build(prob: Problem, costs: CostTable, mode: str, inflight: int, slack: boo
     ub[nx:base_s] = np.inf   # T
     ub[base_sl:] = np.inf    # slacks
     return _Model(obj, rows, nx, ub, scale, cost, out_c, in_c)
+
+
+def _memory_rows(rows: _Rows, obj: np.ndarray, prob: Problem, costs: CostTable, mult: np.ndarray,
+                 capped: list[int], base_y: int, base_sl: int | None) -> None:
+    """Per budgeted device: ``y[m,d] >= x[c,d]`` for the classes sharing
+    buffers ``m``, and bytes held within the budget (``base_sl``: with a
+    slack column per device, its cost in the objective)."""
+    D, M = prob.ndev, len(prob.mem_groups)
+    ycol = {d: j for j, d in enumerate(capped)}
+    for m, grp in enumerate(prob.mem_groups):
+        for d in capped:
+            for c in grp.classes:
+                rows.add([base_y + m * len(capped) + ycol[d], c * D + d], [1.0, -1.0], 0.0, np.inf)
+    for d in capped:
+        cols = [c * D + d for c in range(prob.ncls)] + [base_y + m * len(capped) + ycol[d] for m in range(M)]
+        # Each memory row is scaled by its budget (right-hand side 1), so
+        # kilobyte and terabyte budgets are equally well conditioned.
+        cap = max(float(costs.mem[d]) * mult[d], 1.0)
+        vals = list(prob.class_mem / cap) + [g.nbytes / cap for g in prob.mem_groups]
+        if base_sl is not None:
+            cols.append(base_sl + ycol[d])
+            vals.append(-1.0)
+            obj[base_sl + ycol[d]] = cap
+        rows.add(cols, vals, -np.inf, 1.0)
 
 
 def _run(model: _Model, integral: bool, time_limit_s: float, mip_rel_gap: float, verbose: bool,
