@@ -19,6 +19,13 @@ AF) and returns the best by the simulated objective (throughput, or step
 time for the latency plan), so the result is never predicted worse than
 them.  Raises :class:`PlanError` when no placement fits the memory budgets,
 naming the shortfall in bytes.
+
+Beyond four devices, identical devices are planned as one type
+(:mod:`.symmetry`): the MILP over types with their multiplicities, every
+repeated layer one pattern, then expanded into stretches of layers per
+device; ``meta["solver"]`` then holds the expansion's objective on every
+device against the type-level lower bound (``device_types`` says how many
+types were planned).
 """
 from __future__ import annotations
 
