@@ -1,10 +1,13 @@
 """Capture the graphs ``tessera advise`` plans, once, on the meta device.
 
-Every reference model at real size and full depth, bf16: its decode bucket
-(64 sequences, 2048-token KV cache; VLM 32: its
-multi-head KV cache is 4x Llama-3's) and prefill bucket (one 1024-token
+Every reference model at real size and full depth, bf16: its decode buckets
+(64 to 512 sequences, 2048-token KV cache; VLM 32 to 256: its
+multi-head KV cache is 4x Llama-3's), so each policy can be advised at its
+best batch, and prefill bucket (one 1024-token
 request; VLM adds its 576 image tokens; Mamba2 has none: its reference
-prefill is a static unroll of one-token steps, advise costs a chunked scan), DiT's denoise bucket (16 latents).  Meta tensors carry shapes only,
+prefill is a static unroll of one-token steps, advise costs a chunked scan), DiT's denoise bucket (16 latents), and
+``qwen3moe``: a Qwen3-235B-A22B-shaped MoE's decode bucket (the paper's
+16-GPU case).  Meta tensors carry shapes only,
 so this takes seconds and no memory; the graphs are written msgpack +
 gzip to ``tessera_actors/advise_data/`` (a few hundred kB in all).
 
@@ -23,9 +26,11 @@ import msgpack
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BUCKETS = {"llama": ("decode:64", "prefill:1:1024"), "moe": ("decode:64", "prefill:1:1024"),
-           "mamba2": ("decode:64",), "vlm": ("decode:32", "prefill:1:1024"),
-           "dit": ("denoise:16",)}
+DECODE = ("decode:64", "decode:128", "decode:256", "decode:512")
+BUCKETS = {"llama": DECODE + ("prefill:1:1024",), "moe": DECODE + ("prefill:1:1024",),
+           "mamba2": DECODE, "vlm": ("decode:32", "decode:64", "decode:128", "decode:256", "prefill:1:1024"),
+           "dit": ("denoise:16",), "qwen3moe": ("decode:64", "prefill:1:1024")}
+SIZES = {"qwen3moe": ("moe", "qwen3_235b_a22b")}     # graph name -> (model, size)
 
 
 def main() -> int:
@@ -34,19 +39,23 @@ def main() -> int:
     from tessera_actors.capture.cli import build_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(BUCKETS))
+    ap.add_argument("--buckets", default=None, help="only these buckets (e.g. decode:128,decode:256)")
     ap.add_argument("--out", default=str(ROOT / "tessera_actors" / "advise_data"))
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         for bucket in BUCKETS[name]:
+            if args.buckets and bucket not in args.buckets.split(","):
+                continue
             t0 = time.perf_counter()
             kind, batch, seq = parse_bucket(bucket)
             extra = {"max_seq": 2048} if kind == "decode" and name != "mamba2" else {}
             if name == "vlm":   # its config passes cache sizes on to the text decoder
                 extra = {"max_batch": batch, "max_seq": 2048}
-            model, inputs, _ = build_model(name, "real", bucket, "bfloat16", "meta", **extra)
-            res = capture_module(model, inputs, meta={"model": name, "size": "real", "bucket": bucket,
+            model_name, size = SIZES.get(name, (name, "real"))
+            model, inputs, _ = build_model(model_name, size, bucket, "bfloat16", "meta", **extra)
+            res = capture_module(model, inputs, meta={"model": name, "size": size, "bucket": bucket,
                                                       "dtype": "bfloat16", "device": "meta"})
             path = out / f"{name}-{bucket_name(kind, batch, seq)}.tgraph.gz"
             path.write_bytes(gzip.compress(msgpack.packb(res.graph.to_dict(), use_bin_type=True), 9))

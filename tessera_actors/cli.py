@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default=None, help="write a timeline of the predicted schedule")
     p.set_defaults(fn=_plan)
 
-    from tessera_actors import advise
+    from tessera_actors.planning import advise
     p = sub.add_parser("advise", help="predict every policy on a pair of GPU types we may not have")
     advise.add_arguments(p)
     p.set_defaults(fn=advise.main)

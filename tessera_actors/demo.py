@@ -33,7 +33,7 @@ from tessera_actors.execution.stepper import Engine
 from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import GetStats, Place
 from tessera_actors.plan import Plan, plan_from_dict
-from tessera_actors.planners import get_planner
+from tessera_actors.planning.registry import get_planner
 from transport.system import ActorSystem
 
 

@@ -199,29 +199,6 @@ def build_plan(graph: KernelGraph, devices: Sequence[str], assignment: Sequence[
                 mode=mode, microbatches=microbatches)
 
 
-def split_long_segments(graph: KernelGraph, plan: Plan, times: Sequence[Sequence[float]], quantum: float) -> Plan:
-    """``plan`` rebuilt with every segment longer than ``quantum`` seconds
-    (``times[k][d]``: kernel ``k`` on device ``d``) cut into pieces of about
-    ``quantum``, at kernel boundaries; the assignment is unchanged.  A long
-    segment on a device's shared stream holds up every other slot's work
-    queued behind it."""
-    breaks = []
-    for s in plan.segments:
-        run = 0.0
-        for i, k in enumerate(s.kernels):
-            t = times[k][s.device]
-            if i and run + t > quantum:
-                breaks.append(k)
-                run = 0.0
-            run += t
-    if not breaks:
-        return plan
-    new = build_plan(graph, plan.devices, plan.assignment, name=plan.name, mode=plan.mode,
-                     microbatches=plan.microbatches, breaks=breaks)
-    new.meta = dict(plan.meta)
-    return new
-
-
 def legal_cuts(graph: KernelGraph) -> list[bool]:
     """``cuts[i]`` is True when a device boundary between kernel ``i-1`` and
     ``i`` splits no state group and no indirect kernel from a neighbour."""

@@ -6,7 +6,8 @@ import json
 import msgpack
 import pytest
 
-from tessera_actors import advise, cli
+from tessera_actors import cli
+from tessera_actors.planning import advise
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +26,16 @@ def tiny_data(tmp_path_factory):
 def test_json_format(tiny_data, capsys):
     assert cli.main(["advise", "--model", "llama", "--gpus", "A100,L40S", "--json", "--data", tiny_data]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert list(doc) == ["model", "gpus", "policies"]
+    assert list(doc) == ["model", "gpus", "policies", "bound"]
     assert doc["model"] == "llama" and doc["gpus"] == ["A100", "L40S"]
     assert set(doc["policies"]) == set(advise.POLICIES)
     for v in doc["policies"].values():
-        assert list(v) == ["tokens_per_s", "tokens_per_dollar"]
-        assert all(isinstance(x, float) and x > 0 for x in v.values())
+        assert list(v) == ["tokens_per_s", "tokens_per_dollar", "batch"]
+        assert isinstance(v["tokens_per_s"], float) and v["tokens_per_s"] > 0 and v["tokens_per_dollar"] > 0
+        assert isinstance(v["batch"], int) and v["batch"] >= 64     # the one decode bucket here is b64
+        # the bound is an upper bound of every policy, at equal memory
+        assert v["tokens_per_s"] <= doc["bound"]["tokens_per_s"] * (1 + 1e-6)
+    assert doc["bound"]["batch"] == 64
     rd, hl, hr = (doc["policies"][p]["tokens_per_s"] for p in ("Request Distribution", "Homo-L", "Homo-R"))
     assert rd == pytest.approx(hl + hr)
     # tokens per dollar: tokens/s over the rented GPUs' $/hour
@@ -64,3 +69,12 @@ def test_committed_graphs_exist():
         for bucket in advise.buckets_of(model).values():
             assert advise.graph_path(model, bucket).exists()
     assert advise.load_params().eff_c["gemm"] > 0
+
+
+def test_gpu_groups_with_counts():
+    from tessera_actors.planning.policies import parse_gpus
+    assert parse_gpus("A100,L40S") == ["A100", "L40S"]
+    assert parse_gpus("2xa100, 3xL40S") == ["A100"] * 2 + ["L40S"] * 3
+    for bad in ("A100", "A100,L40S,H100", "0xA100,L40S", "A100,V100"):
+        with pytest.raises(ValueError):
+            parse_gpus(bad)

@@ -6,7 +6,7 @@ from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.offload import (Offload, OffloadPlanner, gpu_only, ideal, layer_offload, streaming,
-                                             tessera)
+                                             choose_homes)
 
 MS = 1e-3
 W = 1000      # bytes of each weight
@@ -45,7 +45,7 @@ def letters(p):
 
 def test_a_model_that_fits_stays_resident():
     o = offload(4, 4 * W + 5 * A, [0.1] * 4, [1.0] * 4)
-    p, st = tessera(o)
+    p, st = choose_homes(o)
     assert letters(p) == "RRRR" and p.streamed == [] and p.assignment == [0, 0, 0, 0]
     assert st.step_s == pytest.approx(0.4 * MS)
     assert gpu_only(o)[1].step_s == pytest.approx(0.4 * MS)
@@ -57,7 +57,7 @@ def test_non_resident_weights_split_between_cpu_and_streaming():
     # w2..w5 (1 ms on the cpu, 1 ms over pcie) two run on the cpu while the
     # other two stream beside them
     o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6)
-    p, st = tessera(o)
+    p, st = choose_homes(o)
     assert o.gpu_bytes(p) <= o.budget
     assert letters(p)[:2] == "RR" and letters(p).count("C") == 2 and letters(p).count("S") == 2
     assert p.slots == 2 and p.slot_bytes == W
@@ -73,7 +73,7 @@ def test_non_resident_weights_split_between_cpu_and_streaming():
 
 def test_expected_plan_exactly():
     o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6)
-    p, st = tessera(o)
+    p, st = choose_homes(o)
     # ties (2.4 ms) go to the first pattern tried: w2 on the cpu while w3 and
     # w5 stream from t=0 into the two slots
     assert letters(p) == "RRCSCS" and p.assignment == [0, 0, 1, 0, 1, 0]
@@ -86,9 +86,9 @@ def test_expected_plan_exactly():
 def test_a_slow_cpu_shifts_the_share_to_streaming():
     # the same budget with a cpu 4x slower: everything not resident streams
     o = offload(6, 4 * W + 7 * A, [0.1] * 6, [4.0] * 6)
-    p, _ = tessera(o)
+    p, _ = choose_homes(o)
     assert letters(p) == "RRSSSS"
-    fast, _ = tessera(offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6))
+    fast, _ = choose_homes(offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6))
     assert letters(fast).count("C") > letters(p).count("C")
 
 
@@ -96,14 +96,14 @@ def test_switch_latency_keeps_cpu_work_together():
     # 1 ms per hand-off between the devices: alternating C/S costs more than a
     # cpu run of two weights
     o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6, latency=1 * MS)
-    p, st = tessera(o)
+    p, st = choose_homes(o)
     a = p.assignment
     assert sum(a[i] != a[i - 1] for i in range(1, len(a))) <= 2
 
 
 def test_a_budget_below_any_weight_runs_everything_on_the_cpu():
     o = offload(4, A, [0.1] * 4, [1.0] * 4)
-    p, st = tessera(o)
+    p, st = choose_homes(o)
     assert letters(p) == "CCCC" and p.assignment == [1, 1, 1, 1] and o.gpu_bytes(p) == 0
     assert st.step_s == pytest.approx(4.0 * MS)
 
@@ -124,7 +124,7 @@ def test_tessera_is_between_the_ideal_and_the_coarse_policies():
         budget = (n + 1) * A + rng.randint(0, n) * W
         o = offload(n, budget, gpu_ms, cpu_ms, pcie_bps=rng.uniform(0.5, 2.0) * W / MS,
                     latency=rng.choice([0.0, 0.1 * MS]))
-        p, st = tessera(o)
+        p, st = choose_homes(o)
         assert o.gpu_bytes(p) <= o.budget, trial
         for base in (layer_offload(o), streaming(o), gpu_only(o)):
             if base is not None:
@@ -149,7 +149,7 @@ def test_every_bucket_of_a_real_size_llama_follows_the_first_ones_homes():
     meta = models.get("llama", "real", dtype=torch.bfloat16, device="meta", max_batch=8, max_seq=576)
     graphs = {}
     for b in buckets_for(cfg):
-        with shaped(meta, b, False):
+        with shaped(meta, b):
             graphs[b.name] = capture_module(meta, bucket_inputs(b)).graph
     devs = ["cuda:0?mem=8589934592", "cpu?threads=12"]
     planner = OffloadPlanner(pcie_bps=54887931598.7, cpu_bps=39881608221.9, switch_s=347.93e-6, reserve=320 << 20)

@@ -4,7 +4,8 @@ import pytest
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable
-from tessera_actors.planning.planner import MilpPlanner, PlannerConfig, fits
+from tessera_actors.planning.inflight import fits
+from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
 from tessera_actors.planning.baselines import single_graph_baselines
 from tessera_actors.planning.synthetic import random_costs, transformer_graph
 

@@ -1,4 +1,4 @@
-"""The staging ring's layout (``tessera_actors.planning.staging``) and the
+"""The staging ring's layout (``tessera_actors.planning.offload.staging``) and the
 order a streaming program queues its copies in.
 
 On CPU every copy runs when queued, so a missing wait cannot show in the
@@ -14,7 +14,7 @@ import torch
 
 from tessera_actors.execution.backends.cpu import CpuBackend
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.planning.staging import ALIGN, ring_layout
+from tessera_actors.planning.offload.staging import ALIGN, ring_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_offload_exec import _step, _streaming_pair, tiny_model  # noqa: E402

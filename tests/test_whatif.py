@@ -78,7 +78,7 @@ def test_corrections_interpolate_in_log_sms():
 
 
 def test_fit_recovers_known_parameters():
-    from tessera_actors.advise import load_graph
+    from tessera_actors.planning.advise import load_graph
     g = load_graph("dit", "denoise-b16")
     truth = W.Params(eff_c={**W.Params().eff_c, "gemm": 0.6}, eff_m={**W.Params().eff_m, "pointwise": 0.7},
                      bw_sm=30e9, p=2.0, power=0.1, l2_gain=1.5, wave_s=0.3e-6)

@@ -190,8 +190,8 @@ async def run_policy(cfg: ArenaConfig, model: str, policy: str, runs: dict[str, 
             out["bytes_per_step"] = st["placement"].get("bytes_per_step", 0)
         out.update(ran=" + ".join(plans), devices=devices, busy=busy,
                    price_per_hour=sum(price_of(d) for d in set(devices)))
-        if policy == "Tessera" and getattr(engines[0].runtime, "profiles", None):
-            out["profiles"] = engines[0].runtime.profiles
+        if policy == "Tessera" and getattr(engines[0].deployment, "profiles", None):
+            out["profiles"] = engines[0].deployment.profiles
         return out
     finally:
         for e in engines:

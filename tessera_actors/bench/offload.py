@@ -526,7 +526,7 @@ def add_arguments(b) -> None:
 
 
 def rings_of(text: str) -> tuple[str, ...]:
-    from tessera_actors.planning.staging import RING_MODES
+    from tessera_actors.planning.offload.staging import RING_MODES
     rings = tuple(r.strip() for r in text.split(",") if r.strip())
     bad = [r for r in rings if r not in RING_MODES]
     if not rings or bad or len(set(rings)) != len(rings):

@@ -40,7 +40,7 @@ from tessera_actors.capture.aten import capture_module, module_roles
 from tessera_actors.capture.pytree import flatten_outputs
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.plan import Plan, Segment, build_plan, single_device_plan
-from tessera_actors.planners import get_planner
+from tessera_actors.planning.registry import get_planner
 from tessera_actors.execution.reference import PlanRunner
 from tessera_actors.testing import random_assignment, random_topological_order
 

@@ -1,5 +1,5 @@
 """Weights homed in host memory and streamed to the device ahead of use: the
-executor side of ``tessera_actors/planning/offload.py``.
+executor side of ``tessera_actors/planning/offload``.
 
 A plan made by the offload planner says in ``meta["offload"]`` which weight
 buffers the budgeted device streams (``streamed``, in the order of their
@@ -11,7 +11,7 @@ host memory (pinned on CUDA) and whose kernels read them from a slot.
 Contract of a step (every method runs on the device actor's worker thread):
 
 * copy ``i`` goes where the ring's layout puts it
-  (:func:`~tessera_actors.planning.staging.ring_layout`: slot ``i % slots``,
+  (:func:`~tessera_actors.planning.offload.staging.ring_layout`: slot ``i % slots``,
   or packed by bytes) on the ring's copy stream, after the event recorded
   behind the reader of the latest earlier copy whose bytes it overwrites (no
   byte is overwritten while a kernel may still read it);
@@ -52,7 +52,7 @@ import torch
 
 from tessera_actors.execution.program import AtenProgram, BackendError
 from tessera_actors.graph import KernelGraph
-from tessera_actors.planning.staging import ring_layout, slot_pitch
+from tessera_actors.planning.offload.staging import ring_layout, slot_pitch
 from tessera_actors.plan import Plan
 
 
@@ -93,7 +93,7 @@ class StreamingProgram(AtenProgram):
         count), else the program's own; ``homes``: host tensors that are the
         homes of streamed weights (shared by the programs of a share group),
         the others get their own; ``mode``: how copies fill the ring
-        (:func:`~tessera_actors.planning.staging.ring_layout`)."""
+        (:func:`~tessera_actors.planning.offload.staging.ring_layout`)."""
         ids = set(buffer_ids)
         self.streamed = [b for b in streamed if b in ids]
         if self.streamed and slots < 1:

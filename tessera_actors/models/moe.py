@@ -85,6 +85,18 @@ class MoEConfig:
         cfg.update(overrides)
         return cls(**cfg)
 
+    @classmethod
+    def qwen3_235b_a22b(cls, **overrides) -> "MoEConfig":
+        """Qwen3-235B-A22B's shapes (94 layers, 128 experts, 8 active, GQA
+        64/4 heads of 128) on this GPT-oss-style block: for planning at the
+        paper's 16-GPU scale, not a Qwen3 implementation (no sinks or biases
+        there, and no sliding window: every layer attends to the whole cache)."""
+        cfg = dict(vocab_size=151936, dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128,
+                   n_experts=128, top_k=8, expert_dim=1536, sliding_window=None,
+                   rope_theta=1000000.0, max_batch=8, max_seq=2048)
+        cfg.update(overrides)
+        return cls(**cfg)
+
 
 class Experts(nn.Module):
     """Router + ``n_experts`` GPT-oss experts; ``forward(x [B,T,D]) -> [B,T,D]``."""

@@ -41,7 +41,7 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan, PlanError, build_plan, legal_cuts, validate_assignment
 from tessera_actors.planning.coarsen import layer_of
 from tessera_actors.planning.costs import CostTable
-from tessera_actors.planning.planner import annotate, choose_inflight, default_inflight, fits, memory_inflight
+from tessera_actors.planning.inflight import annotate, choose_inflight, default_inflight, fits, memory_inflight
 from tessera_actors.planning.simulate import simulate
 
 _ATTN_SCOPE = re.compile(r"attn|attention", re.I)
@@ -203,12 +203,18 @@ def candidate_assignments(graph: KernelGraph, costs: CostTable) -> list[tuple[st
     return out
 
 
+def pd_rate(prefill_s: float, link_s: float, decode_s: float, decode_steps: float) -> float:
+    """Requests/s of PD, the one formula: prefills on one device, their state
+    crossing the link while the next prefill runs (``max``), decode steps of
+    ``decode_s`` on the other, ``decode_steps`` of them per request."""
+    return min(1.0 / max(prefill_s, link_s, 1e-30), 1.0 / max(decode_s * decode_steps, 1e-30))
+
+
 def pd_throughput(prefill: KernelGraph, decode: KernelGraph, devices: Sequence[str],
                   costs_prefill: CostTable, costs_decode: CostTable, decode_steps: float = 1.0) -> BaselineResult:
     """Requests/s of prefill on one device and decode on another (both
-    orientations tried, the better returned): ``min(prefill rate limited by
-    the KV link, decode rate / decode_steps)``.  Each graph must fit on its
-    device (whole graph resident)."""
+    orientations tried, the better returned; :func:`pd_rate`).  Each graph
+    must fit on its device (whole graph resident)."""
     if len(devices) < 2:
         return BaselineResult("pd", None, None, note="needs two devices")
     kv = sum(b.nbytes for b in prefill.buffers.values() if b.role == "state")
@@ -220,9 +226,7 @@ def pd_throughput(prefill: KernelGraph, decode: KernelGraph, devices: Sequence[s
         if any(fits(prefill, pp, costs_prefill)) or any(fits(decode, dp, costs_decode)):
             continue
         link = costs_prefill.comm_s(p_dev, d_dev, kv)
-        rate_p = 1.0 / max(pp.predicted_step_s, link, 1e-30)
-        rate_d = 1.0 / max(dp.predicted_step_s * decode_steps, 1e-30)
-        thr = min(rate_p, rate_d)
+        thr = pd_rate(pp.predicted_step_s, link, dp.predicted_step_s, decode_steps)
         if best.throughput is None or thr > best.throughput:
             best = BaselineResult("pd", thr, pp.predicted_step_s + link + dp.predicted_step_s * decode_steps,
                                   [pp, dp], f"prefill on {devices[p_dev]}, decode on {devices[d_dev]}")

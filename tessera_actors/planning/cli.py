@@ -1,4 +1,5 @@
-"""``tessera plan``: place a saved graph and compare the plan with the baselines."""
+"""``tessera plan``: place a saved graph and compare the plan with the baselines
+and, for the throughput plan, with the LP bound on any placement."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +10,7 @@ from tessera_actors.devices import DeviceSpec, DeviceSpecError, parse_devices
 from tessera_actors.graph import GraphError, KernelGraph
 from tessera_actors.plan import Plan, PlanError
 from tessera_actors.planning.baselines import BaselineResult, single_graph_baselines
-from tessera_actors.planning.mix import best_mix
+from tessera_actors.planning.bound import placement_bound
 from tessera_actors.planning.costs import CostTable, costs_path_for
 from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
 from tessera_actors.planning.timeline import TimelineUnavailable, render_png
@@ -67,8 +68,20 @@ def summary_lines(graph: KernelGraph, plan: Plan, costs: CostTable,
         else:
             lines.append(f"{b.name:<36}{b.throughput:>12.2f}{b.step_s * 1e3:>10.3f}"
                          f"{thr / b.throughput:>11.2f}" + (f"  {b.note}" if b.note else ""))
-    lines.append("pd: needs a prefill and a decode graph (see baselines.pd_throughput)")
+    lines.append("pd: needs a prefill and a decode graph (tessera advise predicts it)")
     return lines
+
+
+def bound_line(graph: KernelGraph, costs: CostTable, plan: Plan) -> str:
+    """The LP bound on any placement of ``graph`` (``planning/bound.py``) and
+    the plan's share of it."""
+    try:
+        b = placement_bound([(graph, costs, 1.0)])
+    except PlanError as e:
+        return f"bound: {e}"
+    thr = plan.meta.get("predicted", {}).get("throughput", 0.0)
+    return (f"{'bound (LP relaxation)':<36}{b.throughput:>12.2f}{b.tau_s * 1e3:>10.3f}"
+            f"{thr / b.throughput:>11.2f}  any placement, fractional kernel split (tessera x = plan / bound)")
 
 
 def plan_command(graph_path: str, devices: list[str], mode: str, out_png: str | None,
@@ -96,13 +109,7 @@ def plan_command(graph_path: str, devices: list[str], mode: str, out_png: str | 
     baselines = single_graph_baselines(graph, names, costs)
     print("\n".join(summary_lines(graph, plan, costs, baselines)))
     if mode == "throughput":
-        try:
-            mix = best_mix(graph, names, costs, plan)
-            print(f"{'tessera-mix':<36}{mix.throughput:>12.2f}{'':>10}"
-                  f"{mix.throughput / max(plan.meta['predicted']['throughput'], 1e-30):>11.2f}  "
-                  f"slots: {mix.label}")
-        except PlanError as e:
-            print(f"tessera-mix: {e}")
+        print(bound_line(graph, costs, plan))
     if out_png:
         try:
             render_png(plan, costs, out_png)

@@ -19,9 +19,17 @@ AF) and returns the best by the simulated objective (throughput, or step
 time for the latency plan), so the result is never predicted worse than
 them.  Raises :class:`PlanError` when no placement fits the memory budgets,
 naming the shortfall in bytes.
+
+Beyond four devices, identical devices are planned as one type
+(:mod:`.symmetry`): the MILP over types with their multiplicities, every
+repeated layer one pattern, then expanded into stretches of layers per
+device; ``meta["solver"]`` then holds the expansion's objective on every
+device against the type-level lower bound (``device_types`` says how many
+types were planned).
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from contextlib import contextmanager
@@ -30,10 +38,13 @@ from typing import Iterator, Sequence
 
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan, PlanError, build_plan
+from tessera_actors.planning.baselines import candidate_assignments
 from tessera_actors.planning.coarsen import build_problem
 from tessera_actors.planning.costs import CostTable
-from tessera_actors.planning.milp import solve_or_explain
+from tessera_actors.planning.inflight import annotate, choose_inflight, default_inflight, fits, memory_inflight
+from tessera_actors.planning.milp import Solution, objective_of, solve_or_explain
 from tessera_actors.planning.simulate import Prediction, simulate
+from tessera_actors.planning.symmetry import device_types, expand, type_table
 
 
 @dataclass
@@ -44,7 +55,7 @@ class PlannerConfig:
     mip_rel_gap: float = 0.01
     max_units: int = 300
     tie_layers: bool = True
-    tie_blocks: int | None = None        # default: one per device, at most 8
+    tie_blocks: int | None = None        # default: planner.tie_blocks(devices)
     max_inflight: int | None = None      # micro-batches in flight at most; default max(8, 2 x devices) <= 32
     fallback: bool = True                # compare with the single-plan baselines
     progress: bool = False               # a tqdm bar (stderr) while the MILP solves
@@ -89,67 +100,6 @@ def _progress(enabled: bool, limit_s: float, desc: str) -> Iterator[None]:
         bar.close()
 
 
-def default_inflight(ndev: int) -> int:
-    """Micro-batches in flight the planner allows by default: enough for a
-    pipeline through every device twice, at least 8, at most 32."""
-    return min(max(8, 2 * ndev), 32)
-
-
-def choose_inflight(plan: Plan, costs: CostTable, max_inflight: int, tol: float = 0.01) -> Prediction:
-    """Simulate 1, 2, 4, ... micro-batches in flight (up to ``max_inflight``)
-    and return the smallest count whose throughput is within ``tol`` of the
-    next doubling (more in flight costs activation memory and latency)."""
-    best = simulate(plan, costs, inflight=1)
-    m = 2
-    while m <= max_inflight:
-        p = simulate(plan, costs, inflight=m)
-        if p.throughput <= best.throughput * (1 + tol):
-            break
-        best = p
-        m *= 2
-    return best
-
-
-# The pipelined runtime (tessera_actors/pipeline.py) gives every micro-batch
-# its own activations, inputs, outputs and state (a separate request stream);
-# only weights are shared.
-_SHARED_ROLES = ("weight",)
-
-
-def fits(graph: KernelGraph, plan: Plan, costs: CostTable, inflight: int = 1) -> list[int]:
-    """Bytes by which each device exceeds its budget under ``plan`` with
-    ``inflight`` micro-batches in flight (0: fits).  Weights are held once;
-    state, temporaries, inputs and outputs once per micro-batch."""
-    out = []
-    for d, bufs in enumerate(plan.resident):
-        cap = costs.mem[d]
-        if cap is None:
-            out.append(0)
-            continue
-        once = sum(graph.buffers[b].nbytes for b in bufs if graph.buffers[b].role in _SHARED_ROLES)
-        each = sum(graph.buffers[b].nbytes for b in bufs if graph.buffers[b].role not in _SHARED_ROLES)
-        out.append(max(0, once + inflight * each - cap))
-    return out
-
-
-def memory_inflight(graph: KernelGraph, plan: Plan, costs: CostTable, limit: int) -> int:
-    """The most micro-batches in flight (<= ``limit``, >= 1) whose per
-    micro-batch buffers fit every device's budget."""
-    m = max(limit, 1)
-    while m > 1 and any(fits(graph, plan, costs, m)):
-        m -= 1
-    return m
-
-
-def annotate(plan: Plan, pred: Prediction, microbatches: int | None = None) -> Plan:
-    plan.microbatches = microbatches or pred.inflight
-    plan.predicted_step_s = pred.step_s
-    plan.meta["predicted"] = {"step_s": pred.step_s, "throughput": pred.throughput,
-                              "item_latency_s": pred.item_latency_s, "busy": pred.busy,
-                              "inflight": pred.inflight}
-    return plan
-
-
 class MilpPlanner:
     """Latency and throughput plans from the MILP (see module docstring).
 
@@ -176,8 +126,11 @@ class MilpPlanner:
         cfg, costs = self.config, self._costs(graph, devices)
         ndev = len(devices)
         t0 = time.perf_counter()
-        prob = build_problem(graph, costs, cfg.max_units, cfg.tie_layers,
-                             cfg.tie_blocks or min(ndev, 8))
+        # beyond four devices identical ones are planned as one type (symmetry.py)
+        types = device_types(costs) if ndev > 4 else [[d] for d in range(ndev)]
+        table = type_table(costs, types) if len(types) < ndev else costs
+        prob = build_problem(graph, table, cfg.max_units, cfg.tie_layers,
+                             cfg.tie_blocks or tie_blocks(ndev, table is not costs))
         limit = cfg.time_limit_s or (4.5 if ndev <= 4 else 45.0)
         max_inflight = cfg.max_inflight or default_inflight(ndev)
         thr = mode == "throughput"
@@ -197,10 +150,13 @@ class MilpPlanner:
         best = best_pred = sol = None
         best_score, solve_total = -float("inf"), 0.0
         for depth in depths:
-            with _progress(cfg.progress, limit, f"MILP {prob.ncls} classes x {ndev} devices"):
-                s = solve_or_explain(prob, costs, mode, time_limit_s=limit, mip_rel_gap=cfg.mip_rel_gap,
-                                     inflight=depth, verbose=cfg.solver_log)
-            p = build_plan(graph, devices, prob.assignment(s.class_device), name=f"tessera-{mode}", mode=mode)
+            with _progress(cfg.progress, limit, f"MILP {prob.ncls} classes x {len(types)} device types"):
+                s = solve_or_explain(prob, table, mode, time_limit_s=limit, mip_rel_gap=cfg.mip_rel_gap,
+                                     inflight=depth, verbose=cfg.solver_log, mult=[len(t) for t in types])
+            kernels = prob.assignment(s.class_device)
+            if table is not costs:
+                kernels, s = _expand(graph, costs, types, kernels, mode, depth, s)
+            p = build_plan(graph, devices, kernels, name=f"tessera-{mode}", mode=mode)
             pred, score = evaluate(p)
             solve_total += s.solve_s
             if score > best_score:
@@ -208,7 +164,6 @@ class MilpPlanner:
                 sol_depth = depth
         source = "milp"
         if cfg.fallback:
-            from tessera_actors.planning.baselines import candidate_assignments
             for name, cand in candidate_assignments(graph, costs):
                 p = build_plan(graph, devices, cand, name=f"tessera-{mode}", mode=mode)
                 if any(fits(graph, p, costs)):
@@ -223,15 +178,37 @@ class MilpPlanner:
             "solver": {"objective_s": sol.objective_s, "bound_s": sol.bound_s, "mip_gap": sol.gap,
                        "status": sol.status, "solve_s": sol.solve_s, "variables": sol.nvars,
                        "rows": sol.nrows, "depth": sol_depth, "solves": len(depths),
-                       "solve_total_s": solve_total, **prob.stats},
+                       "solve_total_s": solve_total, "device_types": len(types), **prob.stats},
             "plan_s": time.perf_counter() - t0,
             "costs": costs.source,
         })
         return best
 
 
-def plan_both(graph: KernelGraph, devices: Sequence[str], costs: CostTable | None = None,
-              config: PlannerConfig | None = None) -> dict[str, Plan]:
-    """The latency and the throughput plan, as the monitor switches between them."""
-    planner = MilpPlanner(costs, config)
-    return {m: planner.plan(graph, devices, m) for m in ("latency", "throughput")}
+def tie_blocks(ndev: int, by_type: bool = False) -> int:
+    """Runs of repeated layers that get a placement pattern of their own:
+    one per device on two devices; on more, four per device (at most 16), so
+    a pipeline's stages can end between any two of them.  Planned by device
+    type (``by_type``), every repeated layer gets the one pattern: the
+    expansion cuts the program into stretches of layers, one per device of
+    a type, and equal layers make equal stretches balance every type."""
+    if by_type:
+        return 1
+    return ndev if ndev <= 2 else min(4 * ndev, 16)
+
+
+def _expand(graph: KernelGraph, costs: CostTable, types: list[list[int]], kernel_type: list[int], mode: str,
+            inflight: int, s: Solution) -> tuple[list[int], Solution]:
+    """The type-level MILP solution ``s`` expanded to devices
+    (:func:`.symmetry.expand`), and its solution: the MILP objective of the
+    expansion over untied kernels on every device, against the type-level
+    lower bound (a lower bound of the per-device problem over the same
+    classes)."""
+    kernels = expand(graph, costs, types, kernel_type)
+    untied = build_problem(graph, costs, max_units=len(graph.kernels), tie_layers=False)
+    lead: dict[int, int] = {}
+    for (a, _), c in zip(untied.chunks, untied.chunk_class):
+        lead.setdefault(c, a)
+    val = objective_of(untied, costs, [kernels[lead[c]] for c in range(untied.ncls)], mode, inflight)
+    gap = max(val - s.bound_s, 0.0) / val if val else 0.0
+    return kernels, dataclasses.replace(s, class_device=[], objective_s=val, gap=gap)

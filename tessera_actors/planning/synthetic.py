@@ -102,11 +102,17 @@ def transformer_graph(layers: int, hidden: int = 1024, tokens: int = 64, kv_toke
 
 
 def random_costs(graph: KernelGraph, devices: Sequence[str], seed: int = 0,
-                 spread: float = 2.0, base_s: float = 20e-6) -> CostTable:
+                 spread: float = 2.0, base_s: float = 20e-6, types: Sequence[str] | None = None) -> CostTable:
     """Device 0 is the reference; on device ``d > 0`` every kernel signature
     is slower or faster by a random factor in ``[1/spread, spread]`` times
-    a per-device speed in ``[1, 2]``.  Links: the estimate's defaults."""
+    a per-device speed in ``[1, 2]``.  ``types`` (one label per device):
+    devices with one label are identical (same factors).  Links: the
+    estimate's defaults."""
     rng = random.Random(seed)
+    label = list(types) if types is not None else list(range(len(devices)))
+    if len(label) != len(devices):
+        raise ValueError(f"{len(label)} type labels for {len(devices)} devices")
+    first = [label.index(x) for x in label]       # each device's type is its first device's
     speed = [1.0] + [rng.uniform(1.0, 2.0) for _ in devices[1:]]
     factor: dict[tuple[str, int], float] = {}
     times = []
@@ -114,9 +120,10 @@ def random_costs(graph: KernelGraph, devices: Sequence[str], seed: int = 0,
         w = base_s * (1.0 + (k.flops / 1e9) + k.bytes / 1e8)
         row = []
         for d in range(len(devices)):
-            key = (k.signature or f"#{k.id}", d)
+            key = (k.signature or f"#{k.id}", first[d])
             if key not in factor:
-                factor[key] = 1.0 if d == 0 else speed[d] * spread ** rng.uniform(-1.0, 1.0)
+                e = first[d]
+                factor[key] = 1.0 if e == 0 else speed[e] * spread ** rng.uniform(-1.0, 1.0)
             row.append(w * factor[key])
         times.append(row)
     est = CostTable.estimate(graph, devices)

@@ -283,7 +283,10 @@ def predict(graph: KernelGraph, devices: Sequence[tuple[str, int | None]] | Sequ
     specs = [get_spec(n) for n, _ in devs]
     sms = [s or sp.sms for (_, s), sp in zip(devs, specs)]
     feats = graph_features(graph)
-    times = [[kernel_time(f, sp, n, params, corrected) for sp, n in zip(specs, sms)] for f in feats]
+    kinds = list(dict.fromkeys(zip([sp.name for sp in specs], sms)))     # each GPU type once
+    col = {kind: [kernel_time(f, get_spec(kind[0]), kind[1], params, corrected) for f in feats] for kind in kinds}
+    per = [col[(sp.name, n)] for sp, n in zip(specs, sms)]
+    times = [[per[d][k] for d in range(len(specs))] for k in range(len(feats))]
     names, seen = [], {}
     for (n, s), sp in zip(devs, specs):
         base = sp.name + (f"?sms={s}" if s and s < sp.sms else "")

@@ -38,7 +38,7 @@ from tessera_actors.devices import parse_devices
 from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
 from tessera_actors.plan import Plan, plan_from_dict
-from tessera_actors.planners import get_planner
+from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
 from transport.system import ActorSystem
 from tessera_actors.serving.config import EngineConfig
@@ -175,7 +175,7 @@ class Deployment:
         in-process device (and measured links between them), keyed for the
         planner (``planners.graph_key``).  Blocking."""
         from tessera_actors.execution.backends import backend_for
-        from tessera_actors.planners import graph_key
+        from tessera_actors.planning.registry import graph_key
         from tessera_actors.planning.costs import CostTable
         from tessera_actors.execution.profile import measured_links, profile_kernels
         from tessera_actors.serving.deploy import bucket_inputs

@@ -1,13 +1,13 @@
 """Per-role mixes for the offload planner's packed staging ring
 (``ring=bytes``): which of each role's weights (a layer's ``up``, its
 ``gate``, ...) the CPU computes and which are streamed, searched by counts
-per role on the step model of :mod:`~tessera_actors.planning.offload`.
+per role on the step model of :mod:`.model`.
 Pure Python."""
 from __future__ import annotations
 
 from typing import Sequence
 
-from tessera_actors.planning.offload import Offload
+from tessera_actors.planning.offload.model import Offload
 
 
 def unit_classes(o: Offload, units: Sequence[int]) -> list[list[int]]:

@@ -3,9 +3,9 @@
 ``contiguous``: the simple rule (contiguous runs, equal kernel shares);
 ``layers``: a layer split balanced by the cost table (a pipeline);
 ``af``: attention on one device, the rest on the other (AF disaggregation);
-``milp``: the memory-aware MILP (``tessera_actors.planning``): Tessera;
+``milp``: the memory-aware MILP (:mod:`.planner`): Tessera;
 ``offload``: a budgeted GPU beside a CPU, every weight resident, streamed
-or computed on the CPU (``tessera_actors.planning.offload``).
+or computed on the CPU (:mod:`.offload`).
 
 ``costs`` (optional) maps a graph's fingerprint (:func:`graph_key`) to its
 measured :class:`~tessera_actors.planning.costs.CostTable` on the devices
@@ -39,8 +39,8 @@ class _CostsPlanner:
         return CostTable.estimate(graph, devices)
 
     def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
-        from tessera_actors.planning import MilpPlanner
         from tessera_actors.planning.baselines import af_plan, layer_split_plan
+        from tessera_actors.planning.planner import MilpPlanner
         costs = self._table(graph, devices)
         if self.name == "milp":
             return MilpPlanner(costs).plan(graph, devices, mode)

@@ -1,5 +1,5 @@
 """Baselines of offload planning, from the same rates and the same step
-model as :func:`~tessera_actors.planning.offload.tessera`: GPU-only (None
+model as :func:`~tessera_actors.planning.offload.choose.choose_homes`: GPU-only (None
 when it does not fit), layer offload (the first N layers resident, the rest
 on the CPU, as llama.cpp ``-ngl``), weight streaming (every non-resident
 weight over PCIe per step, as accelerate / FlexGen) and :func:`ideal`, a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tessera_actors.planning.offload import Offload, Placement, StepTime, _best
+from tessera_actors.planning.offload.model import Offload, Placement, StepTime, fastest
 
 
 def gpu_only(o: Offload) -> tuple[Placement, StepTime] | None:
@@ -44,7 +44,7 @@ def streaming(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8)) -> tupl
         order = sorted(o.units, key=lambda u: (o.size[u] <= limit or u not in o.streamable, u))
         return o.fit(choose, slots, slots * limit, order)
     sizes = sorted({o.size[u] for u in o.streamable}, reverse=True)[:3] or [0]
-    return _best(run(s, b) for s in slot_options for b in sizes)
+    return fastest(run(s, b) for s in slot_options for b in sizes)
 
 
 def ideal(o: Offload) -> float:

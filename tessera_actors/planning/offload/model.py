@@ -1,0 +1,336 @@
+"""The offload problem's model (ATSInfer's problem: a model bigger than the
+GPU's memory budget): the rates, the weight *units* of a graph, the homes
+each heavy unit may get per step and the step model that scores them -
+
+* ``R``: resident on the GPU (counts against the budget);
+* ``S``: homed in pinned host memory and streamed into the GPU's staging
+  ring on the copy stream ahead of its (single) reader, which then runs on
+  the GPU; where a copy lands and which read it waits for is the ring
+  layout of :mod:`.staging`;
+* ``C``: homed on the CPU, whose kernels read it there.
+
+The budget is a hard constraint on everything the GPU device allocates:
+resident weights, KV cache, activations, the staging ring and ``reserve``
+bytes for transient op results.  Light kernels (no heavy weight, no state)
+run on the CPU only between two CPU kernels; state kernels (KV cache) stay on
+the GPU.  Choices come from measured rates: a :class:`CostTable` (kernel
+times on both devices, activation links) and ``pcie_bps``, the pinned
+host-to-device rate while the CPU computes.  :func:`estimate_rates` gives the
+DESIGN.md numbers when nothing was measured.
+
+The step model (:meth:`Offload.simulate`) is a chain in program order: a
+kernel starts when the previous one ended (plus a link latency and the bytes
+of its inputs when the device changes) and, if it reads a streamed weight,
+when that copy ended; the copy engine runs copies one at a time in order.
+How the homes are chosen is :mod:`.choose`; the baselines are
+:mod:`.baselines`.  Pure Python; no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import PlanError
+from tessera_actors.planning.costs import CostTable, DeviceModel, device_model
+from tessera_actors.planning.offload.staging import RING_MODES, ring_layout
+
+# DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
+# beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
+CPU_GEMV_BPS = {1: 6e9, 2: 11e9, 4: 22e9, 8: 47e9, 12: 46e9, 16: 14.5e9}
+PCIE_BPS = 55e9
+
+
+def host_model(threads: int | None) -> DeviceModel:
+    """CPU rates at ``threads`` (None: 16) while a copy stream runs beside it."""
+    t = min(threads or 16, 16)
+    known = sorted(CPU_GEMV_BPS)
+    lo = max(k for k in known if k <= t)
+    hi = min(k for k in known if k >= t)
+    bw = CPU_GEMV_BPS[lo] if lo == hi else (
+        CPU_GEMV_BPS[lo] + (t - lo) / (hi - lo) * (CPU_GEMV_BPS[hi] - CPU_GEMV_BPS[lo]))
+    return DeviceModel(f"cpu-t{t}", 1.0e12 * t / 16, bw, 5e-6)
+
+
+SWITCH_S = 200e-6   # one activation hand-off between two device actors (messages, not the wire)
+GATHERS = ("embedding", "index", "index_select", "gather")
+
+
+def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float = SWITCH_S,
+                   cpu_bps: float | None = None) -> CostTable:
+    """Roofline kernel times: cuda devices from the H200 preset, cpu devices
+    from :func:`host_model` at their thread count (``cpu_bps``: a measured
+    DRAM rate of the unbudgeted cpu device instead); a gather (embedding)
+    reads what it writes, not its whole table.  Links: ``switch_s`` latency."""
+    specs = [DeviceSpec.parse(d) for d in devices]
+    models = [host_model(s.threads) if s.kind == "cpu" else device_model(s) for s in specs]
+    if cpu_bps:
+        for i, s in enumerate(specs):
+            if s.kind == "cpu" and s.mem is None:
+                models[i] = DeviceModel(f"cpu-measured-t{s.threads}", models[i].flops_per_s, cpu_bps,
+                                        models[i].launch_s)
+    costs = CostTable.estimate(graph, list(devices), models)
+    for k in graph.kernels:
+        if k.name in GATHERS:
+            nb = 2.0 * sum(a.nbytes for a in k.accesses if a.writes)
+            costs.times[k.id] = [m.launch_s + nb / m.bytes_per_s for m in models]
+    n = len(specs)
+    costs.latency = [[0.0 if a == b else max(costs.latency[a][b], switch_s) for b in range(n)] for a in range(n)]
+    return costs
+
+
+@dataclass
+class Placement:
+    """An offload decision: ``choice[u]`` in R/S/C per heavy unit, the kernel
+    assignment it implies, the streamed buffers in copy order, the slots."""
+
+    assignment: list[int]
+    streamed: list[int]
+    slots: int
+    slot_bytes: int
+    choice: dict[int, str] = field(default_factory=dict)
+    ring: str = "slots"   # how copies fill the staging ring (``staging.ring_layout``)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    busy_s: tuple[float, ...]     # per device
+    pcie_s: float
+    pcie_bytes: int
+
+
+class Offload:
+    """The graph's units and the budget of one (gpu, cpu) pair."""
+
+    def __init__(self, graph: KernelGraph, devices: Sequence[str], costs: CostTable,
+                 pcie_bps: float = PCIE_BPS, reserve: int = 0, heavy_fraction: float = 0.01,
+                 ring: str = "slots") -> None:
+        if ring not in RING_MODES:
+            raise PlanError(f"unknown staging ring mode {ring!r}; known: {', '.join(RING_MODES)}")
+        self.graph, self.devices, self.costs, self.pcie_bps, self.reserve = graph, list(devices), costs, pcie_bps, reserve
+        self.ring = ring
+        specs = [DeviceSpec.parse(d) for d in devices]
+        budgeted = [i for i, s in enumerate(specs) if s.mem is not None]
+        if len(specs) != 2 or len(budgeted) != 1 or specs[1 - budgeted[0]].kind != "cpu":
+            raise PlanError(f"offload needs one budgeted device (mem=) and one cpu device, got {list(devices)}")
+        self.gpu, self.cpu = budgeted[0], 1 - budgeted[0]
+        self.budget = specs[self.gpu].mem
+        weights: dict[int, int] = {}       # weight buffer -> unit (union of weights read by one kernel)
+        self.readers: dict[int, list[int]] = {}
+        parent: dict[int, int] = {}
+
+        def find(b: int) -> int:
+            while parent[b] != b:
+                parent[b] = parent[parent[b]]
+                b = parent[b]
+            return b
+        for k in graph.kernels:
+            ws = sorted({a.buffer for a in k.accesses if graph.buffers[a.buffer].role == "weight"})
+            for b in ws:
+                parent.setdefault(b, b)
+                self.readers.setdefault(b, []).append(k.id)
+            for b in ws[1:]:
+                parent[find(b)] = find(ws[0])
+        for b in parent:
+            weights[b] = find(b)
+        units: dict[int, list[int]] = {}
+        for b, u in sorted(weights.items()):
+            units.setdefault(u, []).append(b)
+        size = {u: sum(graph.buffers[b].nbytes for b in bs) for u, bs in units.items()}
+        top = max(size.values(), default=0)
+        self.units = {u: bs for u, bs in units.items() if size[u] >= heavy_fraction * top and size[u] > 0}
+        self.size = {u: size[u] for u in self.units}
+        self.kernels = {u: sorted({k for b in bs for k in self.readers[b]}) for u, bs in self.units.items()}
+        self.unit_of = {k: u for u, ks in self.kernels.items() for k in ks}
+        self.state = {k.id for k in graph.kernels
+                      if any(graph.buffers[a.buffer].role == "state" for a in k.accesses)}
+        self.streamable = {u for u, ks in self.kernels.items() if len(ks) == 1 and not self.state.intersection(ks)}
+        self.groups = graph.state_groups()
+        # the state buffer of each group (state_groups orders them by buffer id)
+        self.group_names = [graph.buffers[b].name for b in sorted(
+            {a.buffer for k in graph.kernels for a in k.accesses if graph.buffers[a.buffer].role == "state"})]
+        self.state_home: dict[str, int] = {}   # state name -> device, kept from another graph of the model
+        self.in_edges: list[list] = [[] for _ in graph.kernels]
+        for e in graph.edges:
+            if e.kind == "RAW":
+                self.in_edges[e.dst].append(e)
+
+    # -- unit costs ------------------------------------------------------
+    def t(self, u: int, d: int) -> float:
+        return sum(self.costs.times[k][d] for k in self.kernels[u])
+
+    def stream_s(self, u: int) -> float:
+        return self.size[u] / self.pcie_bps
+
+    # -- from choices to kernels ----------------------------------------
+    def assignment(self, choice: dict[int, str]) -> list[int]:
+        g, gpu, cpu = self.graph, self.gpu, self.cpu
+        n = len(g.kernels)
+        fixed = [None] * n
+        for u, c in choice.items():
+            for k in self.kernels[u]:
+                fixed[k] = cpu if c == "C" else gpu
+        out = [gpu] * n
+        prev = None
+        nxt = [None] * (n + 1)
+        for k in range(n - 1, -1, -1):
+            nxt[k] = fixed[k] if fixed[k] is not None else nxt[k + 1]
+        for k in range(n):
+            if fixed[k] is not None:
+                out[k] = prev = fixed[k]
+            else:
+                out[k] = cpu if (prev == cpu and nxt[k + 1] == cpu) else gpu
+        for k in g.kernels:   # an indirect kernel keeps its neighbours
+            if k.indirect:
+                for m in (k.id - 1, k.id + 1):
+                    if 0 <= m < n:
+                        out[m] = out[k.id]
+        for group, name in zip(self.groups, self.group_names):   # a state buffer (KV cache) lives on one device
+            home = self.state_home.get(name)
+            if home is not None or len({out[k] for k in group}) > 1:
+                for k in group:
+                    out[k] = gpu if home is None else home
+        return out
+
+    def placement(self, choice: dict[int, str], slots: int, slot_bytes: int | None = None) -> Placement:
+        """The kernels' devices and streamed weights of ``choice``; the ring's
+        ``slots`` hold the largest streamed weight each, or in ``bytes`` mode
+        ``slot_bytes`` each when given (the ring the budget was charged for)."""
+        streamed = sorted((b for u, c in choice.items() if c == "S" for b in self.units[u]),
+                          key=lambda b: self.readers[b][0])
+        biggest = max((self.graph.buffers[b].nbytes for b in streamed), default=0)
+        slot_bytes = slot_bytes if self.ring == "bytes" and slot_bytes else biggest
+        return Placement(self.assignment(choice), streamed, slots if streamed else 0, slot_bytes, dict(choice),
+                         self.ring)
+
+    def gpu_bytes(self, p: Placement) -> int:
+        """Bytes the GPU device allocates for placement ``p`` (as the streaming
+        program does: its resident buffers but the streamed ones, the slots)."""
+        g, gpu = self.graph, self.gpu
+        held = {a.buffer for k in g.kernels if p.assignment[k.id] == gpu for a in k.accesses}
+        for k in g.kernels:   # bytes received from the cpu
+            if p.assignment[k.id] == gpu:
+                held.update(e.buffer for e in self.in_edges[k.id] if p.assignment[e.src] != gpu)
+        held -= set(p.streamed)
+        return sum(g.buffers[b].nbytes for b in held) + p.slots * p.slot_bytes + self.reserve
+
+    # -- the step model --------------------------------------------------
+    def simulate(self, p: Placement) -> StepTime:
+        g, costs, gpu = self.graph, self.costs, self.gpu
+        unit_of, units = self.unit_of, self.units
+        a, streamed = p.assignment, p.streamed
+        idx = {b: i for i, b in enumerate(streamed)}
+        nbytes = [g.buffers[b].nbytes for b in streamed]
+        after = ring_layout(nbytes, p.slots, p.slot_bytes, p.ring).after if streamed else ()
+        copy_end: dict[int, float] = {}
+        engine = [0.0]
+        queued = [0]   # copies issued so far, in order
+
+        def issue(upto: int, t: float) -> None:
+            # every copy whose overwritten bytes were read by copy ``upto``'s reader (at ``t``) goes out
+            while queued[0] < len(after) and after[queued[0]] <= upto:
+                i = queued[0]
+                start = max(engine[0], t)
+                engine[0] = copy_end[i] = start + nbytes[i] / self.pcie_bps
+                queued[0] += 1
+        issue(-1, 0.0)
+        busy = [0.0, 0.0]
+        arrived: set = set()
+        end, prev = 0.0, None
+        for k in g.kernels:
+            d = a[k.id]
+            t = end
+            moved = 0
+            for e in self.in_edges[k.id]:
+                if a[e.src] != d and (e.src, d, e.buffer) not in arrived:
+                    arrived.add((e.src, d, e.buffer))
+                    moved += e.nbytes
+            if moved or (prev is not None and prev != d):
+                t += costs.comm_s(1 - d, d, moved)
+            u = unit_of.get(k.id) if d == gpu else None
+            mine = [idx[b] for b in units[u] if b in idx] if u is not None else ()
+            for i in mine:
+                t = max(t, copy_end[i])
+            end = t + costs.times[k.id][d]
+            busy[d] += costs.times[k.id][d]
+            for i in mine:
+                issue(i, end)
+            prev = d
+        pcie_bytes = sum(nbytes)
+        return StepTime(end, tuple(busy), pcie_bytes / self.pcie_bps, pcie_bytes)
+
+    # -- choosing --------------------------------------------------------
+    def resident_fill(self, capacity: int, order: Sequence[int] | None = None,
+                      limit: int | None = None) -> set[int]:
+        """Units made resident greedily (by time saved per byte, or in
+        ``order``) while they fit in ``capacity`` bytes.  A unit can be
+        streamed only when it fits a slot (``limit`` bytes; None: any), so
+        one bigger than that (an LM head) saves its CPU time, not its copy's."""
+        gpu, cpu = self.gpu, self.cpu
+        if order is None:
+            def gain(u: int) -> float:
+                movable = u in self.streamable and (limit is None or self.size[u] <= limit)
+                away = min(self.t(u, cpu), self.t(u, gpu) + self.stream_s(u)) if movable else self.t(u, cpu)
+                return (away - self.t(u, gpu)) / max(self.size[u], 1)
+            order = sorted(self.units, key=lambda u: (-gain(u), u))
+        out, used = set(), 0
+        for u in order:
+            if used + self.size[u] <= capacity:
+                out.add(u)
+                used += self.size[u]
+        return out
+
+    def fixed_bytes(self) -> int:
+        """GPU bytes of the placement with every heavy unit on the CPU."""
+        return self.gpu_bytes(self.placement({u: "C" for u in self.units}, 0))
+
+    def fit(self, choose, slots: int, staging: int = 0, order: Sequence[int] | None = None,
+            limit: int | None = None) -> tuple[Placement, StepTime] | None:
+        """Shrink the resident capacity (from the budget less the fixed bytes
+        and ``staging``) until ``choose(resident) -> choice`` gives a
+        placement within the budget (``limit``: the slot size, for
+        :meth:`resident_fill`)."""
+        capacity = self.budget - self.fixed_bytes() - staging
+        if capacity < 0:
+            return None
+        for _ in range(50):
+            choice = choose(self.resident_fill(capacity, order, limit))
+            p = self.placement(choice, slots, limit)
+            over = self.gpu_bytes(p) - self.budget
+            if over <= 0:
+                return p, self.simulate(p)
+            if capacity == 0:
+                return None
+            # residents can bring more than their own bytes (a KV cache that follows its kernels):
+            # shrink by the excess, down to no resident weight at all
+            capacity = max(capacity - over, 0)
+        return None
+
+
+def fastest(cands) -> tuple[Placement, StepTime] | None:
+    """The candidate ``(placement, step time)`` with the shortest step; None
+    entries (placements that did not fit) are skipped, None when none is left."""
+    cands = [c for c in cands if c is not None]
+    return min(cands, key=lambda c: c[1].step_s) if cands else None
+
+
+def cpu_runs(o: Offload, units: Sequence[int]) -> list[list[int]]:
+    """``units`` (program order) cut where the kernels between two of them
+    cannot join one CPU run: a state kernel (the KV cache stays with its
+    attention) or an indirect one.  A block of a run computed on the CPU
+    costs two device changes, not two per unit (a layer's MLP: gate, up and
+    down with the light kernels between them)."""
+    runs: list[list[int]] = []
+    last = None
+    for u in units:
+        first = o.kernels[u][0]
+        joins = last is not None and not any(
+            k in o.state or o.graph.kernels[k].indirect for k in range(last + 1, first))
+        if joins:
+            runs[-1].append(u)
+        else:
+            runs.append([u])
+        last = o.kernels[u][-1]
+    return runs
