@@ -137,12 +137,17 @@ def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
                 m.cpu_fused = f
 
 
-def cpu_only(cfg: EngineConfig) -> bool:
+def cpu_only(cfg: EngineConfig, node_devices: list[str] | None = None) -> bool:
     """Whether every device of the deployment is a CPU (devices, or the
-    node processes' devices); anything unparsable counts as not."""
+    node processes' devices: ``node_devices``, a launcher's, else
+    ``cfg.nodes``); anything unparsable or unknown (nodes that register by
+    themselves) counts as not."""
     from ..devices import parse_devices
+    nodes = cfg.nodes if node_devices is None else node_devices
+    if (cfg.expect_nodes or cfg.ray) and node_devices is None:
+        return False
     try:
-        specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
+        specs = [s for n in nodes for s in parse_devices(n)] if nodes else parse_devices(cfg.devices)
     except Exception:   # noqa: BLE001 - an unusual device string only loses the fused CPU kernel
         return False
     return bool(specs) and all(s.kind == "cpu" for s in specs)
@@ -181,7 +186,7 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_served_model(cfg: EngineConfig) -> ServedModel:
+def load_served_model(cfg: EngineConfig, node_devices: list[str] | None = None) -> ServedModel:
     """Build the model (real weights for ``smollm2``), check it takes the
     serving inputs, capture every bucket.  Blocking (call in a thread)."""
     from .. import models
@@ -218,7 +223,7 @@ def load_served_model(cfg: EngineConfig) -> ServedModel:
     named.update(dict(real.named_buffers()))
     state = set(real.state_names())
     graphs, values, buckets = {}, {}, {}
-    fused = cpu_only(cfg)
+    fused = cpu_only(cfg, node_devices)
     for b in buckets_for(cfg):
         with shaped(meta, b, fused):
             cap = capture_module(meta, bucket_inputs(b))

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from ..launch import launcher_for
 from ..planning.monitor import Monitor
 from .batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
 from .config import EngineConfig
@@ -118,7 +119,14 @@ class AsyncEngine:
         await self.stop()
 
     async def start(self) -> None:
-        served = await asyncio.to_thread(load_served_model, self.cfg)
+        launcher = launcher_for(self.cfg)
+        try:
+            node_devices = await launcher.prepare() if launcher is not None else None
+            served = await asyncio.to_thread(load_served_model, self.cfg, node_devices)
+        except BaseException:
+            if launcher is not None:
+                await launcher.stop()
+            raise
         self.served = served
         if served.gguf_meta is not None:
             self.tokenizer = gguf_tokenizer(served.gguf_meta)
@@ -130,7 +138,7 @@ class AsyncEngine:
         if self.cfg.trace_dir:
             from .trace import StepTrace
             self.trace = StepTrace()
-        self.runtime = Runtime(self.cfg, served, self._on_lost, self.trace)
+        self.runtime = Runtime(self.cfg, served, self._on_lost, self.trace, launcher)
         try:
             await self.runtime.start()
         except BaseException:

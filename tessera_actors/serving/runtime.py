@@ -11,12 +11,15 @@ Contract:
 * :meth:`Runtime.step` sends one ``RunStep`` to every device of a bucket's
   plan (inputs only to the devices that read them) and returns the sampled
   tokens; a failure raises :class:`StepFailed` naming the device.
-* The detector pings every node every ``heartbeat_s`` and watches the node
-  processes it started; a node silent for ``lost_after_s`` (or exited) is
-  reported through ``on_lost`` at once - the stall is bounded by the
-  detector, not by a step timeout.  :meth:`Runtime.replace` then reports
-  it to the scheduler (which uninstalls the old plans, failing their
-  pending steps) and places every bucket again on the survivors.
+* The nodes come from a launcher (``tessera_actors.launch``: child
+  processes, Ray actors, or nodes Slurm/torchrun started), the one hook
+  into how they are started (:meth:`Runtime._start_nodes`).
+* The detector pings every node every ``heartbeat_s`` and hears from the
+  launcher when a node's process ends; a node silent for ``lost_after_s``
+  (or exited) is reported through ``on_lost`` at once - the stall is
+  bounded by the detector, not by a step timeout.  :meth:`Runtime.replace`
+  then reports it to the scheduler (which uninstalls the old plans, failing
+  their pending steps) and places every bucket again on the survivors.
 """
 from __future__ import annotations
 
@@ -105,10 +108,12 @@ async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
 
 class Runtime:
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
-                 trace=None) -> None:
+                 trace=None, launcher=None) -> None:
         """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
-        records every step (None: no tracing)."""
+        records every step (None: no tracing); ``launcher``: who starts the
+        nodes (``tessera_actors.launch``; None: in-process devices)."""
         self.cfg, self.served, self.on_lost = cfg, served, on_lost
+        self.launcher = launcher
         self.trace = trace
         self.generation = 0
         self.placed: dict[str, Placed] = {}
@@ -125,10 +130,11 @@ class Runtime:
     async def start(self) -> None:
         cfg = self.cfg
         self.system = ActorSystem("engine")
-        address = await self.system.listen("tcp://127.0.0.1:0")
+        launcher = self.launcher
+        address = await self.system.listen(launcher.listen if launcher else "tcp://127.0.0.1:0")
         await self.system.spawn(GraphActor(self.served.graphs), "graph")
         costs = {}
-        if cfg.profile and not cfg.nodes:
+        if cfg.profile and launcher is None:
             costs = await asyncio.to_thread(self.profile_reference)
         try:
             planner = get_planner(cfg.planner, costs=costs, **cfg.planner_options)
@@ -139,16 +145,8 @@ class Runtime:
         await self.system.spawn(SchedulerActor(planner, self.served.values,
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
-        if cfg.nodes:
-            self.cluster = LocalCluster(cfg.nodes, scheduler=address, node_args=cfg.node_args)
-            await self.cluster.start()
-            deadline = time.monotonic() + 60
-            while len((await sched.ask(GetStats())).values["nodes"]) < len(cfg.nodes):
-                if time.monotonic() > deadline:
-                    raise EngineDead("node processes did not register within 60 s")
-                await asyncio.sleep(0.02)
-            for node in self.cluster.nodes if cfg.watch_processes else ():
-                self._watchers.append(asyncio.get_running_loop().create_task(self._watch_exit(node)))
+        if launcher is not None:
+            await self._start_nodes(launcher, address, sched)
         else:
             specs = parse_devices(cfg.devices)
             await self.system.spawn(TransferActor(), "transfer")
@@ -160,13 +158,33 @@ class Runtime:
         await self.place_all()
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
+    async def _start_nodes(self, launcher, address: str, sched: ActorRef) -> None:
+        """The launcher's hook: start the nodes, wait for them to register,
+        and hear from the launcher when one dies or comes back."""
+        count = await launcher.start(address)
+        self.cluster = getattr(launcher, "cluster", None)
+        deadline = time.monotonic() + 60
+        while len((await sched.ask(GetStats())).values["nodes"]) < count:
+            if time.monotonic() > deadline:
+                raise EngineDead(f"{count} nodes did not register within 60 s")
+            await asyncio.sleep(0.02)
+        self._watchers.append(asyncio.get_running_loop().create_task(launcher.watch(self._exited, self._back)))
+
+    def _exited(self, endpoint: str) -> None:
+        if endpoint not in self.lost:
+            log.warning("node at %s exited", endpoint)
+            self.on_lost([endpoint])
+
+    def _back(self, endpoint: str) -> None:
+        log.warning("node at %s was restarted by its launcher; the next placement may use it", endpoint)
+
     async def stop(self) -> None:
         for t in self._watchers:
             t.cancel()
         for t in self._placing.values():
             t.cancel()   # a background placement must not outlive the system it asks
-        if self.cluster is not None:
-            await self.cluster.stop()
+        if self.launcher is not None:
+            await self.launcher.stop()
         if self.system is not None:
             await self.system.shutdown()
 
@@ -210,7 +228,7 @@ class Runtime:
         every bucket is core: a placement waits on its devices' answers, and
         one under way when a node dies would hold up the scheduler, and so
         the recovery, until its asks time out."""
-        if self.cfg.nodes:
+        if self.launcher is not None:
             return set(self.served.buckets)
         prefill = sorted({b.size for b in self.served.buckets.values() if b.kind == "prefill"})
         ends = {prefill[0], prefill[-1]} if prefill else set()
@@ -453,12 +471,6 @@ class Runtime:
             await asyncio.sleep(self.cfg.heartbeat_s)
             seq += 1
             await sched.tell(Heartbeat("local", seq))
-
-    async def _watch_exit(self, node) -> None:
-        await node.proc.wait()
-        if node.endpoint and node.endpoint not in self.lost:
-            log.warning("node %s exited with %s", node.name, node.proc.returncode)
-            self.on_lost([node.endpoint])
 
     async def device_stats(self) -> list[dict]:
         ref_name = self.reference_bucket()
