@@ -1,6 +1,6 @@
 """Node daemons launched by Ray: a two-node Ray cluster on loopback, started
 and stopped here, serves SmolLM2 with ``ray=``; a daemon killed with SIGKILL
-is lost at once and no stream loses a token."""
+is restarted by Ray and re-admitted, and no stream loses a token."""
 import asyncio
 import os
 import signal
@@ -45,7 +45,7 @@ async def _tokens(eng, prompt, params, seen=None):
     return toks
 
 
-async def test_ray_daemons_serve_the_single_device_tokens_and_a_killed_one_loses_no_token(ray_cluster):
+async def test_ray_daemons_serve_the_single_device_tokens_and_a_killed_one_is_restarted_and_readmitted(ray_cluster):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     async with AsyncEngine(devices="cpu", max_seqs=8, **SMALL) as single:
         reference = await asyncio.gather(*(_tokens(single, p, greedy) for p in PROMPTS))
@@ -72,8 +72,16 @@ async def test_ray_daemons_serve_the_single_device_tokens_and_a_killed_one_loses
         during = await asyncio.wait_for(asyncio.gather(*tasks), 180)
         assert during == reference, "a stream lost, repeated or changed a token across the SIGKILL"
 
+        async with eng.placement_changed:   # Ray restarts the daemon; the engine places on it again
+            await asyncio.wait_for(eng.placement_changed.wait_for(
+                lambda: len(eng.runtime.node_endpoints()) == 2), 180)
+        back = await launcher.actors[1].info.remote()
+        assert back["name"] == infos[1]["name"] and back["pid"] != infos[1]["pid"]
+        assert back["endpoint"] in eng.runtime.node_endpoints()
+        after = await asyncio.gather(*(_tokens(eng, p, greedy) for p in PROMPTS))
         stats = eng.stats()
-    assert stats["recoveries"] == 1
+    assert after == reference
+    assert stats["recoveries"] == 1 and stats["placement"]["devices"] == ["cpu", "cpu"]
     assert not ray.is_initialized(), "the engine connected to Ray, so it disconnects when it stops"
 
 

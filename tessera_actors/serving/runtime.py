@@ -19,7 +19,10 @@ Contract:
   (or exited) is reported through ``on_lost`` at once - the stall is
   bounded by the detector, not by a step timeout.  :meth:`Runtime.replace`
   then reports it to the scheduler (which uninstalls the old plans, failing
-  their pending steps) and places every bucket again on the survivors.
+  their pending steps) and places every bucket again on the survivors.  A
+  node the launcher restarted is reported through ``on_back`` once it has
+  registered again (it took its old place); the engine then re-places on
+  every live node.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from tessera_actors.runtime.actor import ActorRef
 from ..cluster import LocalCluster
 from ..devices import parse_devices
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
+from tessera_actors.runtime.messages import (GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep,
+                                             Uninstall)
 from ..plan import Plan, plan_from_dict
 from ..planners import get_planner
 from ..planning.pinning import state_homes, weight_homes
@@ -108,11 +112,12 @@ async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
 
 class Runtime:
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
-                 trace=None, launcher=None) -> None:
+                 trace=None, launcher=None, on_back: Callable[[str], None] | None = None) -> None:
         """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
         records every step (None: no tracing); ``launcher``: who starts the
-        nodes (``tessera_actors.launch``; None: in-process devices)."""
-        self.cfg, self.served, self.on_lost = cfg, served, on_lost
+        nodes (``tessera_actors.launch``; None: in-process devices);
+        ``on_back(endpoint)``: a node the launcher restarted is registered again."""
+        self.cfg, self.served, self.on_lost, self.on_back = cfg, served, on_lost, on_back
         self.launcher = launcher
         self.trace = trace
         self.generation = 0
@@ -176,7 +181,27 @@ class Runtime:
             self.on_lost([endpoint])
 
     def _back(self, endpoint: str) -> None:
-        log.warning("node at %s was restarted by its launcher; the next placement may use it", endpoint)
+        task = asyncio.get_running_loop().create_task(self._readmit(endpoint))
+        self._watchers.append(task)
+
+    async def _readmit(self, endpoint: str, timeout: float = 60.0) -> None:
+        """A node the launcher started again: once the scheduler has it
+        registered at ``endpoint`` (the node took its old place), ask the
+        engine to place on it again (``on_back``), unless the current
+        placement already uses it."""
+        sched = self.system.ref("scheduler")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = (await sched.ask(GetStats())).values
+            name = next((n for n, ep in st["endpoints"].items() if ep == endpoint), None)
+            if name is not None and name not in st["lost"]:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            log.warning("node at %s did not register again within %g s", endpoint, timeout)
+            return
+        if endpoint not in self.node_endpoints() and self.on_back is not None:
+            self.on_back(endpoint)
 
     async def stop(self) -> None:
         for t in self._watchers:
@@ -361,17 +386,27 @@ class Runtime:
     async def replace(self, lost: list[str], first: Sequence[str] = ()) -> None:
         """Report ``lost`` node endpoints and place on the survivors the
         reference bucket and ``first`` (the buckets the first steps after
-        the loss need); the others are placed when steps ask for them."""
+        the loss need); the others are placed when steps ask for them.
+        With no ``lost`` (a restarted node is back), the current plans are
+        uninstalled and the buckets placed on every live node the same way."""
         sched = self.system.ref("scheduler")
         for ep in lost:
             self.lost.add(ep)
             await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=120)
+        if not lost:   # a re-admission: nothing uninstalled the old generation's plans (their steps were dropped)
+            await self._uninstall(list(self.placed.values()))
         self.generation += 1
         self.placed = {}
         await self.place_all(eager=False)
         for name in dict.fromkeys(first):
             if name in self.served.graphs:
                 await self._placed(name)
+
+    async def _uninstall(self, placed: list[Placed]) -> None:
+        asks = [ref.ask(Uninstall(p.plan_id), timeout=5) for p in placed for ref in p.refs]
+        for r in await asyncio.gather(*asks, return_exceptions=True):
+            if isinstance(r, BaseException):
+                log.warning("could not uninstall a replaced plan: %s", r)
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:
