@@ -15,6 +15,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from tessera_actors import AsyncEngine, SamplingParams  # noqa: E402
 from tessera_actors.launch.ray import RayNodes  # noqa: E402
+from tessera_actors.runtime.messages import GetStats  # noqa: E402
 from tessera_actors.serving import EngineConfig  # noqa: E402
 
 SMALL = dict(model="smollm2", size="tiny", max_model_len=512, decode_buckets=(1, 2, 4, 8), prefill_buckets=(16, 64))
@@ -54,7 +55,7 @@ async def test_ray_daemons_serve_the_single_device_tokens_and_a_killed_one_is_re
         assert launcher.specs == ["cpu", "cpu"] and ray.is_initialized()
         # one daemon per Ray node (a strictly spread placement group): two hosts, two processes
         infos = [await a.info.remote() for a in launcher.actors]
-        assert sorted(i["name"] for i in infos) == ["ray-cpu0", "ray-cpu1"]
+        assert sorted(i.name for i in infos) == ["ray-cpu0", "ray-cpu1"]
         assert len(eng.runtime.node_endpoints()) == 2
         assert eng.stats()["placement"]["devices"] == ["cpu", "cpu"]
 
@@ -68,16 +69,16 @@ async def test_ray_daemons_serve_the_single_device_tokens_and_a_killed_one_is_re
             return note
         tasks = [asyncio.ensure_future(_tokens(eng, p, greedy, seen(i))) for i, p in enumerate(PROMPTS)]
         await asyncio.wait_for(started.wait(), 120)
-        os.kill(infos[1]["pid"], signal.SIGKILL)
+        os.kill(infos[1].pid, signal.SIGKILL)
         during = await asyncio.wait_for(asyncio.gather(*tasks), 180)
         assert during == reference, "a stream lost, repeated or changed a token across the SIGKILL"
 
         async with eng.placement_changed:   # Ray restarts the daemon; the engine places on it again
-            await asyncio.wait_for(eng.placement_changed.wait_for(
-                lambda: len(eng.runtime.node_endpoints()) == 2), 180)
+            await asyncio.wait_for(eng.placement_changed.wait_for(lambda: infos[1].endpoint not in (
+                eps := eng.runtime.node_endpoints()) and len(eps) == 2), 180)
         back = await launcher.actors[1].info.remote()
-        assert back["name"] == infos[1]["name"] and back["pid"] != infos[1]["pid"]
-        assert back["endpoint"] in eng.runtime.node_endpoints()
+        assert back.name == infos[1].name and back.pid != infos[1].pid
+        assert back.endpoint in eng.runtime.node_endpoints()
         after = await asyncio.gather(*(_tokens(eng, p, greedy) for p in PROMPTS))
         stats = eng.stats()
     assert after == reference
@@ -100,3 +101,20 @@ async def test_a_ray_cluster_without_what_was_asked_is_a_clear_error(ray_cluster
         async with AsyncEngine(ray=RayNodes(address=ray_cluster.address, gpus=1), max_seqs=2, **SMALL):
             pass
     assert not ray.is_initialized()
+
+
+async def test_ray_daemons_links_meet_in_the_rendezvous_the_engine_holds(ray_cluster):
+    """``--data-plane dist`` under Ray: the cut edges' bytes go over gloo links between the two
+    daemons, which rendezvous in the store the launcher holds, not in stores of their own."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(devices="cpu", max_seqs=2, **SMALL) as single:
+        reference = await asyncio.gather(*(_tokens(single, p, greedy) for p in PROMPTS[:2]))
+    async with AsyncEngine(ray=ray_cluster.address, max_seqs=2, node_args=("--data-plane", "dist"), **SMALL) as eng:
+        got = await asyncio.gather(*(_tokens(eng, p, greedy) for p in PROMPTS[:2]))
+        sent = 0
+        for ep in eng.runtime.node_endpoints():
+            ref = await eng.runtime.system.remote_ref(ep, "transfer")
+            sent += (await ref.ask(GetStats(), timeout=10)).values["link_bytes_sent"]
+        keys = eng.runtime.launcher.store.num_keys()
+    assert got == reference
+    assert sent > 0 and keys > 0

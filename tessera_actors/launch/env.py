@@ -96,10 +96,13 @@ def _address(name: str) -> str:
         raise LaunchEnvError(f"cannot resolve host {name!r}: {e}") from None
 
 
-def job_place(launcher: str, env: Mapping[str, str] | None = None) -> JobPlace:
+def job_place(launcher: str, env: Mapping[str, str] | None = None, engine: bool = False) -> JobPlace:
     """Read this process's :class:`JobPlace` from ``env`` (default: ``os.environ``);
-    :class:`LaunchEnvError` names the variable that is missing or wrong."""
+    :class:`LaunchEnvError` names the variable that is missing or wrong.
+    ``engine``: the place of ``tessera serve`` (no task of the job: rank 0 unless set)."""
     env = os.environ if env is None else env
+    if engine:
+        env = {"SLURM_PROCID": "0", "RANK": "0", **env}
     if launcher == "slurm":
         rank, world = _int(env, "SLURM_PROCID", launcher), _int(env, "SLURM_NTASKS", launcher)
         master = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", ""))

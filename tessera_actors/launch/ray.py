@@ -76,6 +76,14 @@ class RayNodes:
                 parse_devices(spec)   # a bad spec fails here, not inside a Ray actor
 
 
+@dataclass(frozen=True)
+class DaemonInfo:
+    """What a :class:`NodeDaemon` answers ``info`` with."""
+    name: str
+    endpoint: str
+    pid: int
+
+
 def _ray():
     try:
         import ray
@@ -127,8 +135,8 @@ class NodeDaemon:
             log.error("node %s ended with status %s: exiting for Ray to restart it", cfg.name, self.status)
             os._exit(self.status or 1)
 
-    def info(self) -> dict:
-        return {"name": self.name, "endpoint": self.endpoint, "pid": os.getpid()}
+    def info(self) -> DaemonInfo:
+        return DaemonInfo(self.name, self.endpoint, os.getpid())
 
     def wait(self) -> int | None:
         """Blocks until the node stops; its exit status."""
@@ -156,7 +164,9 @@ class RayLauncher:
         self.groups: list = []
         self.store = None   # the data plane's rendezvous (--data-plane dist), held by this process
         self.owns_ray = False
-        self.started_s = 0.0   # seconds from connecting to Ray to every daemon serving
+        self.connect_s = 0.0    # prepare: connecting to Ray and reading its resources
+        self.started_s = 0.0    # start: placement groups ready and every daemon serving
+        self.restarts: list[float] = []   # seconds from a daemon's death notice to its restart serving
 
     async def prepare(self) -> list[str]:
         """Connect to Ray and work out the daemons: their device specs."""
@@ -165,7 +175,6 @@ class RayLauncher:
         if not ray.is_initialized():
             ray.init(address=self.want.address, logging_level=logging.WARNING, log_to_driver=False)
             self.owns_ray = True
-        self._t0 = t0
         total = int(ray.cluster_resources().get("GPU", 0))
         hosts = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) >= self.want.cpus]
         gpus = total if self.want.gpus is None else self.want.gpus
@@ -177,6 +186,7 @@ class RayLauncher:
         if not self.specs:
             raise ValueError("ray: no daemon to start (no GPU asked or found, and no CPU node asked: RayNodes.cpu)")
         self.listen = f"tcp://{self.want.host or ray.util.get_node_ip_address()}:0"
+        self.connect_s = time.monotonic() - t0
         return list(self.specs)
 
     def _placement(self):
@@ -197,7 +207,7 @@ class RayLauncher:
     async def start(self, scheduler: str) -> int:
         ray = _ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        timeout = self.want.start_timeout_s
+        t0, timeout = time.monotonic(), self.want.start_timeout_s
         placement = self._placement()
         try:
             await asyncio.wait_for(asyncio.gather(*(pg.ready() for pg in self.groups)), timeout)
@@ -216,8 +226,8 @@ class RayLauncher:
             infos = await asyncio.wait_for(asyncio.gather(*(a.info.remote() for a in self.actors)), timeout)
         except asyncio.TimeoutError:
             raise RuntimeError(f"ray: the node daemons did not start within {timeout:g} s") from None
-        self.endpoints = [i["endpoint"] for i in infos]
-        self.started_s = time.monotonic() - self._t0
+        self.endpoints = [i.endpoint for i in infos]
+        self.started_s = time.monotonic() - t0
         log.info("ray: %d node daemons serving after %.1f s: %s", len(infos), self.started_s, self.endpoints)
         return len(self.actors)
 
@@ -245,16 +255,18 @@ class RayLauncher:
             except ray.exceptions.RayActorError:
                 pass
             log.warning("ray: node daemon %d at %s died", i, self.endpoints[i])
+            died = time.monotonic()
             lost(self.endpoints[i])
             info = await self._when_back(actor)
             if info is None:
                 log.error("ray: node daemon %d is dead for good (max_restarts %d)", i, self.want.max_restarts)
                 return
-            self.endpoints[i] = info["endpoint"]
-            log.warning("ray: node daemon %s restarted at %s", info["name"], info["endpoint"])
-            back(info["endpoint"])
+            self.endpoints[i] = info.endpoint
+            self.restarts.append(time.monotonic() - died)
+            log.warning("ray: node daemon %s restarted at %s", info.name, info.endpoint)
+            back(info.endpoint)
 
-    async def _when_back(self, actor) -> dict | None:
+    async def _when_back(self, actor) -> DaemonInfo | None:
         """The restarted daemon's info once it serves; None if Ray gave up on it."""
         ray = _ray()
         deadline = time.monotonic() + self.want.start_timeout_s

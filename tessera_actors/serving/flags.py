@@ -48,7 +48,7 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
         from ..launch.ray import RayNodes
         kw["ray"] = RayNodes(address=a.ray, gpus=a.ray_gpus, cpu=a.ray_cpu)
     elif getattr(a, "from_env", None):
-        place = job_place(a.from_env)
+        place = job_place(a.from_env, engine=True)
         kw["expect_nodes"], kw["listen"] = place.world, place.scheduler
     elif a.devices:
         kw["devices"] = a.devices
