@@ -11,18 +11,15 @@ Contract:
 * :meth:`Runtime.step` sends one ``RunStep`` to every device of a bucket's
   plan (inputs only to the devices that read them) and returns the sampled
   tokens; a failure raises :class:`StepFailed` naming the device.
-* The nodes come from a launcher (``tessera_actors.launch``: child
-  processes, Ray actors, or nodes Slurm/torchrun started), the one hook
-  into how they are started (:meth:`Runtime._start_nodes`).
+* Nodes come from a launcher (``tessera_actors.launch``; hook: :meth:`Runtime._start_nodes`).
 * The detector pings every node every ``heartbeat_s`` and hears from the
   launcher when a node's process ends; a node silent for ``lost_after_s``
   (or exited) is reported through ``on_lost`` at once - the stall is
   bounded by the detector, not by a step timeout.  :meth:`Runtime.replace`
   then reports it to the scheduler (which uninstalls the old plans, failing
   their pending steps) and places every bucket again on the survivors.  A
-  node the launcher restarted is reported through ``on_back`` once it has
-  registered again (it took its old place); the engine then re-places on
-  every live node.
+  node its launcher restarted is reported through ``on_back`` once it took
+  its old place at the scheduler; the engine then re-places on all nodes.
 """
 from __future__ import annotations
 
@@ -39,8 +36,8 @@ from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
 from actors.transfer import TransferActor
 from tessera_actors.runtime.actor import ActorRef
-from ..cluster import LocalCluster
 from ..devices import parse_devices
+from ..launch import registry
 from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import (GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep,
                                              Uninstall)
@@ -125,7 +122,7 @@ class Runtime:
         self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
         self._unplaceable: set[str] = set()             # buckets whose placement failed this generation
         self.lost: set[str] = set()
-        self.cluster: LocalCluster | None = None
+        self.cluster = None   # a LocalLauncher's LocalCluster (the demo and tests read its processes)
         self.system: ActorSystem | None = None
         self._watchers: list[asyncio.Task] = []
         self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
@@ -164,43 +161,27 @@ class Runtime:
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
     async def _start_nodes(self, launcher, address: str, sched: ActorRef) -> None:
-        """The launcher's hook: start the nodes, wait for them to register,
-        and hear from the launcher when one dies or comes back."""
+        """The launcher's hook: start the nodes, wait for them, hear when one dies or comes back."""
         count = await launcher.start(address)
         self.cluster = getattr(launcher, "cluster", None)
-        deadline = time.monotonic() + 60
-        while len((await sched.ask(GetStats())).values["nodes"]) < count:
-            if time.monotonic() > deadline:
-                raise EngineDead(f"{count} nodes did not register within 60 s")
-            await asyncio.sleep(0.02)
+        try:
+            await registry.registered(sched, count)
+        except TimeoutError as e:
+            raise EngineDead(str(e)) from None
         self._watchers.append(asyncio.get_running_loop().create_task(launcher.watch(self._exited, self._back)))
 
     def _exited(self, endpoint: str) -> None:
         if endpoint not in self.lost:
-            log.warning("node at %s exited", endpoint)
             self.on_lost([endpoint])
 
     def _back(self, endpoint: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._readmit(endpoint))
-        self._watchers.append(task)
+        self._watchers.append(asyncio.get_running_loop().create_task(self._readmit(endpoint)))
 
-    async def _readmit(self, endpoint: str, timeout: float = 60.0) -> None:
-        """A node the launcher started again: once the scheduler has it
-        registered at ``endpoint`` (the node took its old place), ask the
-        engine to place on it again (``on_back``), unless the current
-        placement already uses it."""
-        sched = self.system.ref("scheduler")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            st = (await sched.ask(GetStats())).values
-            name = next((n for n, ep in st["endpoints"].items() if ep == endpoint), None)
-            if name is not None and name not in st["lost"]:
-                break
-            await asyncio.sleep(0.02)
-        else:
-            log.warning("node at %s did not register again within %g s", endpoint, timeout)
-            return
-        if endpoint not in self.node_endpoints() and self.on_back is not None:
+    async def _readmit(self, endpoint: str) -> None:
+        """Once a restarted node took its old place, ``on_back`` (unless the placement uses it already)."""
+        if not await registry.rejoined(self.system.ref("scheduler"), endpoint):
+            log.warning("node at %s did not register again", endpoint)
+        elif endpoint not in self.node_endpoints() and self.on_back is not None:
             self.on_back(endpoint)
 
     async def stop(self) -> None:
@@ -394,19 +375,16 @@ class Runtime:
             self.lost.add(ep)
             await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=120)
         if not lost:   # a re-admission: nothing uninstalled the old generation's plans (their steps were dropped)
-            await self._uninstall(list(self.placed.values()))
+            asks = [ref.ask(Uninstall(p.plan_id), timeout=5) for p in self.placed.values() for ref in p.refs]
+            for r in await asyncio.gather(*asks, return_exceptions=True):
+                if isinstance(r, BaseException):
+                    log.warning("could not uninstall a replaced plan: %s", r)
         self.generation += 1
         self.placed = {}
         await self.place_all(eager=False)
         for name in dict.fromkeys(first):
             if name in self.served.graphs:
                 await self._placed(name)
-
-    async def _uninstall(self, placed: list[Placed]) -> None:
-        asks = [ref.ask(Uninstall(p.plan_id), timeout=5) for p in placed for ref in p.refs]
-        for r in await asyncio.gather(*asks, return_exceptions=True):
-            if isinstance(r, BaseException):
-                log.warning("could not uninstall a replaced plan: %s", r)
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:
