@@ -12,8 +12,10 @@ operations require; sends and receives of one direction never wait for the
 other direction (that is its own link).
 
 Rendezvous: the sending node hosts a ``TCPStore`` (one per node, on
-``host``, any free port) and names it in every header; the receiver joins
-on the first header of a link.  A link id is unique per link incarnation,
+``host``, any free port), or, where a launcher gives one (``rendezvous``:
+torchrun's store, or one that rank 0 or the Ray driver hosts), every node
+meets in that one store; the sender names it in every header and the
+receiver joins on the first header of a link.  A link id is unique per link incarnation,
 so a link that broke is replaced by a fresh one with fresh keys.
 
 Failures never hang: connecting and every operation are bounded by
@@ -232,18 +234,26 @@ class LinkHub:
     """The links of one node process; used from one thread (the transfer
     actor's event loop).  ``send`` and ``receive`` never block."""
 
-    def __init__(self, host: str, timeout_s: float) -> None:
+    def __init__(self, host: str, timeout_s: float, rendezvous: str = "", host_rendezvous: bool = False) -> None:
+        """``rendezvous``: ``host:port`` of a shared store (created here when
+        ``host_rendezvous``); empty: this hub hosts its own."""
         self.host, self.timeout_s = host, timeout_s
+        self.rendezvous, self.host_rendezvous = rendezvous, host_rendezvous
         self._store: dist.TCPStore | None = None
         self._send: dict[tuple, Link] = {}
         self._recv: dict[str, Link] = {}
 
     @property
     def store_address(self) -> str:
-        if self._store is None:
-            self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=self.timeout_s))
-        return f"{self.host}:{self._store.port}"
+        """The rendezvous named in this hub's headers (connecting or creating its store on first use)."""
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if self._store is None and self.rendezvous:
+            host, _, port = self.rendezvous.rpartition(":")
+            self._store = dist.TCPStore(host, int(port), is_master=self.host_rendezvous, wait_for_workers=False,
+                                        timeout=timeout)
+        elif self._store is None:
+            self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        return self.rendezvous or f"{self.host}:{self._store.port}"
 
     def send(self, peer: str, backend: str, data: torch.Tensor, stage: bool, done: Done,
              key: tuple = ()) -> tuple[str, int]:

@@ -49,11 +49,17 @@ DATA_PLANES = ("zmq", "dist")
 @dataclass
 class TransferConfig:
     """How a node moves bytes to other processes (node flags ``--data-plane``,
-    ``--chunk-bytes``, ``--dist-host``, ``--link-timeout``)."""
+    ``--chunk-bytes``, ``--dist-host``, ``--link-timeout``, ``--dist-rendezvous``).
+    ``rendezvous``: ``host:port`` of one TCPStore that every node's links meet
+    in (a launcher's: torchrun's, or the one its rank 0 or the Ray driver
+    hosts); empty: each sending node hosts its own on ``dist_host``.
+    ``host_rendezvous``: this node creates that store when it starts."""
     data_plane: str = "zmq"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES   # 0: never chunk
     dist_host: str = "127.0.0.1"             # address peers reach this node's links at
     link_timeout_s: float = 60.0             # connecting a link, and each operation on it
+    rendezvous: str = ""
+    host_rendezvous: bool = False
 
     def __post_init__(self) -> None:
         if self.data_plane not in DATA_PLANES:
@@ -64,6 +70,11 @@ class TransferConfig:
             raise ValueError("--link-timeout must be positive")
         if not self.dist_host:
             raise ValueError("--dist-host must name this node's address")
+        host, _, port = self.rendezvous.rpartition(":")
+        if self.rendezvous and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"--dist-rendezvous {self.rendezvous!r}: expected HOST:PORT")
+        if self.host_rendezvous and not self.rendezvous:
+            raise ValueError("hosting the rendezvous needs its address (--dist-rendezvous HOST:PORT)")
 
 
 def _as_bytes(data: torch.Tensor) -> torch.Tensor:
@@ -89,6 +100,8 @@ class TransferActor(Actor):
 
     async def on_start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.cfg.host_rendezvous:   # up before any peer's link needs it
+            await asyncio.to_thread(lambda: self._hub().store_address)
 
     async def on_stop(self) -> None:
         if self.hub is not None:
@@ -112,7 +125,8 @@ class TransferActor(Actor):
 
     def _hub(self) -> LinkHub:
         if self.hub is None:
-            self.hub = LinkHub(self.cfg.dist_host, self.cfg.link_timeout_s)
+            self.hub = LinkHub(self.cfg.dist_host, self.cfg.link_timeout_s, self.cfg.rendezvous,
+                               self.cfg.host_rendezvous)
         return self.hub
 
     def _spawn(self, coro) -> None:

@@ -11,6 +11,11 @@ between GPUs, gloo otherwise) instead of ZeroMQ; see ``actors/transfer.py``.  Pr
 process can wait for it.  SIGTERM or SIGINT (or a ``Shutdown`` message to
 the ``node`` actor) means orderly shutdown: actors stopped, sockets closed,
 exit status 0.
+
+``--from-env slurm|torchrun`` takes the node's name (``node<rank>``), its
+scheduler, its address and the data plane's rendezvous from the variables
+``srun`` or torchrun set (``tessera_actors/launch/env.py``); flags given
+explicitly win.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from actors.device import DeviceActor
 from actors.transfer import DATA_PLANES, TransferActor, TransferConfig
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
+from tessera_actors.launch.env import LAUNCHERS, LaunchEnvError, job_place
 from actors.lease import LEASE_SUFFIX
 from tessera_actors.runtime.errors import ActorError, RemoteError
 from tessera_actors.runtime.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
@@ -121,14 +127,16 @@ async def _register_and_beat(system: ActorSystem, cfg: NodeConfig, endpoint: str
             log.warning("heartbeat %d to %s failed: %s", seq, cfg.scheduler, e)
 
 
-async def serve(cfg: NodeConfig, ready=None) -> int:
-    """Run a node until stopped; returns the exit status."""
-    stop = asyncio.Event()
+async def serve(cfg: NodeConfig, ready=None, stop: asyncio.Event | None = None) -> int:
+    """Run a node until stopped (SIGTERM/SIGINT in the main thread, a
+    ``Shutdown`` message, or ``stop`` set); returns the exit status.
+    ``ready(endpoint)`` is called once it serves."""
+    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
             loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (ValueError: uvloop)
             pass
     status = 0
     if cfg.insecure:
@@ -172,7 +180,8 @@ def listen_host(listen: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> NodeConfig:
     ap = argparse.ArgumentParser(prog="python -m tessera_actors.node", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--listen", default="tcp://127.0.0.1:0", help="ZeroMQ endpoint to serve on (port 0: any)")
+    ap.add_argument("--listen", default="", help="ZeroMQ endpoint to serve on (port 0: any; default "
+                                                 "tcp://127.0.0.1:0, or this host's address with --from-env)")
     ap.add_argument("--devices", default="cpu", help="comma-separated device specs, e.g. cpu,cpu?threads=1 or cuda:0,cuda:1?sms=32")
     ap.add_argument("--scheduler", default="", help="scheduler endpoint to register with (optional)")
     ap.add_argument("--name", default="", help="node name (default: host-pid)")
@@ -189,6 +198,12 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
                     help="transfers above this size go in chunks of it, pipelined (0: never chunk)")
     ap.add_argument("--dist-host", default="",
                     help="address other nodes reach this node's data-plane links at (default: the --listen host)")
+    ap.add_argument("--dist-rendezvous", default="",
+                    help="HOST:PORT of one TCPStore all nodes' data-plane links meet in (default: each sending "
+                         "node hosts its own; --from-env: the launcher's MASTER_ADDR:MASTER_PORT)")
+    ap.add_argument("--from-env", default="", choices=("",) + LAUNCHERS,
+                    help="take name, scheduler, address and rendezvous from the job's environment (srun: slurm; "
+                         "torchrun or a torchrun-style launcher: torchrun)")
     ap.add_argument("--link-timeout", type=float, default=60.0,
                     help="seconds to connect a data-plane link and for each operation on it")
     ap.add_argument("--recv-timeout", type=float, default=60.0,
@@ -201,6 +216,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        hosting = _from_env(a)
         keys = None
         if a.keys or a.secret:
             keys = ClusterKeys.from_dir(a.keys) if a.keys else ClusterKeys.from_secret_file(a.secret)
@@ -209,12 +225,31 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
             raise ValueError("no cluster keys: pass --keys DIR (create it with `tessera keys DIR`) or --secret FILE, "
                              "set TESSERA_KEYS, or turn authentication off with --insecure")
         transfer = TransferConfig(a.data_plane, parse_bytes(a.chunk_bytes), a.dist_host or listen_host(a.listen),
-                                  a.link_timeout)
+                                  a.link_timeout, a.dist_rendezvous, hosting)
         return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.lease,
                           a.register_timeout, transfer, a.recv_timeout, keys, a.insecure)
     except (ValueError, AuthError) as e:
         ap.error(str(e))
         raise
+
+
+def _from_env(a: argparse.Namespace) -> bool:
+    """Fill the flags left out from ``--from-env``'s job place; returns whether
+    this node hosts the data plane's rendezvous store."""
+    if not a.from_env:
+        a.listen = a.listen or "tcp://127.0.0.1:0"
+        return False
+    try:
+        place = job_place(a.from_env)
+    except LaunchEnvError as e:
+        raise ValueError(str(e)) from None
+    a.name = a.name or place.node_name
+    a.scheduler = a.scheduler or place.scheduler
+    a.listen = a.listen or f"tcp://{place.host}:0"
+    if a.dist_rendezvous:
+        return False
+    a.dist_rendezvous = place.rendezvous
+    return place.hosts_rendezvous
 
 
 def main(argv: list[str] | None = None) -> int:

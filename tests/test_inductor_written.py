@@ -2,7 +2,6 @@
 compile, and pytree outputs / constants in the assembled graph (the GPU
 parts are the ``gpu`` tests in test_hf_models.py and test_inductor_capture.py)."""
 import pytest
-import torch
 
 from tessera_actors import models
 from tessera_actors.capture.inductor import choose_regions

@@ -1,33 +1,31 @@
-"""``tessera bench roofline``: how close a tessera step on one GPU is to the
-physical limit (a GPU program; prints a table, writes JSON).
+"""``tessera bench roofline``: how close what a user is served on one GPU is
+to the physical limit (a GPU program; prints a table, writes JSON).
 
 For each reference model (real layer shapes, ``--layers`` layers, random
-weights) and each case - decode (``--batch`` rows, ``--cache``-token KV
-cache, writing near its end) and prefill (1 x ``--prompt`` tokens); the
-diffusion transformer has no decode/prefill, so its cases are denoise at
-batch ``--batch`` and 1, named so - three numbers:
+weights) and each case - decode (``--batch`` rows over a ``--cache``-token
+KV cache) and prefill (one ``--prompt``-token chunk) - three numbers:
 
-* **tessera**: the captured graph (inductor kernels; ``--regions whole`` by
-  default: the model compiled as one graph, as the baseline is) placed
-  on one device and run by the product's executor (a device actor:
-  ``InstallPlan``, ``LoadValues``, back-to-back ``RunStep`` messages, its
-  run of kernels replayed as a CUDA graph): mean seconds per step;
+* **tessera**: the served step of that bucket through ``AsyncEngine``
+  (``tessera_actors.bench.served``: the deployment's own capture - inductor
+  on a GPU - placed, replayed as CUDA graphs by the device actor, sampling
+  on the device, the engine loop around it);
 * **compile**: the same model under ``torch.compile(mode="reduce-overhead")``
-  (built afresh, same seed): mean seconds per step;
+  (built afresh, same seed, same shapes): mean seconds per step;
 * **floor**: ``max(bytes / bandwidth, flops / gemm_rate)``, where ``bytes``
   is what the step's kernels must move - every weight and state byte range
-  they read plus every state/output range they write, from the captured
+  they read plus every state/output range they write, from the served
   graph's access sets - at the copy bandwidth measured here (read + write
   bytes of a 1 GiB device copy), and ``flops`` is counted by
   ``torch.utils.flop_counter`` on the eager model, at the bf16 GEMM rate
   measured here (8192^3).
 
-Ratios: ``tessera / compile`` (overhead of the product's path) and
-``floor / tessera`` (fraction of the physical limit reached).  Runs split by
-``--models`` (GPU time limits) into one ``--out`` folder of the same commit,
-``--gqa`` and ``--regions`` add up to one ``roofline.json``.  Each row
-carries the executor's counters (CUDA-graph replays, eager runs, worker
-host seconds per step).
+Ratios: ``tessera / compile`` (what the product costs over compiling the
+model yourself) and ``floor / tessera`` (fraction of the physical limit).
+Models the engine cannot serve (the SSM without per-row state, the
+diffusion transformer without tokens) are rows that say so.  Runs split by
+``--models`` (GPU time limits) into one ``--out`` folder of the same commit
+add up to one ``roofline.json``.  Each row carries the served bucket's
+capture kind and its CUDA-graph replays, eager runs and capture failures.
 """
 from __future__ import annotations
 
@@ -57,7 +55,7 @@ class RooflineConfig:
     device: str = "cuda:0"
     out: str = "benchmarks/results/roofline"
     gqa: str = "enable_gqa"    # CachedAttention.gqa of the attention models: fold | enable_gqa (H200: cuDNN 127 vs 180 us)
-    regions: str = "whole"     # capture_inductor's regions: the same compiled kernels as the torch.compile baseline
+    regions: str = "auto"      # the served capture's regions: per repeated block (auto, blocks) or whole
 
 
 def measured_bandwidth(device: torch.device, nbytes: int = 1 << 30, reps: int = 20) -> float:
@@ -198,89 +196,46 @@ def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
     return (time.perf_counter() - t0) / steps
 
 
-async def device_actor_step(graph, values, inputs, device: str, steps: int, stats: dict | None = None) -> float:
-    """Mean seconds per step of ``graph`` on one device actor (the product's
-    executor), steps sent back to back without output bytes: each is a local
-    step, answered once the device has finished it (its event landed), so
-    the time covers the device finishing them all (as the baseline's final
-    synchronize does; neither copies the outputs to the host).  ``stats``: filled with
-    the device's counters (CUDA-graph captures, replays, eager runs, capture
-    failures, worker host seconds per step)."""
-    import msgpack
-    from actors.device import DeviceActor
-    from actors.transfer import TransferActor
-    from tessera_actors.devices import DeviceSpec
-    from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, RunStep
-    from tessera_actors.plan import plan_to_dict, single_device_plan
-    from transport.system import ActorSystem
-    plan = single_device_plan(graph, device)
-    feed = {k: v.cpu() for k, v in inputs.items()}
-    async with ActorSystem("roofline") as system:
-        await system.spawn(TransferActor(), "transfer")
-        dev = await system.spawn(DeviceActor(DeviceSpec.parse(device)), "device0")
-        await dev.ask(InstallPlan("roofline", 0, msgpack.packb(graph.to_dict(), use_bin_type=True),
-                                  msgpack.packb(plan_to_dict(plan), use_bin_type=True), [[0, "", "device0"]]),
-                      timeout=900)
-        held = [b for b in plan.resident[0] if b in values]
-        await dev.ask(LoadValues("roofline", held, [values[b] for b in held]), timeout=900)
-        for i in range(3):   # eager, capture, first replay
-            await dev.ask(RunStep("roofline", i, feed, [], True), timeout=900)
-        t0 = time.perf_counter()
-        before = (await dev.ask(GetStats())).values
-        asks = [dev.ask(RunStep("roofline", 3 + i, feed, [], False), timeout=900) for i in range(steps)]
-        await asyncio.gather(*asks)
-        seconds = (time.perf_counter() - t0) / steps
-        if stats is not None:
-            after = (await dev.ask(GetStats())).values
-            stats.update({k: after[k] - before[k] for k in ("captures", "replays", "eager_runs", "capture_failures")
-                          if k in after})
-            stats["host_s_per_step"] = (after["busy_s"] - before["busy_s"]) / steps
-            stats["last_capture_error"] = after.get("last_capture_error", "")
-        return seconds
-
-
-def tessera_step(model, inputs, steps: int, device: str, stats: dict | None = None,
-                 regions: str = "auto") -> tuple[float, Any]:
-    """Seconds per step of the inductor capture (``regions``) on one device
-    through the product's executor (a device actor, CUDA graphs), and the
-    capture's graph."""
-    from tessera_actors.capture.inductor import capture_inductor
-    res = capture_inductor(model, inputs, regions=regions)
-    seconds = asyncio.run(device_actor_step(res.graph, res.values, inputs, device, steps, stats))
-    return seconds, res.graph
+SERVED = ("llama", "moe")   # models with the engine's contract (forward(input_ids, positions, rows, last))
 
 
 def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: float) -> dict[str, Any]:
+    import torch._dynamo as dynamo   # (a bare "import torch._dynamo" would make torch local to this function)
+    from tessera_actors.bench.served import ServedCase, served_decode, served_prefill
     device = torch.device(cfg.device)
     make, label = build(name, case, cfg, device)
+    if name not in SERVED:
+        return {"model": name, "case": label, "error": "not served by the engine (it takes no token prompt with "
+                "per-row KV state: " + ("an SSM's state rows" if name == "mamba2" else "no text decoding") + ")"}
     model, inputs = make()
     flops = step_flops(model, inputs)
-    if hasattr(model, "reset_state"):
-        model.reset_state()
-    executor: dict[str, Any] = {}
-    t_tessera, graph = tessera_step(model, inputs, cfg.steps, cfg.device, executor, cfg.regions)
-    nbytes = step_bytes(graph)
-    regions = graph.meta.get("regions")
-    graph_kernels = graph.kernels
-    del model, graph
-    gc.collect()
-    torch.cuda.empty_cache()
-    import torch._dynamo as dynamo   # (a bare "import torch._dynamo" would make torch local to this function)
-    dynamo.reset()
-    model, inputs = make()
-    t_compile = compiled_baseline(model, inputs, cfg.steps)
     del model
     gc.collect()
     torch.cuda.empty_cache()
+    sc = ServedCase(name, "real", cfg.layers, cfg.dtype, cfg.device, cfg.batch, cfg.cache, cfg.prompt,
+                    cfg.regions, cfg.gqa)
+    served = asyncio.run(served_decode(sc) if case == "decode" else served_prefill(sc))
+    graph = served.pop("graph")
+    nbytes = step_bytes(graph)
+    del graph
+    dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    model, inputs = make()
+    t_compile = compiled_baseline(model, inputs, cfg.steps)
+    del model
+    dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+    t_tessera = served["served_step_s"]
     floor = max(nbytes / bandwidth, flops / gemm)
     row = {"model": name, "case": label, "tessera_us": t_tessera * 1e6, "compile_us": t_compile * 1e6,
            "floor_us": floor * 1e6, "bytes": nbytes, "flops": flops, "bytes_floor_us": nbytes / bandwidth * 1e6,
            "flops_floor_us": flops / gemm * 1e6, "tessera_over_compile": t_tessera / t_compile,
-           "floor_fraction": floor / t_tessera, "regions": regions, "gqa": cfg.gqa, "executor": executor,
-           "kernels": len(graph_kernels)}
+           "floor_fraction": floor / t_tessera, "regions": cfg.regions, "gqa": cfg.gqa,
+           "ran": f"AsyncEngine {served['bucket']} ({served['capture']})", **served}
     print(f"  {name:<7} {label:<20} tessera {row['tessera_us']:9.0f} us  compile {row['compile_us']:9.0f} us  "
-          f"floor {row['floor_us']:9.0f} us", flush=True)
-    print(f"          executor: {executor}", flush=True)
+          f"floor {row['floor_us']:9.0f} us  [{row['ran']}; {served['bucket_stats']}]", flush=True)
     return row
 
 
@@ -314,7 +269,8 @@ def add_arguments(b) -> None:
     b.add_argument("--out", default=d.out)
     b.add_argument("--gqa", default=d.gqa, choices=["fold", "enable_gqa"], help="attention's GQA form")
     b.add_argument("--regions", default=d.regions, choices=["auto", "whole", "blocks"],
-                   help="capture regions (whole: the baseline's compiled graph; auto: the capture's default)")
+                   help="the served inductor capture's regions (auto/blocks: each repeated block compiled once; "
+                        "whole: the model as one graph, as the baseline compiles it)")
 
 
 def main(args) -> int:
@@ -333,7 +289,7 @@ def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
           f"{cfg.dtype} GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"commit": _git_commit(), "command": sys.argv, "gpu": torch.cuda.get_device_name(device),
+    meta = {"git_commit": _git_commit(), "command": sys.argv, "gpu": torch.cuda.get_device_name(device),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "config": asdict(cfg), "bandwidth_Bps": bandwidth, "gemm_flops": gemm}
     path = out / "roofline.json"
@@ -343,7 +299,7 @@ def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
             old = json.loads(path.read_text())
         except ValueError:
             old = {}
-        same = old.get("meta", {}).get("commit") == meta["commit"] and all(
+        same = old.get("meta", {}).get("git_commit") == meta["git_commit"] and all(
             old["meta"].get("config", {}).get(k) == getattr(cfg, k) for k in ("gqa", "regions"))
         if same:
             rows = [r for r in old.get("rows", []) if r.get("model") not in cfg.models]

@@ -167,8 +167,8 @@ class MoEBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.experts = Experts(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, positions)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, rows: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, positions, rows)
         return x + self.experts(self.ffn_norm(x))
 
 
@@ -186,13 +186,18 @@ class MoE(ReferenceModel):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, rows: Tensor | None = None,
+                last: Tensor | None = None) -> Tensor:
+        """Serving inputs as ``Llama.forward``: ``rows`` (the KV row of each
+        batch row) and ``last`` (the one token per row whose logits are wanted)."""
         B, T = input_ids.shape
         positions = normalize_positions(positions, B, T)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.embed(input_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin, positions)
+            h = layer(h, cos, sin, positions, rows)
+        if last is not None:
+            h = h.gather(1, last.view(B, 1, 1).expand(B, 1, h.shape[-1]))
         return self.lm_head(self.norm(h))
 
     def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:

@@ -125,13 +125,16 @@ class VLM(ReferenceModel):
                                        nn.Linear(cfg.text.dim, cfg.text.dim))
         self.decoder = LlamaDecoder(cfg.text)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, pixel_values: Tensor | None = None) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, rows: Tensor | None = None, last: Tensor | None = None,
+                pixel_values: Tensor | None = None) -> Tensor:
+        """``rows``/``last`` as ``Llama.forward`` (serving: text steps; an image
+        prefix comes with ``pixel_values``)."""
         h = self.decoder.embed(input_ids)
         if pixel_values is not None:  # structural (input present), not a value branch
             image = self.projector(self.vision(pixel_values.to(h.dtype)))
             h = torch.cat([image, h], dim=1)
         B, T = h.shape[:2]
-        return self.decoder(h, normalize_positions(positions, B, T))
+        return self.decoder(h, normalize_positions(positions, B, T), rows, last)
 
     def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
         """``prefill``: pixel_values + ``seq`` text tokens, positions over

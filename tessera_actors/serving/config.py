@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 class EngineConfig:
     """``devices``: in-process device specs (comma-separated) used when
     ``nodes`` is empty; ``nodes``: one node process per entry, each with its
-    device specs (``cpu``, ``cpu?threads=1``, ``cuda:0;...``).
+    device specs (``cpu``, ``cpu?threads=1``, ``cuda:0;...``); ``ray``: node
+    daemons as Ray actors instead (an address, ``"auto"``, or a
+    ``launch.ray.RayNodes``: one per GPU, a CPU node per host when asked);
+    ``expect_nodes``: that many nodes started by someone else (Slurm,
+    torchrun) register at ``listen`` (``launch/env.py``).
 
     KV cache: ``max_seqs`` rows (sequences in flight) of ``max_model_len``
     positions (prompt + output).  Decode runs at ``decode_buckets`` batch
@@ -31,6 +35,9 @@ class EngineConfig:
     devices: str = "cpu,cpu"
     nodes: tuple[str, ...] = ()
     node_args: tuple[str, ...] = ()
+    ray: object = ""            # "" | "auto" | a Ray address | launch.ray.RayNodes
+    expect_nodes: int = 0
+    listen: str = ""            # where the engine's actor system listens (expect_nodes: the nodes' scheduler)
     dtype: str = "float32"
     max_seqs: int = 16
     max_model_len: int = 2048
@@ -65,6 +72,8 @@ class EngineConfig:
         def bad(why: str) -> ValueError:
             return ValueError(f"EngineConfig: {why}")
         self.nodes = tuple(self.nodes)
+        self.node_args = tuple(self.node_args)
+        self._check_launch(bad)
         self.decode_buckets = tuple(sorted(set(int(b) for b in self.decode_buckets)))
         self.prefill_buckets = tuple(sorted(set(int(b) for b in self.prefill_buckets)))
         if self.max_seqs < 1:
@@ -101,6 +110,23 @@ class EngineConfig:
                 raise bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def _check_launch(self, bad) -> None:
+        from tessera_actors.launch.ray import RayNodes
+        if isinstance(self.ray, str) and self.ray:
+            self.ray = RayNodes(address=self.ray)
+        elif self.ray and not isinstance(self.ray, RayNodes):
+            raise bad(f"ray must be an address, 'auto' or a RayNodes, got {self.ray!r}")
+        if self.expect_nodes < 0:
+            raise bad(f"expect_nodes must be >= 0, got {self.expect_nodes}")
+        given = [name for name, on in (("nodes", self.nodes), ("ray", self.ray), ("expect_nodes", self.expect_nodes))
+                 if on]
+        if len(given) > 1:
+            raise bad(f"{' and '.join(given)} are different ways to get nodes: give one")
+        if self.expect_nodes and not self.listen.startswith("tcp://"):
+            raise bad(f"expect_nodes needs listen, the tcp:// endpoint the nodes register at, got {self.listen!r}")
+        if self.listen and not self.expect_nodes:
+            raise bad("listen is for nodes that register by themselves (expect_nodes)")
 
     def group_bounds(self, groups: int) -> list[tuple[int, int]]:
         """KV rows ``[lo, hi)`` of each of ``groups`` micro-batch groups."""

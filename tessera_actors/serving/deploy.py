@@ -227,11 +227,12 @@ def weight_values(name: str, graph: KernelGraph, named: dict[str, torch.Tensor],
     return vals
 
 
-def load_served_model(cfg: EngineConfig, progress=None) -> ServedModel:
+def load_served_model(cfg: EngineConfig, node_devices: list[str] | None = None, progress=None) -> ServedModel:
     """Build the model (real weights for ``smollm2``), check it takes the
     serving inputs, capture every bucket: with inductor (Triton kernels,
     PTX access sets) when every device is a GPU of this process's kind, else
-    on the meta device as aten ops (:func:`capture_kind`).  ``progress(done,
+    on the meta device as aten ops (:func:`capture_kind`; ``node_devices``:
+    the device strings of the nodes a launcher started).  ``progress(done,
     total, bucket)`` is called after each bucket.  Blocking (call in a
     thread)."""
     dtype = _dtype(cfg.dtype)
@@ -248,13 +249,13 @@ def load_served_model(cfg: EngineConfig, progress=None) -> ServedModel:
     named.update(dict(real.named_buffers()))
     state = set(real.state_names())
     buckets = buckets_for(cfg)
-    kind = capture_kind(cfg)
+    kind = capture_kind(cfg, node_devices)
     if kind == "inductor":
         from tessera_actors.serving.gpu_capture import capture_on_gpu
         graphs, captured, captures = capture_on_gpu(cfg, real, meta, buckets, progress)
     else:
         from tessera_actors.serving.gpu_capture import attention_form, set_attention_form
-        set_attention_form(meta, attention_form(cfg, gpu=all_cuda(cfg)))
+        set_attention_form(meta, attention_form(cfg, gpu=all_cuda(cfg, node_devices)))
         graphs, captured, captures = {}, {}, {}
         for i, b in enumerate(buckets):
             graphs[b.name], captures[b.name] = capture_aten(meta, b), "aten"
@@ -279,19 +280,25 @@ def capture_aten(meta: torch.nn.Module, bucket: Bucket) -> KernelGraph:
     return graph
 
 
-def capture_kind(cfg: EngineConfig) -> str:
+def capture_kind(cfg: EngineConfig, node_devices: list[str] | None = None) -> str:
     """``cfg.capture``, or for ``auto``: ``inductor`` when every device of the
     deployment (in-process, or of every node) is a CUDA device and this
     process sees one (it compiles there), else ``aten``."""
     if cfg.capture != "auto":
         return cfg.capture
-    if not all_cuda(cfg) or cfg.model.startswith("hf:"):
+    if not all_cuda(cfg, node_devices) or cfg.model.startswith("hf:"):
         return "aten"
     return "inductor" if torch.cuda.is_available() else "aten"
 
 
-def all_cuda(cfg: EngineConfig) -> bool:
-    """Whether every device of the deployment (in-process, or of every node) is a GPU."""
+def all_cuda(cfg: EngineConfig, node_devices: list[str] | None = None) -> bool:
+    """Whether every device of the deployment (in-process, or of every node:
+    ``node_devices``, a launcher's, else ``cfg.nodes``) is a GPU; nodes that
+    register by themselves (``expect_nodes``, Ray before it started them)
+    are not known, so not."""
     from tessera_actors.devices import parse_devices
-    specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
+    nodes = cfg.nodes if node_devices is None else node_devices
+    if (cfg.expect_nodes or cfg.ray) and node_devices is None:
+        return False
+    specs = [s for n in nodes for s in parse_devices(n)] if nodes else parse_devices(cfg.devices)
     return bool(specs) and all(s.kind == "cuda" for s in specs)

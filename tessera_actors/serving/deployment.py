@@ -11,12 +11,15 @@ Contract:
 * :meth:`Deployment.step` sends one ``RunStep`` to every device of a bucket's
   plan (inputs only to the devices that read them) and returns the sampled
   tokens; a failure raises :class:`StepFailed` naming the device.
-* The detector pings every node every ``heartbeat_s`` and watches the node
-  processes it started; a node silent for ``lost_after_s`` (or exited) is
-  reported through ``on_lost`` at once - the stall is bounded by the
-  detector, not by a step timeout.  :meth:`Deployment.replace` then reports
-  it to the scheduler (which uninstalls the old plans, failing their
-  pending steps) and places every bucket again on the survivors.
+* Nodes come from a launcher (``tessera_actors.launch``; hook: :meth:`Deployment._start_nodes`).
+* The detector pings every node every ``heartbeat_s`` and hears from the
+  launcher when a node's process ends; a node silent for ``lost_after_s``
+  (or exited) is reported through ``on_lost`` at once - the stall is
+  bounded by the detector, not by a step timeout.  :meth:`Deployment.replace`
+  then reports it to the scheduler (which uninstalls the old plans, failing
+  their pending steps) and places every bucket again on the survivors.  A
+  node its launcher restarted is reported through ``on_back`` once it took
+  its old place at the scheduler; the engine then re-places on all nodes.
 """
 from __future__ import annotations
 
@@ -33,10 +36,11 @@ from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
 from actors.transfer import TransferActor
 from tessera_actors.runtime.actor import ActorRef
-from tessera_actors.cluster import LocalCluster
 from tessera_actors.devices import parse_devices
+from tessera_actors.launch import registry
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
+from tessera_actors.runtime.messages import (Heartbeat, Ping, Place, Register, ReportLost, RunStep,
+                                             Uninstall)
 from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
@@ -46,6 +50,9 @@ from tessera_actors.serving.deploy import ServedModel
 from tessera_actors.serving.params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
+
+
+RUN_COUNTS = ("replays", "eager_runs", "capture_failures")   # a step's runs of kernels, over its devices
 
 
 class StepFailed(RuntimeError):
@@ -105,30 +112,35 @@ async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
 
 class Deployment:
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
-                 trace=None) -> None:
+                 trace=None, launcher=None, on_back: Callable[[str], None] | None = None) -> None:
         """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
-        records every step (None: no tracing)."""
-        self.cfg, self.served, self.on_lost = cfg, served, on_lost
+        records every step (None: no tracing); ``launcher``: who starts the
+        nodes (``tessera_actors.launch``; None: in-process devices);
+        ``on_back(endpoint)``: a node the launcher restarted is registered again."""
+        self.cfg, self.served, self.on_lost, self.on_back = cfg, served, on_lost, on_back
+        self.launcher = launcher
         self.trace = trace
         self.generation = 0
         self.placed: dict[str, PlacedBucket] = {}
         self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
         self._unplaceable: set[str] = set()             # buckets whose placement failed this generation
         self.lost: set[str] = set()
-        self.cluster: LocalCluster | None = None
+        self.cluster = None   # a LocalLauncher's LocalCluster (the demo and tests read its processes)
         self.system: ActorSystem | None = None
         self._watchers: list[asyncio.Task] = []
         self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
+        self.bucket_counts: dict[str, dict[str, int]] = {}   # bucket -> RUN_COUNTS over its steps
         self.since = time.monotonic()          # when the current placement started
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
         self.system = ActorSystem("engine")
-        address = await self.system.listen("tcp://127.0.0.1:0")
+        launcher = self.launcher
+        address = await self.system.listen(launcher.listen if launcher else "tcp://127.0.0.1:0")
         await self.system.spawn(GraphActor(self.served.graphs), "graph")
         costs = {}
-        if cfg.profile and not cfg.nodes:
+        if cfg.profile and launcher is None:
             costs = await asyncio.to_thread(self.profile_reference)
         try:
             planner = get_planner(cfg.planner, costs=costs, **cfg.planner_options)
@@ -139,16 +151,8 @@ class Deployment:
         await self.system.spawn(SchedulerActor(planner, self.served.values,
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
-        if cfg.nodes:
-            self.cluster = LocalCluster(cfg.nodes, scheduler=address, node_args=cfg.node_args)
-            await self.cluster.start()
-            deadline = time.monotonic() + 60
-            while len((await sched.ask(GetStats())).values["nodes"]) < len(cfg.nodes):
-                if time.monotonic() > deadline:
-                    raise EngineDead("node processes did not register within 60 s")
-                await asyncio.sleep(0.02)
-            for node in self.cluster.nodes if cfg.watch_processes else ():
-                self._watchers.append(asyncio.get_running_loop().create_task(self._watch_exit(node)))
+        if launcher is not None:
+            await self._start_nodes(launcher, address, sched)
         else:
             specs = parse_devices(cfg.devices)
             await self.system.spawn(TransferActor(), "transfer")
@@ -160,13 +164,37 @@ class Deployment:
         await self.place_all()
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
+    async def _start_nodes(self, launcher, address: str, sched: ActorRef) -> None:
+        """The launcher's hook: start the nodes, wait for them, hear when one dies or comes back."""
+        count = await launcher.start(address)
+        self.cluster = getattr(launcher, "cluster", None)
+        try:
+            await registry.registered(sched, count)
+        except TimeoutError as e:
+            raise EngineDead(str(e)) from None
+        self._watchers.append(asyncio.get_running_loop().create_task(launcher.watch(self._exited, self._back)))
+
+    def _exited(self, endpoint: str) -> None:
+        if endpoint not in self.lost:
+            self.on_lost([endpoint])
+
+    def _back(self, endpoint: str) -> None:
+        self._watchers.append(asyncio.get_running_loop().create_task(self._readmit(endpoint)))
+
+    async def _readmit(self, endpoint: str) -> None:
+        """Once a restarted node took its old place, ``on_back`` (unless the placement uses it already)."""
+        if not await registry.rejoined(self.system.ref("scheduler"), endpoint):
+            log.warning("node at %s did not register again", endpoint)
+        elif endpoint not in self.node_endpoints() and self.on_back is not None:
+            self.on_back(endpoint)
+
     async def stop(self) -> None:
         for t in self._watchers:
             t.cancel()
         for t in self._placing.values():
             t.cancel()   # a background placement must not outlive the system it asks
-        if self.cluster is not None:
-            await self.cluster.stop()
+        if self.launcher is not None:
+            await self.launcher.stop()
         if self.system is not None:
             await self.system.shutdown()
 
@@ -210,7 +238,7 @@ class Deployment:
         every bucket is core: a placement waits on its devices' answers, and
         one under way when a node dies would hold up the scheduler, and so
         the recovery, until its asks time out."""
-        if self.cfg.nodes:
+        if self.launcher is not None:
             return set(self.served.buckets)
         prefill = sorted({b.size for b in self.served.buckets.values() if b.kind == "prefill"})
         ends = {prefill[0], prefill[-1]} if prefill else set()
@@ -343,11 +371,18 @@ class Deployment:
     async def replace(self, lost: list[str], first: Sequence[str] = ()) -> None:
         """Report ``lost`` node endpoints and place on the survivors the
         reference bucket and ``first`` (the buckets the first steps after
-        the loss need); the others are placed when steps ask for them."""
+        the loss need); the others are placed when steps ask for them.
+        With no ``lost`` (a restarted node is back), the current plans are
+        uninstalled and the buckets placed on every live node the same way."""
         sched = self.system.ref("scheduler")
         for ep in lost:
             self.lost.add(ep)
             await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=120)
+        if not lost:   # a re-admission: nothing uninstalled the old generation's plans (their steps were dropped)
+            asks = [ref.ask(Uninstall(p.plan_id), timeout=5) for p in self.placed.values() for ref in p.refs]
+            for r in await asyncio.gather(*asks, return_exceptions=True):
+                if isinstance(r, BaseException):
+                    log.warning("could not uninstall a replaced plan: %s", r)
         self.generation += 1
         self.placed = {}
         await self.place_all(eager=False)
@@ -404,8 +439,11 @@ class Deployment:
         if traced:
             self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
                             [r.spans for r in results])
+        counts = self.bucket_counts.setdefault(bucket, dict.fromkeys(RUN_COUNTS, 0))
         for d, r in enumerate(results):
             self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
+            for k in RUN_COUNTS:
+                counts[k] += getattr(r, k, 0)
         holder = next((r for r in results if r.tokens), None)
         tokens = holder.tokens if holder else []
         if sample and len(tokens) != len(sample):
@@ -453,10 +491,4 @@ class Deployment:
             await asyncio.sleep(self.cfg.heartbeat_s)
             seq += 1
             await sched.tell(Heartbeat("local", seq))
-
-    async def _watch_exit(self, node) -> None:
-        await node.proc.wait()
-        if node.endpoint and node.endpoint not in self.lost:
-            log.warning("node %s exited with %s", node.name, node.proc.returncode)
-            self.on_lost([node.endpoint])
 

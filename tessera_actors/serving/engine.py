@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
 from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
 from tessera_actors.serving.config import EngineConfig
@@ -94,12 +95,15 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._lost: list[str] = []
+        self._readmit = False   # a node the launcher restarted is registered again: place on it
+        # notified after every re-placement (a node lost, a restarted node re-admitted)
+        self.placement_changed = asyncio.Condition()
         self._dead: str | None = None
         self._ids = itertools.count()
         self._order = itertools.count()   # launch order of steps: they land in it
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
-                         "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "plan_switches": 0,
-                         "lookahead_steps": 0, "discarded_tokens": 0}
+                         "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "readmissions": 0,
+                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0}
         self.groups = 1 if config.mode != "throughput" else config.groups
         self.monitor = Monitor(config.monitor_window_s, config.monitor_beta,
                                initial="throughput" if config.mode == "throughput" else "latency")
@@ -118,7 +122,14 @@ class AsyncEngine:
         await self.stop()
 
     async def start(self) -> None:
-        served = await asyncio.to_thread(load_served_model, self.cfg)
+        launcher = launcher_for(self.cfg)
+        try:
+            node_devices = await launcher.prepare() if launcher is not None else None
+            served = await asyncio.to_thread(load_served_model, self.cfg, node_devices)
+        except BaseException:
+            if launcher is not None:
+                await launcher.stop()
+            raise
         self.served = served
         if served.gguf_meta is not None:
             self.tokenizer = gguf_tokenizer(served.gguf_meta)
@@ -130,7 +141,7 @@ class AsyncEngine:
         if self.cfg.trace_dir:
             from tessera_actors.serving.trace import StepTrace
             self.trace = StepTrace()
-        self.deployment = Deployment(self.cfg, served, self._on_lost, self.trace)
+        self.deployment = Deployment(self.cfg, served, self._on_lost, self.trace, launcher, self._on_back)
         try:
             await self.deployment.start()
         except BaseException:
@@ -280,11 +291,17 @@ class AsyncEngine:
         self._lost.extend(e for e in endpoints if e not in self._lost)
         self._wake.set()
 
+    def _on_back(self, endpoint: str) -> None:
+        """A restarted node took its old place: re-place on every live node
+        (the same path as a loss, so no stream loses or repeats a token)."""
+        self._readmit = True
+        self._wake.set()
+
     async def _loop(self) -> None:
         inflight: dict[asyncio.Task, _Step] = {}
         try:
             while True:
-                if self._lost:
+                if self._lost or self._readmit:
                     await self._recover(inflight)
                     continue
                 self._maybe_switch(inflight)
@@ -481,15 +498,18 @@ class AsyncEngine:
         self._wake.set()
 
     async def _recover(self, inflight: dict) -> None:
-        lost, self._lost = list(self._lost), []
+        lost, self._lost, self._readmit = list(self._lost), [], False
         for t in inflight:
             t.cancel()
         await asyncio.gather(*inflight, return_exceptions=True)
         for info in inflight.values():
             self._landed(info)   # the old plans are uninstalled below: their steps write nothing more
         inflight.clear()
-        self.counters["recoveries"] += 1
-        log.warning("lost %s: re-placing on the survivors", lost)
+        self.counters["recoveries" if lost else "readmissions"] += 1
+        if lost:
+            log.warning("lost %s: re-placing on the survivors", lost)
+        else:
+            log.warning("a restarted node is back: re-placing on every live node")
         t0 = time.monotonic()
         for req in list(self._requests.values()):
             seq = req.seq
@@ -509,6 +529,8 @@ class AsyncEngine:
         except Exception as e:
             raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
+        async with self.placement_changed:
+            self.placement_changed.notify_all()
 
     def _maybe_switch(self, inflight: dict) -> None:
         self._switching = False
@@ -545,7 +567,18 @@ class AsyncEngine:
                 "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
                 "lost": sorted(rt.lost) if rt else [],
                 "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.graphs) if rt else 0,
-                "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n}, **self.counters}
+                "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},
+                "buckets": self._bucket_stats(), **self.counters}
+
+    def _bucket_stats(self) -> dict[str, dict]:
+        """Per bucket: how it was captured (``inductor`` | ``aten``, or why
+        inductor was not used), and over the steps served so far its runs of
+        kernels replayed as CUDA graphs, run eagerly, and captures that failed."""
+        rt = self.deployment
+        if rt is None:
+            return {}
+        return {name: {"capture": rt.served.captures.get(name, ""), **rt.bucket_counts.get(name, {})}
+                for name in rt.served.graphs}
 
     async def wait_placed(self) -> None:
         """Return once every bucket is placed: the engine serves as soon as

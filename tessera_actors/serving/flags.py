@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from tessera_actors.launch.env import LAUNCHERS, job_place
+
 
 def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
     """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``)."""
@@ -14,6 +16,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default=None, help="in-process devices, e.g. cpu,cpu")
     where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
+    where.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                       help="node daemons as Ray actors on this Ray cluster: one per GPU (see --ray-cpu)")
+    where.add_argument("--from-env", default=None, choices=LAUNCHERS,
+                       help="serve the nodes a Slurm or torchrun job started (tessera node --from-env ...): "
+                            "listen at the job's scheduler address, wait for its world size of nodes")
+    p.add_argument("--ray-cpu", default=None, metavar="SPEC",
+                   help="with --ray: also one CPU node per host with this device spec ('' none; default: "
+                        "'cpu' on a cluster without GPUs)")
+    p.add_argument("--ray-gpus", type=int, default=None, help="with --ray: GPU daemons (default: every GPU)")
     for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
                              ("--max-model-len", int, "context length"),
                              ("--max-queue", int, "waiting requests before 429"),
@@ -33,6 +44,12 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
     kw: dict[str, Any] = {"model": a.model}
     if a.nodes:
         kw["nodes"] = [n for n in a.nodes.split(";") if n]
+    elif getattr(a, "ray", None):
+        from tessera_actors.launch.ray import RayNodes
+        kw["ray"] = RayNodes(address=a.ray, gpus=a.ray_gpus, cpu=a.ray_cpu)
+    elif getattr(a, "from_env", None):
+        place = job_place(a.from_env, engine=True)
+        kw["expect_nodes"], kw["listen"] = place.world, place.scheduler
     elif a.devices:
         kw["devices"] = a.devices
     if trace_dir:

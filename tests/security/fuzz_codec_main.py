@@ -10,7 +10,6 @@ Every input must decode or raise ``CodecError``; anything else is listed in
 """
 import json
 import random
-import struct
 import sys
 
 import msgpack
