@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import torch
 
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
-from actors.transfer import DATA_PLANES
+from actors.transfer_config import DATA_PLANES
 from .cluster import LocalCluster
 from .devices import parse_bytes, parse_devices
 from tessera_actors.execution.stepper import Engine
@@ -201,24 +200,6 @@ def node_args(cfg: DemoConfig) -> list[str]:
     return args + (["--chunk-bytes", cfg.chunk_bytes] if cfg.chunk_bytes else [])
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="llama", help="reference model (llama, moe, mamba2, smollm2)")
-    ap.add_argument("--size", default="tiny")
-    ap.add_argument("--nodes", default="cpu?threads=1;cpu?threads=1",
-                    help="devices of each node process, nodes separated by ';' (e.g. 'cpu;cpu?threads=1')")
-    ap.add_argument("--planner", default="contiguous", help="contiguous | milp")
-    ap.add_argument("--mode", default="latency", choices=["latency", "throughput", "auto"])
-    ap.add_argument("--requests", type=int, default=4, help="concurrent requests, one KV slot each")
-    ap.add_argument("--prompt-len", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data-plane", default="zmq", choices=DATA_PLANES,
-                    help="how node processes move transfer bytes: zmq, or dist (torch.distributed: NCCL between "
-                         "GPUs, gloo otherwise)")
-    ap.add_argument("--chunk-bytes", default="", help="nodes send transfers above this size in pipelined chunks "
-                                                      "(e.g. 64KiB; default: the node default, 4MiB)")
-
-
 def main(args: argparse.Namespace) -> int:
     cfg = DemoConfig(args.model, args.size, tuple(n for n in args.nodes.split(";") if n.strip()), args.planner,
                      args.mode, args.prompt_len, args.new_tokens, args.seed, args.data_plane, args.chunk_bytes,
@@ -229,8 +210,3 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         return asyncio.run(run_demo(cfg))
 
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    add_arguments(ap)
-    sys.exit(main(ap.parse_args()))

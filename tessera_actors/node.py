@@ -23,8 +23,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from actors.device import DeviceActor
-from actors.transfer import DATA_PLANES, TransferActor, TransferConfig
+from actors.transfer_config import DATA_PLANES, TransferConfig
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
 from actors.lease import LEASE_SUFFIX
@@ -134,6 +133,9 @@ async def serve(cfg: NodeConfig, ready=None) -> int:
     if cfg.insecure:
         log.warning("node %s runs with --insecure: authentication is off, any local process can control it",
                     cfg.name)
+    # the device and transfer actors import torch: only once a node runs (its flags parse without it)
+    from actors.device import DeviceActor
+    from actors.transfer import TransferActor
     async with ActorSystem(cfg.name, keys=cfg.keys, insecure=cfg.insecure) as system:
         await system.spawn(TransferActor(cfg.transfer), TransferActor.NAME)
         for i, spec in enumerate(cfg.devices):

@@ -7,25 +7,48 @@ import argparse
 from typing import Any
 
 
+DEFAULT_MAX_BODY = 4 * 1024 * 1024   # bytes of a request body; larger bodies get 413
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
-    """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``)."""
-    p.add_argument("--model", default="smollm2", help="model name (default smollm2)")
-    p.add_argument("--size", default=None, help="model size, e.g. tiny | real (engine default: real)")
+    """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``).
+    A flag left out keeps ``EngineConfig``'s default, which its help shows."""
+    from .config import EngineConfig
+    d = EngineConfig()
+    p.add_argument("--model", default="smollm2", help="model: smollm2, llama (random weights) or hf:<dir | "
+                   "config.json | file.gguf>")
+    p.add_argument("--size", default=None, help=f"model size, e.g. tiny | real (default: {d.size})")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--devices", default=None, help="in-process devices, e.g. cpu,cpu")
+    where.add_argument("--devices", default=None, help=f"in-process devices (default: {d.devices})")
     where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
     for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
-                             ("--max-model-len", int, "context length"),
+                             ("--max-model-len", int, "context length (prompt + output tokens)"),
                              ("--max-queue", int, "waiting requests before 429"),
-                             ("--planner", str, "placement planner"),
+                             ("--planner", str, "placement planner: contiguous | milp | offload"),
                              ("--mode", str, "latency | throughput | auto (plan switching under load)"),
                              ("--dtype", str, "float32 | bfloat16 | float16"),
                              ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
-        p.add_argument(flag, type=kind, default=None, help=what + " (engine default)")
+        field = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=kind, default=None, metavar=field.upper() if kind is str else "N",
+                       help=f"{what} (default: {getattr(d, field)})")
     p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming, "
                         "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
-    p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, help="engine seed (engine default)")
+    p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, metavar="N",
+                   help=f"engine seed: random weights and unseeded sampling (default: {d.seed})")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``tessera serve``'s flags: the engine's, then the HTTP server's."""
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed in the "
+                                                          "ready line)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write a trace-event JSON of served steps to DIR")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
+                   help="largest request body in bytes, 413 above (default: 4 MiB)")
 
 
 def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:

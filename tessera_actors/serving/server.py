@@ -33,7 +33,6 @@ import dataclasses
 import hmac
 import logging
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,12 +41,11 @@ from typing import Any
 from aiohttp import web
 
 from . import openai_api as oa
-from .flags import add_engine_arguments, engine_kwargs
+from .flags import DEFAULT_MAX_BODY, engine_kwargs
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")
 STATIC = Path(__file__).with_name("static")
-DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -350,22 +348,6 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None) -> None:
             await runner.cleanup()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed in the ready line)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--trace", default=None, metavar="DIR", help="write a trace-event JSON of served steps to DIR")
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="largest request body in bytes (413 above)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tessera serve", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run_command(p.parse_args(argv))
-
-
 def run_command(a: argparse.Namespace) -> int:
     """Run ``tessera serve`` with parsed flags until SIGINT/SIGTERM; 0 on an orderly stop."""
     if not 0 <= a.port <= 65535:
@@ -381,6 +363,3 @@ def run_command(a: argparse.Namespace) -> int:
         uvloop.run(serve(cfg))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
