@@ -397,8 +397,8 @@ class DeviceActor(Actor):
             runner.run((plan_id, 0), prog, kernels)   # the key of the one worker call of _run_one
         host = None
         if self._samples_here(inst, msg):
-            ids, lps = self._sample(inst, msg)
-            both = torch.stack([ids.to(torch.float64), lps.to(torch.float64)])
+            from tessera_actors.serving.sampling_extras import pack
+            both = pack(*self._sample(inst, msg))
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
             host.copy_(both, non_blocking=both.is_cuda)
         return {"event": runner.backend.record(runner.compute), "host": host, "busy": time.perf_counter() - t0}
@@ -415,11 +415,14 @@ class DeviceActor(Actor):
         tokens: list[int] = []
         logprobs: list[float] = []
         host = launch["host"]
+        top: list = []
         if host is not None:
-            tokens, logprobs = [int(t) for t in host[0].tolist()], host[1].tolist()
+            from tessera_actors.serving.sampling_extras import unpack
+            tokens, logprobs, top = unpack(host)
         self.steps_run += 1
         self.busy_s += launch["busy"]
-        fut.set_result(StepDone(plan_id, msg.step, inst.device, [], [], launch["busy"], 0.0, tokens, logprobs, []))
+        fut.set_result(StepDone(plan_id, msg.step, inst.device, [], [], launch["busy"], 0.0, tokens, logprobs, [],
+                                top))
 
     async def _run_one(self, plan_id: str, inst: _Installed, msg: RunStep) -> StepDone:
         """One step of this device's program.  The host work around the
@@ -444,7 +447,7 @@ class DeviceActor(Actor):
         if self._samples_here(inst, msg):
             from tessera_actors.serving.sampling import to_host
 
-            def sampler() -> tuple[list[int], list[float], float, float]:
+            def sampler() -> tuple[list[int], list[float], list, float, float]:
                 started = time.time()
                 return (*to_host(*self._sample(inst, msg)), started, time.time())
         sampled = None
@@ -549,10 +552,11 @@ class DeviceActor(Actor):
             await self._on_worker(rest)
         tokens: list[int] = []
         logprobs: list[float] = []
+        top: list = []
         if sampler is not None:
             if sampled is None:
                 sampled = await self._on_worker(sampler)
-            tokens, logprobs, started, ended = sampled
+            tokens, logprobs, top, started, ended = sampled
             if spans is not None:
                 spans.append([f"sample {len(tokens)} rows", started, ended])
         if not msg.outputs:
@@ -564,7 +568,7 @@ class DeviceActor(Actor):
         self.steps_run += 1
         self.busy_s += busy
         return StepDone(plan_id, msg.step, d, [[b, s, e] for b, s, e, _ in mine], data, busy, wait, tokens,
-                        logprobs, spans or [])
+                        logprobs, spans or [], top)
 
     @staticmethod
     def _samples_here(inst: _Installed, msg: RunStep) -> bool:
@@ -576,13 +580,14 @@ class DeviceActor(Actor):
         return any(b == logits and dev == inst.device for b, _, _, dev in inst.plan.outputs)
 
     @staticmethod
-    def _sample(inst: _Installed, msg: RunStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the worker: the step's tokens and log probabilities, on the
-        device; kept as the tokens a later step may take as its inputs."""
+    def _sample(inst: _Installed, msg: RunStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """On the worker: the step's tokens, log probabilities and top log
+        probabilities (None unless asked), on the device; the tokens are kept
+        as those a later step may take as its inputs."""
         from tessera_actors.serving.sampling import sample_on_device
-        ids, lps = sample_on_device(inst.prog.view(inst.graph.meta["output_views"][0]), msg.sample)
+        ids, lps, top = sample_on_device(inst.prog.view(inst.graph.meta["output_views"][0]), msg.sample)
         inst.sampled = (msg.step, ids)
-        return ids, lps
+        return ids, lps, top
 
     def _inputs_writer(self, inst: _Installed, msg: RunStep):
         """The worker-side writing of the step's inputs (None: this device

@@ -167,7 +167,7 @@ async def test_a_failed_placement_is_tried_again_by_the_next_step_that_needs_it(
     from tessera_actors.serving.runtime import Runtime
     rt = Runtime.__new__(Runtime)
     rt.placed, rt._placing, rt.generation, rt.pins, rt.weights = {}, {}, 0, {}, {}
-    rt.served = types.SimpleNamespace(graphs={"prefill:32": object()})
+    rt.served, rt.progress = types.SimpleNamespace(buckets={"prefill:32": object()}), None
     calls = []
 
     async def place(bucket, pins, weights):

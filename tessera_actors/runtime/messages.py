@@ -178,8 +178,11 @@ class RunStep:
     ``sample`` (serving): rows of the first output (logits ``[B, T, V]``) to
     sample on the device that holds them, each ``[row, col, temperature,
     top_p, top_k, seed, index]`` (``index``: the position of the token in
-    the request's output, so a seed gives the same draw in any batch); that
-    device answers with ``tokens``.  ``outputs=False``: no output bytes in
+    the request's output, so a seed gives the same draw in any batch),
+    optionally with an eighth element, the record of penalties, logit bias,
+    token mask and top log probabilities of
+    ``tessera_actors.serving.sampling_extras``; that device answers with
+    ``tokens``.  ``outputs=False``: no output bytes in
     the reply (the engine needs only the tokens).  ``trace``: answer with
     ``StepDone.spans`` (what the device did when, for a trace file).
     ``token_rows`` (serving, to the device that reads ``input_ids`` and
@@ -204,7 +207,8 @@ class StepDone:
     holding the logits (empty elsewhere), with its log probability in
     ``logprobs``.  ``spans`` (when traced): ``[what, start, end]`` in wall-clock
     seconds (``time.time()``) for each run of kernels, transfer wait and
-    sampling, in order."""
+    sampling, in order.  ``top_logprobs``: when an entry's record asked for
+    them, per entry ``[[id, logprob], ...]`` of the most likely ids."""
     plan_id: str
     step: int
     device: int
@@ -215,6 +219,7 @@ class StepDone:
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     spans: list = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
 
 
 @message

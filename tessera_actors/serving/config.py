@@ -12,7 +12,13 @@ class EngineConfig:
     device specs (``cpu``, ``cpu?threads=1``, ``cuda:0;...``).
 
     KV cache: ``max_seqs`` rows (sequences in flight) of ``max_model_len``
-    positions (prompt + output).  Decode runs at ``decode_buckets`` batch
+    positions (prompt + output), within ``kv_cache_memory``: bytes (an int
+    or ``"512MiB"``) or a fraction in (0, 1] of the devices' memory (as
+    vLLM's ``gpu_memory_utilization``, but for the KV cache alone: a
+    ``mem=`` budget where a device has one, else a GPU's memory or this
+    machine's RAM for its CPUs); ``None``: no limit.  When ``max_seqs``
+    rows do not fit, the engine keeps as many as do (at least one, else
+    an error) and says so.  Decode runs at ``decode_buckets`` batch
     sizes (rows padded up), prompts are prefilled in chunks of
     ``prefill_buckets`` tokens.  ``mode``: ``latency`` (one decode step of
     all rows at a time), ``throughput`` (the rows in ``groups`` micro-batch
@@ -35,6 +41,7 @@ class EngineConfig:
     max_seqs: int = 16
     max_model_len: int = 2048
     max_queue: int = 256
+    kv_cache_memory: int | float | str | None = "512MiB"
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
@@ -91,6 +98,7 @@ class EngineConfig:
                 raise bad(f"{name} must be positive, got {getattr(self, name)}")
         if not isinstance(self.planner_options, dict):
             raise bad(f"planner_options must be a dict, got {self.planner_options!r}")
+        kv_budget(self.kv_cache_memory)   # a bad value fails here, before anything is built
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -98,3 +106,27 @@ class EngineConfig:
         """KV rows ``[lo, hi)`` of each of ``groups`` micro-batch groups."""
         size = -(-self.max_seqs // groups)
         return [(lo, min(lo + size, self.max_seqs)) for lo in range(0, self.max_seqs, size)]
+
+
+def kv_budget(value: int | float | str | None) -> tuple[str, float] | None:
+    """``kv_cache_memory`` read: ("bytes", n) or ("fraction", f), None for
+    no limit; ``ValueError`` naming the field otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        from ..devices import DeviceSpecError, parse_bytes
+        try:
+            value = parse_bytes(value)
+        except DeviceSpecError as e:
+            raise ValueError(f"EngineConfig: kv_cache_memory: {e}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"EngineConfig: kv_cache_memory must be bytes, a size such as '512MiB' or a fraction "
+                         f"in (0, 1], got {value!r}")
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"EngineConfig: kv_cache_memory as a fraction must be in (0, 1], got {value!r} "
+                             "(bytes are an integer or a size such as '2GiB')")
+        return ("fraction", value)
+    if value <= 1:
+        raise ValueError(f"EngineConfig: kv_cache_memory must be positive bytes or a fraction in (0, 1], got {value!r}")
+    return ("bytes", float(int(value)))

@@ -8,6 +8,10 @@ A *bucket* is one captured shape of the model's forward:
   own KV row (inputs ``input_ids`` [1, C], ``positions`` [1, C], ``rows``
   [1], ``last`` [1]: only the logits of the chunk's last real token are
   computed);
+* ``embed:C`` - a chunk of ``C`` tokens as ``prefill:C`` takes them,
+  giving the final hidden states summed over its real tokens (``/v1/embeddings``:
+  the engine adds the chunks up and divides by the token count), for a
+  model that pools (``LlamaDecoder.pool``);
 * either with ``~W``: attention reads only the first ``W`` cache slots
   (``kv_windows``; the engine picks the smallest window above the step's
   positions), so short contexts cost short attentions.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +37,7 @@ from ..capture import capture_module
 from ..capture.aten import storage_bytes
 from ..graph import KernelGraph
 from .config import EngineConfig
+from .memory import fit_kv_cache, state_bytes
 from .params import EngineError
 
 
@@ -48,7 +54,7 @@ class Bucket:
 
 
 def bucket_name(kind: str, size: int, base: int = 0, window: int = 0) -> str:
-    name = f"decode:{size}@{base}" if kind == "decode" else f"prefill:{size}"
+    name = f"decode:{size}@{base}" if kind == "decode" else f"{kind}:{size}"
     return f"{name}~{window}" if window else name
 
 
@@ -115,7 +121,23 @@ def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
     """Capture-time constants of a bucket on the attention modules: the first
     KV row of a decode group (``row_base``), the window (``kv_window``) and,
     for a deployment on CPU devices only, the fused CPU attention kernel
-    (``cpu_fused``)."""
+    (``cpu_fused``); on the decoder, ``pool`` for an embedding bucket."""
+    pools = [m for m in model.modules() if hasattr(m, "pool")]
+    if bucket.kind == "embed":
+        if not pools:
+            raise EngineError("this model cannot give embeddings (its decoder does not pool)")
+        for m in pools:
+            m.pool = True
+    try:
+        with _attention_shaped(model, bucket, cpu_only):
+            yield
+    finally:
+        for m in pools:
+            m.pool = False
+
+
+@contextlib.contextmanager
+def _attention_shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool):
     mods = [m for m in model.modules() if hasattr(m, "row_base")]
     if bucket.window and any(not hasattr(m, "kv_window") for m in mods):
         raise EngineError("this model's attention has no kv_window; serve it with kv_windows=()")
@@ -148,18 +170,97 @@ def cpu_only(cfg: EngineConfig) -> bool:
     return bool(specs) and all(s.kind == "cpu" for s in specs)
 
 
-@dataclass
-class ServedModel:
-    """The real model (values), its tokenizer/template metadata and the
-    captured bucket graphs with their values by buffer id."""
+def core_buckets(cfg: EngineConfig, buckets: dict[str, Bucket]) -> set[str]:
+    """Buckets placed before the engine serves: the reference decode bucket
+    (every row, the whole cache) and the longest prompt chunk over the whole
+    cache, which can stand in for every decode step and every prompt chunk
+    (:meth:`~tessera_actors.serving.runtime.Runtime.runnable`: padded, in a larger bucket) while the others
+    are captured and placed in the background, the most used first.  With
+    node processes every bucket is core: a placement waits on its devices'
+    answers, and one under way when a node dies would hold up the
+    scheduler, and so the recovery, until its asks time out."""
+    if cfg.nodes:
+        return set(buckets)
+    core = {f"decode:{cfg.max_seqs}@0"}
+    chunks = [b for b in buckets.values() if b.kind == "prefill" and not b.window]
+    if chunks:
+        core.add(max(chunks, key=lambda b: b.size).name)
+    return core & set(buckets)
 
-    name: str
-    model: torch.nn.Module
-    vocab_size: int
-    graphs: dict[str, KernelGraph]
-    values: dict[str, dict[int, torch.Tensor]]
-    buckets: dict[str, Bucket]
-    gguf_meta: dict | None
+
+class ServedModel:
+    """The real model (its weights), its tokenizer/template metadata and its
+    bucket graphs.  ``cfg``: the configuration served (``max_seqs`` fitted
+    to the KV-cache budget).
+
+    ``buckets`` is every bucket the engine may run; a bucket's graph is
+    captured on first use: :meth:`graph` captures it (blocking, about a
+    second; one capture at a time, from any thread: the meta model's
+    attention modules are reshaped for it), so a server need not capture
+    the buckets it places in the background before it serves.  ``graphs``
+    and ``values`` (weight bytes by buffer id) hold the buckets captured so
+    far; ``weights`` holds the weight bytes by buffer name, for any bucket
+    (every bucket names its weights as the model does)."""
+
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, meta: torch.nn.Module, vocab_size: int,
+                 buckets: dict[str, Bucket], gguf_meta: dict | None, cpu_fused: bool) -> None:
+        self.cfg, self.name, self.model, self.vocab_size = cfg, cfg.model, model, vocab_size
+        self.buckets, self.gguf_meta = buckets, gguf_meta
+        self._meta, self._fused = meta, cpu_fused
+        self._state = set(model.state_names())
+        named = dict(model.named_parameters())
+        named.update(dict(model.named_buffers()))
+        self.weights = {n: storage_bytes(t) for n, t in named.items() if n not in self._state}
+        self.weight_bytes = sum({t.data_ptr(): t.numel() for t in self.weights.values()}.values())   # tied: once
+        self.kv_bytes = state_bytes(meta)   # the KV cache over all devices
+        self.graphs: dict[str, KernelGraph] = {}
+        self.values: dict[str, dict[int, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def graph(self, bucket: str) -> KernelGraph:
+        """The bucket's graph, captured now if it is not yet (``KeyError``
+        for a bucket the engine does not run)."""
+        g = self.graphs.get(bucket)
+        if g is not None:
+            return g
+        b = self.buckets[bucket]
+        with self._lock:
+            if bucket not in self.graphs:
+                with shaped(self._meta, b, self._fused):
+                    cap = capture_module(self._meta, bucket_inputs(b))
+                self.values[bucket] = self._weight_values(b, cap.graph)
+                self.graphs[bucket] = cap.graph
+        return self.graphs[bucket]
+
+    def release_weights(self) -> None:
+        """Drop this process's copy of the weights (in place: a reader of
+        ``weights``, the scheduler, sees none from now on); the bytes go
+        back once no other engine of the process holds the same model.
+        Buckets not captured yet can no longer be (``EngineError``)."""
+        self.weights.clear()
+        self.values.clear()
+        self.model = None
+        _build.cache_clear()
+        missing = set(self.buckets) - set(self.graphs)
+        self.buckets = {n: b for n, b in self.buckets.items() if n not in missing}
+
+    def capture_all(self) -> None:
+        """Capture every bucket (blocking)."""
+        for name in self.buckets:
+            self.graph(name)
+
+    def _weight_values(self, b: Bucket, graph: KernelGraph) -> dict[int, torch.Tensor]:
+        vals = {}
+        for buf in graph.buffers.values():
+            if buf.role == "weight":
+                t = self.weights.get(buf.name)
+                if t is None:
+                    raise EngineError(f"bucket {b.name}: weight buffer {buf.id} ({buf.name!r}) has no tensor "
+                                      "of that name in the model")
+                vals[buf.id] = t
+            elif buf.role == "state" and buf.name not in self._state:
+                raise EngineError(f"bucket {b.name}: {buf.name!r} is written but is not a state buffer")
+        return vals
 
 
 @functools.lru_cache(maxsize=2)
@@ -177,65 +278,80 @@ def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, buil
     return m
 
 
+def without_state(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its state buffers (the KV cache) moved to the meta
+    device, in place: the served model's own cache is never used - every
+    device holds its own, zeros at install - so its bytes go back to the
+    system (1.5 GB for SmolLM2 at 16 x 2048 in float32)."""
+    names = set(model.state_names())
+    for prefix, module in model.named_modules():
+        for key, buf in list(module._buffers.items()):
+            if buf is not None and (f"{prefix}.{key}" if prefix else key) in names:
+                module._buffers[key] = torch.empty_like(buf, device="meta")
+    return model
+
+
+def _build_model(cfg: EngineConfig, device: str) -> torch.nn.Module:
+    """The model of ``cfg`` on ``device``: "meta" (shapes only, for capture)
+    or "cpu" (its real weights; a reference model's random ones generated on
+    ``cfg.build_device``)."""
+    from .. import models
+    dtype = _dtype(cfg.dtype)
+    if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
+        from ..models import hf
+        extra = {"device": "meta"} if device == "meta" else {}
+        return hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                               **extra, **cfg.overrides)
+    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+    if device == "meta":
+        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+    key = tuple(sorted(kw.items()))
+    try:
+        hash(key)
+    except TypeError:   # an unhashable override (a dict): build it afresh
+        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+    return _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
+
+
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_served_model(cfg: EngineConfig) -> ServedModel:
-    """Build the model (real weights for ``smollm2``), check it takes the
-    serving inputs, capture every bucket.  Blocking (call in a thread)."""
-    from .. import models
-    dtype = _dtype(cfg.dtype)
-    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+def load_served_model(cfg: EngineConfig, core_only: bool = False) -> ServedModel:
+    """Build the model (real weights for ``smollm2``) with as many KV rows as
+    ``cfg.kv_cache_memory`` holds (``ServedModel.cfg``: the configuration
+    served, ``max_seqs`` lowered to fit), check it takes the serving inputs,
+    and capture its buckets (``core_only``: the :func:`core_buckets`; the
+    others are captured when first used).  Blocking (call in a thread)."""
     if cfg.model == "smollm2":
         limit = 8192   # SmolLM2-135M-Instruct's own context (GGUF llama.context_length)
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
+    if cfg.model.startswith("hf:"):
+        cfg.kv_windows = (cfg.max_model_len,)   # a transformers model's attention reads the whole cache
     try:
-        if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
-            from ..models import hf
-            cfg.kv_windows = (cfg.max_model_len,)   # its attention reads the whole cache
-            real = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
-                                   **cfg.overrides)
-            meta = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
-                                   device="meta", **cfg.overrides)
-        else:
-            key = tuple(sorted(kw.items()))
-            try:
-                hash(key)
-            except TypeError:   # an unhashable override (a dict): build it afresh
-                real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
-            else:
-                real = _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
-            meta = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+        meta = _build_model(cfg, "meta")
+        fitted = fit_kv_cache(cfg, state_bytes(meta) // cfg.max_seqs)
+        if fitted is not cfg:
+            cfg, meta = fitted, _build_model(fitted, "meta")
+        real = _build_model(cfg, "cpu")
     except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
+    without_state(real)
     params = inspect.signature(real.forward).parameters
     if not {"input_ids", "positions", "rows", "last"} <= set(params):
         raise EngineError(f"model {cfg.model!r} cannot be served: its forward takes {list(params)}, the engine "
                           "needs input_ids, positions, rows and last (a Llama-family decoder)")
-    named = {n: t for n, t in real.named_parameters()}
-    named.update(dict(real.named_buffers()))
-    state = set(real.state_names())
-    graphs, values, buckets = {}, {}, {}
-    fused = cpu_only(cfg)
-    for b in buckets_for(cfg):
-        with shaped(meta, b, fused):
-            cap = capture_module(meta, bucket_inputs(b))
-        vals = {}
-        for buf in cap.graph.buffers.values():
-            if buf.role == "weight":
-                t = named.get(buf.name)
-                if t is None:
-                    raise EngineError(f"bucket {b.name}: weight buffer {buf.id} ({buf.name!r}) has no tensor "
-                                      "of that name in the model")
-                vals[buf.id] = storage_bytes(t)
-            elif buf.role == "state" and buf.name not in state:
-                raise EngineError(f"bucket {b.name}: {buf.name!r} is written but is not a state buffer")
-        graphs[b.name], values[b.name], buckets[b.name] = cap.graph, vals, b
+    served_buckets = {b.name: b for b in buckets_for(cfg)}
+    if any(hasattr(m, "pool") for m in meta.modules()) and cfg.prefill_buckets:   # embeddings, a chunk at a time
+        embed = Bucket("embed", max(cfg.prefill_buckets))
+        served_buckets[embed.name] = embed
     meta_gguf = None
     if cfg.model in ("smollm2", "hf:smollm2"):
         from ..models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
-    return ServedModel(cfg.model, real, vocab, graphs, values, buckets, meta_gguf)
+    served = ServedModel(cfg, real, meta, vocab, served_buckets, meta_gguf, cpu_only(cfg))
+    for name in core_buckets(cfg, served_buckets) if core_only else served_buckets:
+        served.graph(name)
+    return served

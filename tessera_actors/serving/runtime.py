@@ -36,13 +36,13 @@ from tessera_actors.runtime.actor import ActorRef
 from ..cluster import LocalCluster
 from ..devices import parse_devices
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import GetStats, Heartbeat, Ping, Place, Register, ReportLost, RunStep
+from tessera_actors.runtime.messages import GetStats, Ping, Place, Register, ReportLost, RunStep
 from ..plan import Plan, plan_from_dict
 from ..planners import get_planner
 from ..planning.pinning import state_homes, weight_homes
 from tessera_actors.runtime.system import ActorSystem
 from .config import EngineConfig
-from .deploy import ServedModel
+from .deploy import Bucket, ServedModel, core_buckets
 from .params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
@@ -70,6 +70,8 @@ class StepResult:
     logprobs: list[float] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     spans: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)   # per sampled entry, when asked: [[id, logprob], ...]
+    outputs: list = field(default_factory=list)        # step(outputs=True): [buffer, start, end, bytes] of each
 
 
 def _feeding_device(graph, plan: Plan) -> int | None:
@@ -103,13 +105,23 @@ async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
     return False
 
 
+def _background_order(b: Bucket) -> tuple:
+    """Which buckets to place first after the core ones: decode before
+    prompt chunks, short attention windows before the whole cache, the
+    first group's rows and small sizes first (what a lightly loaded server
+    runs most)."""
+    return (b.kind == "embed", b.kind != "decode", not b.window, b.window, b.base, b.size)
+
+
 class Runtime:
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
-                 trace=None) -> None:
+                 trace=None, progress: Callable[[int, int], None] | None = None) -> None:
         """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
-        records every step (None: no tracing)."""
+        records every step (None: no tracing); ``progress(placed, total)``
+        is called whenever a bucket of this placement generation is placed."""
         self.cfg, self.served, self.on_lost = cfg, served, on_lost
         self.trace = trace
+        self.progress = progress
         self.generation = 0
         self.placed: dict[str, Placed] = {}
         self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
@@ -126,7 +138,8 @@ class Runtime:
         cfg = self.cfg
         self.system = ActorSystem("engine")
         address = await self.system.listen("tcp://127.0.0.1:0")
-        await self.system.spawn(GraphActor(self.served.graphs), "graph")
+        # buckets not captured yet are captured when first placed (the graph actor asks the model)
+        await self.system.spawn(GraphActor(self.served.graphs, source=self.served.graph), "graph")
         costs = {}
         if cfg.profile and not cfg.nodes:
             costs = await asyncio.to_thread(self.profile_reference)
@@ -135,8 +148,9 @@ class Runtime:
         except TypeError as e:
             raise ValueError(f"planner {cfg.planner!r}: bad planner_options {cfg.planner_options}: {e}") from None
         if hasattr(planner, "expect"):   # the offload planner keeps room in the GPU budget for the other buckets
+            await asyncio.to_thread(self.served.capture_all)
             planner.expect([g for name, g in self.served.graphs.items() if name != self.reference_bucket()])
-        await self.system.spawn(SchedulerActor(planner, self.served.values,
+        await self.system.spawn(SchedulerActor(planner, named_values=self.served.weights,
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
         if cfg.nodes:
@@ -154,9 +168,8 @@ class Runtime:
             await self.system.spawn(TransferActor(), "transfer")
             for i, spec in enumerate(specs):
                 await self.system.spawn(DeviceActor(spec), f"device{i}")
+            # registered at the scheduler's own address: in-process devices hold no lease
             await sched.ask(Register("local", address, [s.name for s in specs]))
-            # in-process devices live as long as this process: keep their registration fresh
-            self._watchers.append(asyncio.get_running_loop().create_task(self._beat_local(sched)))
         await self.place_all()
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
@@ -200,21 +213,15 @@ class Runtime:
                                     weights=weights or {}), timeout=600)
         plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
-        return Placed(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graphs[bucket], plan))
+        return Placed(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graph(bucket), plan))
 
     def core_buckets(self) -> set[str]:
-        """Buckets placed before the engine serves: every decode bucket and
-        the shortest and the longest prompt chunk (any window).  The prompt
-        chunks between them follow in the background; until one is placed a
-        longer one stands in for it (:meth:`runnable`).  With node processes
-        every bucket is core: a placement waits on its devices' answers, and
-        one under way when a node dies would hold up the scheduler, and so
-        the recovery, until its asks time out."""
-        if self.cfg.nodes:
-            return set(self.served.buckets)
-        prefill = sorted({b.size for b in self.served.buckets.values() if b.kind == "prefill"})
-        ends = {prefill[0], prefill[-1]} if prefill else set()
-        return {name for name, b in self.served.buckets.items() if b.kind != "prefill" or b.size in ends}
+        """Buckets placed before the engine serves (:func:`core_buckets`)."""
+        return core_buckets(self.cfg, self.served.buckets)
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(len(self.placed), len(self.served.buckets))
 
     async def place_all(self, eager: bool = True) -> None:
         """Place the reference bucket, then (``eager``) the other core
@@ -234,20 +241,23 @@ class Runtime:
             # decode computes on the CPU - pinning weights to the reference's devices would undo that
             self.weights = {}
         self.placed = {ref_name: ref}
+        self._report()
         self._placing = {}
         self._unplaceable = set()
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
         self.since = time.monotonic()
         if eager:
             core = self.core_buckets()
-            later = [name for name in self.served.graphs if name != ref_name and name not in core]
-            for name in self.served.graphs:
+            later = sorted((name for name in self.served.buckets if name != ref_name and name not in core),
+                           key=lambda name: _background_order(self.served.buckets[name]))
+            for name in self.served.buckets:
                 if name != ref_name and name in core:
                     self.placed[name] = await self._place(name, self.pins, self.weights)
+                    self._report()
             after = None
             for name in later:   # one at a time: a heartbeat queues behind at most one placement
                 after = self._place_soon(name, after)
-        log.info("placed %d buckets (generation %d): %s", len(self.placed), self.generation, ref.plan.name)
+        log.debug("placed %d buckets (generation %d): %s", len(self.placed), self.generation, ref.plan.name)
 
     async def wait_placed(self) -> None:
         """Return once no bucket is being placed (the background placements
@@ -265,7 +275,7 @@ class Runtime:
         p = self.placed.get(bucket)
         if p is not None:
             return p
-        if bucket not in self.served.graphs:
+        if bucket not in self.served.buckets:
             raise StepFailed(f"no bucket {bucket!r}")
         generation = self.generation
         task = self._placing.get(bucket)
@@ -279,7 +289,19 @@ class Runtime:
             raise
         if generation == self.generation:
             self.placed[bucket] = p
+            self._report()
         return p
+
+    async def release_weights(self) -> bool:
+        """Once every bucket is placed, give back the engine's copy of the
+        weights when nothing can read it again: in-process devices (never
+        lost, so never re-placed) under a planner that places buckets one
+        at a time.  Returns whether it did."""
+        await self.wait_placed()
+        if self.cfg.nodes or self.cfg.planner == "offload" or len(self.placed) < len(self.served.buckets):
+            return False
+        self.served.release_weights()
+        return True
 
     def runnable(self, want: str, bounds: tuple[int, int] | None = None) -> str:
         """The bucket a step shaped for ``want`` runs on now: ``want`` when
@@ -337,6 +359,7 @@ class Runtime:
                     self._placing.pop(bucket)
                 return
             self.placed.setdefault(bucket, t.result())
+            self._report()
         task.add_done_callback(done)
         return task
 
@@ -352,7 +375,7 @@ class Runtime:
         self.placed = {}
         await self.place_all(eager=False)
         for name in dict.fromkeys(first):
-            if name in self.served.graphs:
+            if name in self.served.buckets:
                 await self._placed(name)
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
@@ -373,11 +396,13 @@ class Runtime:
         return p.steps - 1
 
     async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = (),
-                   number: int | None = None, token_rows: list = (), tokens_from: int = -1) -> StepResult:
+                   number: int | None = None, token_rows: list = (), tokens_from: int = -1,
+                   outputs: bool = False) -> StepResult:
         """Run one step of ``bucket``; ``number``: a step number from
         :meth:`reserve`; ``token_rows``: ``[row, entry]`` pairs whose
         ``input_ids`` are the tokens step ``tokens_from`` (of this bucket's
-        plan) sampled for ``entry`` (``RunStep.token_rows``)."""
+        plan) sampled for ``entry`` (``RunStep.token_rows``); ``outputs``:
+        the graph's output bytes come back too (``StepResult.outputs``)."""
         try:
             p = await self._placed(bucket)
         except ActorError as e:
@@ -392,7 +417,7 @@ class Runtime:
         t0 = time.perf_counter()
         wall = time.time()
         traced = self.trace is not None
-        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False, traced,
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced,
                                 list(token_rows) if d == p.feeds else [], tokens_from),
                         timeout=self.cfg.step_timeout)
                 for d, ref in enumerate(p.refs)]
@@ -411,7 +436,8 @@ class Runtime:
         if sample and len(tokens) != len(sample):
             raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {len(sample)} sampled rows")
         return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
-                          [r.busy_s for r in results])
+                          [r.busy_s for r in results], top_logprobs=holder.top_logprobs if holder else [],
+                          outputs=[[*rng, data] for r in results for rng, data in zip(r.ranges, r.data)])
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:
@@ -446,13 +472,6 @@ class Runtime:
             dead = [ep for ep, ok in zip(eps, alive) if not ok and ep not in self.lost]
             if dead:
                 self.on_lost(dead)
-
-    async def _beat_local(self, sched: ActorRef) -> None:
-        seq = 0
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat_s)
-            seq += 1
-            await sched.tell(Heartbeat("local", seq))
 
     async def _watch_exit(self, node) -> None:
         await node.proc.wait()
