@@ -43,6 +43,7 @@ from ..planning.pinning import state_homes, weight_homes
 from tessera_actors.runtime.system import ActorSystem
 from .config import EngineConfig
 from .deploy import Bucket, ServedModel, core_buckets
+from .memory import give_back_freed_memory
 from .params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
@@ -301,6 +302,7 @@ class Runtime:
         if self.cfg.nodes or self.cfg.planner == "offload" or len(self.placed) < len(self.served.buckets):
             return False
         self.served.release_weights()
+        give_back_freed_memory()
         return True
 
     def runnable(self, want: str, bounds: tuple[int, int] | None = None) -> str:
