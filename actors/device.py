@@ -28,7 +28,7 @@ Contract:
   a prefill plan fills the KV rows a decode plan then reads.  The tensors
   live as long as the device actor (a re-placed deployment reuses them).
 * Sampling (``RunStep.sample``): the device holding the step's logits draws
-  the tokens there, on the worker (``tessera_actors.serving.sampling``), and
+  the tokens there, on the worker (``tessera_actors.execution.sampling``), and
   answers ``StepDone.tokens``; the logits never leave the device.
 """
 from __future__ import annotations
@@ -45,20 +45,20 @@ from typing import Any
 import msgpack
 import torch
 
-from actors.backends.aten import AtenProgram, BackendError
-from actors.chunks import sub_ranges
-from actors.handoff import Handoff, hub_for
-from actors.inbox import Inbox, TransferFailed
+from tessera_actors.execution.program import AtenProgram, BackendError
+from tessera_actors.execution.spans import sub_ranges
+from tessera_actors.execution.handoff import Handoff, hub_for
+from tessera_actors.execution.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
-from actors.sharing import Shares
-from actors.streaming import program_for, staging_of, streamed_buffers
+from tessera_actors.execution.sharing import Shares
+from tessera_actors.execution.streaming import program_for, staging_of, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
                                      Ship, Stats, StepDone, Uninstall)
 from tessera_actors.plan import Plan, plan_from_dict, program_blocks
-from tessera_actors.execution.runner import write_fed_inputs, write_inputs
+from tessera_actors.execution.inputs import write_fed_inputs, write_inputs
 
 log = logging.getLogger("tessera_actors.device")
 
@@ -397,7 +397,7 @@ class DeviceActor(Actor):
             runner.run((plan_id, 0), prog, kernels)   # the key of the one worker call of _run_one
         host = None
         if self._samples_here(inst, msg):
-            from tessera_actors.serving.sampling_extras import pack
+            from tessera_actors.execution.sampling_extras import pack
             both = pack(*self._sample(inst, msg))
             host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
             host.copy_(both, non_blocking=both.is_cuda)
@@ -417,7 +417,7 @@ class DeviceActor(Actor):
         host = launch["host"]
         top: list = []
         if host is not None:
-            from tessera_actors.serving.sampling_extras import unpack
+            from tessera_actors.execution.sampling_extras import unpack
             tokens, logprobs, top = unpack(host)
         self.steps_run += 1
         self.busy_s += launch["busy"]
@@ -430,7 +430,7 @@ class DeviceActor(Actor):
         the first, the sampling to the last when no receive follows it (a
         single-device step is one worker call, one event-loop hop).  A
         transfer to or from a device actor of this process is handed over
-        thread to thread (:mod:`actors.handoff`): after its kernels the
+        thread to thread (:mod:`tessera_actors.execution.handoff`): after its kernels the
         worker waits there (up to ``spin_s``, and only while no other worker
         call is queued) for the next receive from such a peer and goes on in
         the same call, so a chain of hand-offs between co-located devices
@@ -445,7 +445,7 @@ class DeviceActor(Actor):
         mine = inst.outputs
         sampler = None
         if self._samples_here(inst, msg):
-            from tessera_actors.serving.sampling import to_host
+            from tessera_actors.execution.sampling import to_host
 
             def sampler() -> tuple[list[int], list[float], list, float, float]:
                 started = time.time()
@@ -584,7 +584,7 @@ class DeviceActor(Actor):
         """On the worker: the step's tokens, log probabilities and top log
         probabilities (None unless asked), on the device; the tokens are kept
         as those a later step may take as its inputs."""
-        from tessera_actors.serving.sampling import sample_on_device
+        from tessera_actors.execution.sampling import sample_on_device
         ids, lps, top = sample_on_device(inst.prog.view(inst.graph.meta["output_views"][0]), msg.sample)
         inst.sampled = (msg.step, ids)
         return ids, lps, top

@@ -12,12 +12,12 @@ and sends them out as placement messages.
 * The device inventory is the registered devices in registration order; a
   plan's device ``i`` is inventory entry ``i``.
 * ``Place`` asks the graph actor for the graph, runs the planner (in a
-  thread: planning may take seconds) on the live inventory and deploys;
-  ``Deploy`` deploys a given plan.  Deploying = ``InstallPlan`` to every
+  thread: planning may take seconds) on the live inventory and deploys it.
+  Deploying = ``InstallPlan`` to every
   plan device, ``Routes`` to every node's transfer actor, ``LoadValues``
   with the weights/state each device still needs (``Installed.need``: a
   device holding a share group's buffers already is not sent them again).
-  Reply: ``Deployment``.
+  Reply: ``Placed``.
 * Several graphs (the buckets of a served model): ``Place.graph`` names one,
   ``values`` may map graph names to their values, and ``Place.pins`` keeps
   state buffers on the devices they already live on (``planning.pinning``).
@@ -36,10 +36,10 @@ from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
 from tessera_actors.runtime.actor import Actor, ActorRef, handler
 from tessera_actors.runtime.errors import ActorDead, ActorError
 from tessera_actors.graph import KernelGraph, graph_from_bytes
-from tessera_actors.runtime.messages import (Deploy, Deployment, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
+from tessera_actors.runtime.messages import (Placed, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
                                      LoadValues, Ok, Place, Register, Registered, ReportLost, Routes, Stats,
                                      Uninstall)
-from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_from_dict, plan_to_dict
+from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_to_dict
 from tessera_actors.planning.pinning import pinned_assignment, respects
 
 log = logging.getLogger("tessera_actors.scheduler")
@@ -175,7 +175,7 @@ class SchedulerActor(Actor):
         return {}
 
     @handler(Place)
-    async def place(self, msg: Place) -> Deployment:
+    async def place(self, msg: Place) -> Placed:
         # the graph actor may capture the graph first (a served bucket on first use): seconds, not a round trip
         blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph), timeout=self.install_timeout)
         graph = graph_from_bytes(blob.data)
@@ -197,19 +197,8 @@ class SchedulerActor(Actor):
             plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)
         return await self._deploy(msg.plan_id, graph, plan, live, blob.data, msg.graph, msg.share)
 
-    @handler(Deploy)
-    async def deploy(self, msg: Deploy) -> Deployment:
-        blob = await self.system.ref(self.graph_actor).ask(GetGraph())
-        graph = graph_from_bytes(blob.data)
-        plan = plan_from_dict(msgpack.unpackb(msg.plan, strict_map_key=False))
-        if len(plan.devices) > len(self.inventory):
-            raise PlanError(f"plan needs {len(plan.devices)} devices, {len(self.inventory)} registered")
-        if msg.buffers:
-            self.values_by_graph = {"": dict(zip(msg.buffers, msg.data))}
-        return await self._deploy(msg.plan_id, graph, plan, list(range(len(plan.devices))), blob.data)
-
     async def _deploy(self, plan_id: str, graph: KernelGraph, plan: Plan, devs: list[int],
-                      graph_bytes: bytes, graph_name: str = "", share: str = "") -> Deployment:
+                      graph_bytes: bytes, graph_name: str = "", share: str = "") -> Placed:
         routes = []
         for i, d in enumerate(devs):
             node, local, _ = self.inventory[d]
@@ -232,7 +221,7 @@ class SchedulerActor(Actor):
         self.plans[plan_id] = plan
         self.routes[plan_id] = routes
         log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])
-        return Deployment(plan_id, routes, plan_bytes)
+        return Placed(plan_id, routes, plan_bytes)
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:

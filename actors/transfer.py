@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from actors.chunks import chunk_spans
+from tessera_actors.execution.spans import chunk_spans
 from actors.links import LinkHub, backend_available
 from tessera_actors.runtime.actor import Actor, ActorRef, handler
 from tessera_actors.devices import DeviceSpec

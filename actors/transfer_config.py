@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.chunks import DEFAULT_CHUNK_BYTES
+from tessera_actors.execution.spans import DEFAULT_CHUNK_BYTES
 
 DATA_PLANES = ("zmq", "dist")
 

@@ -3,12 +3,12 @@
 For one model and one device set it measures, in one run:
   raw      - the execution core alone: back-to-back decode steps of the
              largest decode bucket sent straight to the placed plan
-             (``Runtime.step``: one RunStep per device, sampling on the
+             (``Deployment.step``: one RunStep per device, sampling on the
              device), no engine loop, each sent once the previous one's
              tokens are back;
   raw ahead - the same steps, each sent while the previous one runs, its
              input tokens fed on the device from the previous step's samples
-             (``Runtime.reserve`` + ``token_rows``, as the engine's lookahead
+             (``Deployment.reserve`` + ``token_rows``, as the engine's lookahead
              does): the device's own rate (when the plan can feed tokens);
   engine   - the same bucket's decode steps while the engine serves a
              saturating trace (``max_seqs`` requests arrive at once,
@@ -57,13 +57,13 @@ async def run(a) -> dict:
         sample = [[r, 0, 0.0, 1.0, 0, 0, 0] for r in range(a.seqs)]
         inputs = {"input_ids": ids, "positions": pos}
         for _ in range(3):
-            await eng.runtime.step(bucket, inputs, sample)
+            await eng.deployment.step(bucket, inputs, sample)
 
         async def raw_steps() -> list[float]:
             out = []
             for _ in range(a.steps):
                 t = time.perf_counter()
-                await eng.runtime.step(bucket, inputs, sample)
+                await eng.deployment.step(bucket, inputs, sample)
                 out.append(time.perf_counter() - t)
             return out
         raw = await raw_steps()
@@ -74,10 +74,10 @@ async def run(a) -> dict:
             prev = None
             t = time.perf_counter()
             for _ in range(a.steps):
-                number = eng.runtime.reserve(bucket)
+                number = eng.deployment.reserve(bucket)
                 if number is None:
                     return None   # the plan cannot feed tokens on a device
-                sent.append(asyncio.ensure_future(eng.runtime.step(
+                sent.append(asyncio.ensure_future(eng.deployment.step(
                     bucket, inputs, sample, (), number, rows if prev is not None else [],
                     prev if prev is not None else -1)))
                 prev = number

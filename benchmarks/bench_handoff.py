@@ -1,5 +1,5 @@
 """One activation hand-off between two device actors of one process, as the
-offload planner measures it (``tessera_actors.offload_measure.measure_switch``:
+offload planner measures it (``tessera_actors.bench.offload_measure.measure_switch``:
 a tiny model's decode step split into alternating runs, its extra time over
 the two devices alone, per device change).  Prints each repetition and the
 median; JSON (git commit, command line, machine) to ``--json``.
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.offload_measure import measure_switch
+from tessera_actors.bench.offload_measure import measure_switch
 from tessera_actors.serving.loadgen_report import provenance
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, REPO)
 
 from tessera_actors.runtime.actor import Actor, handler  # noqa: E402
 from tessera_actors.runtime.messages import Ok, Ping, Pong, message  # noqa: E402
-from tessera_actors.runtime.system import ActorSystem  # noqa: E402
+from transport.system import ActorSystem  # noqa: E402
 from transport.shm import ShmConfig  # noqa: E402
 
 TARGETS = {"in_process_p50_us": 20.0, "cross_process_p50_us": 150.0, "frames_64mib_gbps": 1.5}

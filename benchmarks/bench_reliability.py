@@ -46,7 +46,7 @@ import zmq  # noqa: E402
 import fuzz_codec_main as fuzz  # noqa: E402
 from tessera_actors.cluster import LocalCluster  # noqa: E402
 from tessera_actors.runtime.messages import GetStats, Ping, Pong  # noqa: E402
-from tessera_actors.runtime.system import ActorSystem  # noqa: E402
+from transport.system import ActorSystem  # noqa: E402
 from transport import auth, codec  # noqa: E402
 from transport.codec import OP_ASK, Envelope  # noqa: E402
 
@@ -54,7 +54,7 @@ SCHEDULER = textwrap.dedent("""
     import asyncio, sys
     from actors.scheduler import SchedulerActor
     from tessera_actors.plan import ContiguousPlanner
-    from tessera_actors.runtime.system import ActorSystem
+    from transport.system import ActorSystem
 
     async def main():
         async with ActorSystem("scheduler-process") as system:

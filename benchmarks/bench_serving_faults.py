@@ -73,7 +73,7 @@ async def run(a) -> dict:
         tasks = [asyncio.ensure_future(stream(eng, p, greedy, stamps[i])) for i, p in enumerate(prompts)]
         while min(len(s) for s in stamps) < a.tokens // 3:
             await asyncio.sleep(0.01)
-        victim = eng.runtime.cluster.nodes[1].proc
+        victim = eng.deployment.cluster.nodes[1].proc
         killed = time.perf_counter()
         os.kill(victim.pid, signal.SIGKILL)
         got = await asyncio.gather(*tasks)

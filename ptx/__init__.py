@@ -4,12 +4,12 @@ Pure Python (stdlib only); imports neither torch nor cupy. Entry points:
 :func:`parse`, :func:`analyze`, :func:`report`, :func:`instrument`,
 :func:`param_ranges`.
 """
-from .analysis import KernelAccess, ParamAccess, analyze, analyze_module
-from .errors import PtxError, PtxInstrumentError, PtxParseError
-from .instrument import Instrumented, SiteInfo, initial_slots, instrument
-from .parser import parse
-from .ranges import ParamRanges, decode_slots, param_ranges
-from .report import report
+from ptx.analysis import KernelAccess, ParamAccess, analyze, analyze_module
+from ptx.errors import PtxError, PtxInstrumentError, PtxParseError
+from ptx.instrument import Instrumented, SiteInfo, initial_slots, instrument
+from ptx.parser import parse
+from ptx.ranges import ParamRanges, decode_slots, param_ranges
+from ptx.report import report
 
 __all__ = [
     "KernelAccess", "ParamAccess", "analyze", "analyze_module", "PtxError", "PtxInstrumentError",

@@ -1,6 +1,6 @@
 """``python -m ptx``: see :mod:`ptx.cli`."""
 import sys
 
-from .cli import main
+from ptx.cli import main
 
 sys.exit(main())

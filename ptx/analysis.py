@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dataflow import Provenance
-from .origins import MEM, UNKNOWN, Site, Summary
-from .model import Function, Instruction, Module
-from .parser import no_gc, parse
+from ptx.dataflow import Provenance
+from ptx.origins import MEM, UNKNOWN, Site, Summary
+from ptx.model import Function, Instruction, Module
+from ptx.parser import no_gc, parse
 
 NONE, READ, WRITE, READWRITE = "none", "read", "write", "readwrite"
 _LOCAL_SPACES = ("shared", "local", "const", "param")

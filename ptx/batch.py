@@ -12,9 +12,9 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import Sequence
 
-from .errors import PtxParseError
-from .parser import no_gc, parse
-from .report import report_module
+from ptx.errors import PtxParseError
+from ptx.parser import no_gc, parse
+from ptx.report import report_module
 
 
 def _one(args: tuple[int, str, bool]) -> tuple[int, dict | None, str | None, int]:

@@ -10,9 +10,9 @@ import argparse
 import json
 import sys
 
-from .errors import PtxError
-from .instrument import instrument
-from .report import format_table, report
+from ptx.errors import PtxError
+from ptx.instrument import instrument
+from ptx.report import format_table, report
 
 
 def _read(path: str) -> str:

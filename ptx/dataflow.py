@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .memops import accesses, split_address, value_type, vector_width
-from .model import Function, Instruction, Module, type_bytes
-from .origins import EMPTY, LOCAL, MEM, UNKNOWN, Site, Summary, substitute
+from ptx.memops import accesses, split_address, value_type, vector_width
+from ptx.model import Function, Instruction, Module, type_bytes
+from ptx.origins import EMPTY, LOCAL, MEM, UNKNOWN, Site, Summary, substitute
 
 
 _TOKEN = re.compile(r"(?<![\w$.%])[%A-Za-z_$][\w$]*")

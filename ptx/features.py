@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from .memops import accesses, value_type
-from .model import Function, Instruction, Module
+from ptx.memops import accesses, value_type
+from ptx.model import Function, Instruction, Module
 
 _ARITH = {"add", "sub", "mul", "mad", "fma", "div", "rem", "min", "max", "neg", "abs", "sqrt",
           "rsqrt", "rcp", "ex2", "lg2", "sin", "cos", "tanh", "setp", "selp", "and", "or", "xor",

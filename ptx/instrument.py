@@ -25,12 +25,12 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from .analysis import analyze_module
-from .dataflow import Provenance
-from .errors import PtxInstrumentError
-from .memops import split_address
-from .model import Function, Instruction, Module
-from .parser import parse
+from ptx.analysis import analyze_module
+from ptx.dataflow import Provenance
+from ptx.errors import PtxInstrumentError
+from ptx.memops import split_address
+from ptx.model import Function, Instruction, Module
+from ptx.parser import parse
 
 PROBE_SUFFIX = "_tessera_probe"
 PROBE_GLOBAL = "__tessera_probe"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .model import Instruction, type_bytes
+from ptx.model import Instruction, type_bytes
 
 READ, WRITE, READWRITE, UNKNOWN = "read", "write", "readwrite", "unknown"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .memops import MemAccess
-from .model import Instruction
+from ptx.memops import MemAccess
+from ptx.model import Instruction
 
 MEM = ("M",)
 UNKNOWN = ("U",)

@@ -15,8 +15,8 @@ import gc
 import re
 from contextlib import contextmanager
 
-from .errors import PtxParseError
-from .model import Directive, Function, Instruction, Label, Module, Param, Symbol, type_bytes
+from ptx.errors import PtxParseError
+from ptx.model import Directive, Function, Instruction, Label, Module, Param, Symbol, type_bytes
 
 _LINE_DIRECTIVE = re.compile(r"^[ \t]*\.(version|target|address_size|loc|file)\b[^\n]*", re.M)
 _SECTION = re.compile(r"^[ \t]*\.section\b[^\n{]*\s*\{[^}]*\}", re.M)

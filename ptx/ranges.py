@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from .instrument import SiteInfo
+from ptx.instrument import SiteInfo
 
 _EMPTY = 0xFFFFFFFFFFFFFFFF
 

@@ -8,10 +8,10 @@ that the graph builder consumes::
 """
 from __future__ import annotations
 
-from .analysis import analyze_module
-from .features import kernel_features
-from .model import Module
-from .parser import no_gc, parse
+from ptx.analysis import analyze_module
+from ptx.features import kernel_features
+from ptx.model import Module
+from ptx.parser import no_gc, parse
 
 
 def report(text: str) -> dict[str, dict]:

@@ -31,7 +31,7 @@ BUCKETS = {"llama": ("decode:64", "prefill:1:1024"), "moe": ("decode:64", "prefi
 def main() -> int:
     from tessera_actors.capture.aten import capture_module
     from tessera_actors.capture.inductor_buckets import bucket_name, parse_bucket
-    from tessera_actors.capture_cli import build_model
+    from tessera_actors.capture.cli import build_model
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(BUCKETS))
     ap.add_argument("--out", default=str(ROOT / "tessera_actors" / "advise_data"))

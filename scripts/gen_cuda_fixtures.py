@@ -51,8 +51,8 @@ def one(arch: str, bucket: str, args) -> dict:
     import torch
     from tessera_actors.capture.aten import capture_module
     from tessera_actors.capture.inductor_buckets import bucket_name, parse_bucket
-    from tessera_actors.capture.inductor_check import soundness
-    from tessera_actors.capture_cli import build_model, summarize
+    from tessera_actors.check.inductor import soundness
+    from tessera_actors.capture.cli import build_model, summarize
     t0 = time.perf_counter()
     model, inputs, (kind, batch, seq) = build_model(arch, args.size, bucket, args.dtype, args.device)
     name = bucket_name(*parse_bucket(bucket))

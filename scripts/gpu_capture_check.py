@@ -102,7 +102,7 @@ def capture_fns(args):
 
 
 def graph_facts(graph, path: str | None = None) -> dict:
-    from tessera_actors.capture_cli import summarize
+    from tessera_actors.capture.cli import summarize
     s = summarize(graph)
     facts = {k: s[k] for k in ("kernels", "kernels_by_kind", "buffers", "edges", "edges_total", "indirect",
                                "indirect_kernels", "pinned", "disagreements", "bytes_by_role")}
@@ -152,7 +152,7 @@ def part_capture(args) -> dict:
 
 
 def part_sound(args, name: str, layers: int) -> dict:
-    from tessera_actors.capture.inductor_check import greedy_tokens, soundness
+    from tessera_actors.check.inductor import greedy_tokens, soundness
     compile_model, capture_inductor = capture_fns(args)
     model, inputs, build_s = build(name, layers, args.batch, args.max_seq, DTYPE(args), args)
     compiled = compile_model(model, regions=args.regions)
@@ -200,7 +200,7 @@ def part_xproc(args) -> dict:
 def replay_child(base: str, device: str) -> int:
     import torch
     from tessera_actors.capture.aten import CaptureResult
-    from tessera_actors.capture.inductor_check import compare, new_program, replay
+    from tessera_actors.check.inductor import compare, new_program, replay
     from tessera_actors.graph import KernelGraph
     g = KernelGraph.load(base + ".tgraph")
     saved = torch.load(base + ".pt")

@@ -73,8 +73,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "whatif_h200"))
     args = ap.parse_args()
     import torch
-    from actors.backends.aten import AtenProgram
-    from actors.backends.base import backend_for
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.execution.backends import backend_for
     from tessera_actors.capture.aten import capture_module
     from tessera_actors.capture.inductor_buckets import bucket_name, parse_bucket
     from tessera_actors.execution.profile import profile_kernels

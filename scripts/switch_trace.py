@@ -7,7 +7,7 @@ submitted it, when the worker thread started and ended it, when the loop
 had the result back (microseconds from the step's start); ``recv`` lines:
 waiting for a transfer (from the receive's start to its bytes arriving).
 Co-located device actors hand transfers over thread to thread
-(``actors/handoff.py``): a receive the worker took itself has no line of its
+(``tessera_actors/execution/handoff.py``): a receive the worker took itself has no line of its
 own, it is inside the worker call; the devices' ``GetStats`` count them.
 
     python scripts/switch_trace.py --devices "cuda:0,cpu?threads=12" [--dtype bfloat16]
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from actors import inbox as inbox_mod
+from tessera_actors.execution import inbox as inbox_mod
 from actors.device import DeviceActor
-from tessera_actors.offload_measure import alternating_split
-from tessera_actors.offload_run import deploy
-from tessera_actors.runtime.system import ActorSystem
+from tessera_actors.bench.offload_measure import alternating_split
+from tessera_actors.bench.offload_run import deploy
+from transport.system import ActorSystem
 
 EVENTS: list[tuple] = []
 

@@ -11,7 +11,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tessera_actors.roofline import RooflineConfig, build
+from tessera_actors.bench.roofline import RooflineConfig, build
 
 
 def top(fn, steps: int, n: int) -> list[tuple[str, float]]:
@@ -41,7 +41,7 @@ def tessera_rows(model, inputs, steps: int, n: int) -> list[tuple[str, float]]:
     from tessera_actors.devices import DeviceSpec
     from tessera_actors.plan import plan_to_dict, single_device_plan
     from tessera_actors.runtime.messages import InstallPlan, LoadValues, RunStep
-    from tessera_actors.runtime.system import ActorSystem
+    from transport.system import ActorSystem
     res = capture_inductor(model, inputs)
     plan = single_device_plan(res.graph, "cuda:0")
     feed = {k: v.cpu() for k, v in inputs.items()}

@@ -8,7 +8,7 @@ devices=[...])`` checks a model's captured program (see
 
 def __getattr__(name):
     if name in ("AsyncEngine", "SamplingParams", "EngineConfig", "RequestOutput"):
-        from . import serving
+        from tessera_actors import serving
         return getattr(serving, name)
     if name == "check":  # the module is callable: tessera_actors.check(model, inputs, ...)
         import importlib

@@ -34,9 +34,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Sequence
 
-from .graph import KernelGraph
-from .plan import PlanError, build_plan
-from .planning.specs import SPECS, get_spec
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import PlanError, build_plan
+from tessera_actors.planning.specs import SPECS, get_spec
 
 DATA = Path(__file__).with_name("advise_data")
 PARAMS_FILE = Path(__file__).parent / "planning" / "whatif_params.json"
@@ -82,7 +82,7 @@ def load_graph(model: str, bucket: str, data: str | None = None) -> KernelGraph:
 
 def load_params(path: Path | None = None):
     """The fitted cost-model terms (``planning/whatif_params.json``)."""
-    from .planning.whatif import Params
+    from tessera_actors.planning.whatif import Params
     p = Path(path or PARAMS_FILE)
     if not p.exists():
         raise FileNotFoundError(f"no fitted what-if parameters at {p} (run benchmarks/bench_whatif.py --write-params)")
@@ -91,7 +91,7 @@ def load_params(path: Path | None = None):
 
 def _homo_step(graph: KernelGraph, costs, d: int) -> float | None:
     """Step seconds of the whole graph on device ``d``; None when it does not fit."""
-    from .planning.planner import fits
+    from tessera_actors.planning.planner import fits
     plan = build_plan(graph, costs.devices, [d] * len(graph.kernels), name=f"homo[{costs.devices[d]}]")
     if any(fits(graph, plan, costs)):
         return None
@@ -102,8 +102,8 @@ def _offload_plans(graph: KernelGraph, costs, scales: Sequence[float] = (0.75, 1
     """Kernel-level throughput plans solved with one device's times scaled
     (as :func:`.planning.mix.offload_family`, fewer and with short solves so a
     pair is advised in seconds)."""
-    from .planning.costs import CostTable
-    from .planning.planner import MilpPlanner, PlannerConfig
+    from tessera_actors.planning.costs import CostTable
+    from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
     plans, seen = [], set()
     for d in range(costs.ndev):
         for a in scales:
@@ -123,8 +123,8 @@ def _offload_plans(graph: KernelGraph, costs, scales: Sequence[float] = (0.75, 1
 
 def _tessera_step(graph: KernelGraph, costs, extra_plans: Sequence = ()) -> tuple[float, str]:
     """Seconds per graph execution of Tessera's best plan or mix (throughput)."""
-    from .planning.mix import best_mix
-    from .planning.planner import MilpPlanner, PlannerConfig
+    from tessera_actors.planning.mix import best_mix
+    from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
     thr = MilpPlanner(costs, PlannerConfig(max_inflight=4, time_limit_s=1.0)).plan(graph, costs.devices, "throughput")
     best, label = 1.0 / thr.meta["predicted"]["throughput"], f"{thr.meta['source']} plan x{thr.microbatches}"
     try:
@@ -142,8 +142,8 @@ def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, 
     """Predicted tokens/s, tokens/$ and notes of every applicable policy on
     the pair ``gpus`` (two names from :data:`.planning.specs.SPECS`; the same
     name twice is a homogeneous pair)."""
-    from .planning.baselines import af_plan, layer_split_plan
-    from .planning.whatif import predict
+    from tessera_actors.planning.baselines import af_plan, layer_split_plan
+    from tessera_actors.planning.whatif import predict
     wl = workload or Workload()
     if len(gpus) != 2:
         raise ValueError("--gpus takes two GPU types: L,R")
@@ -221,7 +221,7 @@ def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, 
     except PlanError:
         pass
     dstep, dlabel = _tessera_step(gd, cd, extra)
-    from .planning.planner import MilpPlanner, PlannerConfig
+    from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
     lat = MilpPlanner(cp, PlannerConfig(time_limit_s=1.0)).plan(gp, cp.devices, "latency").predicted_step_s * rep
     both = sum(1 / p for p in pre if p)
     tess = workload(lat, dstep)
@@ -237,7 +237,7 @@ def evaluate(model: str, gpus: Sequence[str], workload: Workload | None = None, 
 def kernel_terms(graph: KernelGraph, costs) -> dict[str, Any]:
     """What the ratios come from: share of kernels (by count, and by their
     time on L) faster on R, and each device's step seconds by kernel class."""
-    from .planning.whatif import graph_features
+    from tessera_actors.planning.whatif import graph_features
     feats = graph_features(graph)
     r_wins = [row[1] < row[0] for row in costs.times]
     tl = sum(row[0] for row in costs.times) or 1.0

@@ -38,9 +38,9 @@ COMMANDS = {
     "serve": Command("OpenAI-compatible HTTP server with a chat page (needs the serve extra)",
                      "tessera_actors.serving.flags:add_serve_arguments", "tessera_actors.serving.server:run_command"),
     "capture": Command("capture a model's kernel graph to a file",
-                       "tessera_actors.cli:capture_flags", "tessera_actors.capture_cli:main"),
+                       "tessera_actors.cli:capture_flags", "tessera_actors.capture.cli:main"),
     "check": Command("capture a model and check random orders and splits against one device and eager",
-                     "tessera_actors.check_cli:add_arguments", "tessera_actors.check_cli:main"),
+                     "tessera_actors.check.cli:add_arguments", "tessera_actors.check.cli:main"),
     "plan": Command("place a graph on devices and compare with the baselines",
                     "tessera_actors.cli:plan_flags", "tessera_actors.cli:run_plan"),
     "advise": Command("predict every policy on a pair of GPU types we may not have",
@@ -55,9 +55,9 @@ BENCH = {
     "serve": Command("replay a request trace through tessera serve (--url) or an in-process AsyncEngine",
                      "tessera_actors.serving.loadgen:add_arguments", "tessera_actors.serving.loadgen:run_command"),
     "roofline": Command("one GPU: tessera step vs torch.compile(reduce-overhead) vs the HBM/GEMM floor",
-                        "tessera_actors.cli:roofline_flags", "tessera_actors.roofline:main"),
+                        "tessera_actors.cli:roofline_flags", "tessera_actors.bench.roofline:main"),
     "offload": Command("a model over the GPU budget: kernel-level CPU+GPU placement vs offloading",
-                       "tessera_actors.cli:offload_flags", "tessera_actors.offload_bench:main"),
+                       "tessera_actors.cli:offload_flags", "tessera_actors.bench.offload:main"),
 }
 
 
@@ -112,7 +112,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["node"]:   # the node daemon parses its own flags (argparse's REMAINDER would take --listen)
-        from .node import main as node_main
+        from tessera_actors.node import main as node_main
         return int(node_main(argv[1:]) or 0)
     args = build_parser(argv).parse_args(argv)
     try:
@@ -176,7 +176,7 @@ def plan_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from .planning.cli import plan_command
+    from tessera_actors.planning.cli import plan_command
     return plan_command(args.graph, args.devices.split(","), args.mode, args.png, args.costs)
 
 
@@ -198,7 +198,7 @@ def arena_flags(b: argparse.ArgumentParser) -> None:
 
 
 def run_arena(args: argparse.Namespace) -> int:
-    from .arena import ArenaConfig, default_devices, run_arena as run
+    from tessera_actors.bench.arena import ArenaConfig, default_devices, run_arena as run
     devices = tuple(args.devices.split(",")) if args.devices else default_devices()
     if len(devices) != 2:
         raise ValueError("--devices takes two devices: L,R")

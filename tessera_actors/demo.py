@@ -26,14 +26,14 @@ import torch
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
 from actors.transfer_config import DATA_PLANES
-from .cluster import LocalCluster
-from .devices import parse_bytes, parse_devices
+from tessera_actors.cluster import LocalCluster
+from tessera_actors.devices import parse_bytes, parse_devices
 from tessera_actors.execution.stepper import Engine
-from .graph import KernelGraph
+from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import GetStats, Place
-from .plan import Plan, plan_from_dict
-from .planners import get_planner
-from tessera_actors.runtime.system import ActorSystem
+from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.planners import get_planner
+from transport.system import ActorSystem
 
 
 @dataclass
@@ -84,7 +84,7 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
     device and split over the node processes; exit status 0 only when every
     token is identical and (CPU, fp32) every token's log probability is
     bitwise equal, and the nodes exit 0."""
-    from .serving import AsyncEngine, EngineConfig, SamplingParams
+    from tessera_actors.serving import AsyncEngine, EngineConfig, SamplingParams
     torch.set_num_threads(1)  # the nodes run cpu?threads=1: same kernels, same bits
     cuda = [d for node in cfg.nodes for d in node.split(",") if d.startswith("cuda")]
     ref_dev = cuda[0].split("?")[0] if cuda else "cpu?threads=1"
@@ -99,7 +99,7 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
         vocab = single.served.vocab_size
         prompts = [torch.randint(0, vocab, (cfg.prompt_len,), generator=gen).tolist() for _ in range(cfg.requests)]
         ref = await asyncio.gather(*(_collect(single, p, params) for p in prompts))
-        graph = single.served.graphs[single.runtime.reference_bucket()]
+        graph = single.served.graphs[single.deployment.reference_bucket()]
         s = graph.summary()
     out(f"captured {cfg.model}/{cfg.size}: {len(single.served.graphs)} buckets, the reference decode bucket "
         f"{s['kernels']} kernels, {s['buffers']} buffers, edges {s['edges']} ({time.perf_counter() - t0:.1f} s)")
@@ -112,7 +112,7 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
                                           **common))
     await eng.start()
     try:
-        rt = eng.runtime
+        rt = eng.deployment
         out("nodes         : " + ", ".join(f"{n.name} pid {n.proc.pid} at {n.endpoint}" for n in rt.cluster.nodes))
         placed = rt.placed[rt.reference_bucket()]
         out(describe_placement(graph, placed.plan, placed.routes))

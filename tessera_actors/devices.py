@@ -2,7 +2,7 @@
 ``cuda:1?sms=32&mem=24GiB&price=1.2&label=H200-32``.
 
 Pure Python. A spec names a device and its limits; the device backends
-(`actors/backends`) turn it into streams and memory."""
+(`tessera_actors/execution/backends`) turn it into streams and memory."""
 from __future__ import annotations
 
 import re

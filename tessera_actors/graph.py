@@ -37,6 +37,29 @@ FORMAT_VERSION = 1
 class GraphError(ValueError):
     """A graph that is malformed (bad ids, ranges outside buffers, ...)."""
 
+# The element types a graph may name (buffer views, kernel arguments): a fixed table, so a name read from
+# a file or a message never reaches ``getattr(torch, ...)`` (which imports torch submodules on demand).
+DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32",
+               "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool", "complex64", "complex128")
+
+
+def dtype_from_name(name: str):
+    """The ``torch.dtype`` called ``name`` (``"bfloat16"``), from :data:`DTYPE_NAMES`
+    only; anything else is a :class:`GraphError`.  Imports torch (the caller
+    runs kernels anyway)."""
+    if not isinstance(name, str) or name not in DTYPE_NAMES:
+        raise GraphError(f"unknown dtype {name!r}")
+    import torch
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):   # a name this torch build lacks (an older torch's float8)
+        raise GraphError(f"dtype {name!r} is not available in torch {torch.__version__}")
+    return dt
+
+
+def dtype_name(dt) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dt).removeprefix("torch.")
+
 
 @dataclass(frozen=True)
 class Buffer:

@@ -30,7 +30,7 @@ from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
 from actors.lease import LEASE_SUFFIX
 from tessera_actors.runtime.errors import ActorError, RemoteError
 from tessera_actors.runtime.messages import Describe, Heartbeat, NodeInfo, Ok, Register, Shutdown
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 from transport import auth
 from transport.auth import AuthError, ClusterKeys
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from .graph import KernelGraph, _IntervalMap, _merge
+from tessera_actors.graph import KernelGraph, _IntervalMap, _merge
 
 
 class PlanError(ValueError):

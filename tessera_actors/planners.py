@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from .graph import KernelGraph
-from .plan import ContiguousPlanner, Plan, Planner, PlanError
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import ContiguousPlanner, Plan, Planner, PlanError
 
 NAMES = ("contiguous", "layers", "af", "milp", "offload")
 
@@ -32,15 +32,15 @@ class _CostsPlanner:
         self.name, self.costs = name, dict(costs or {})
 
     def _table(self, graph: KernelGraph, devices: Sequence[str]):
-        from .planning.costs import CostTable
+        from tessera_actors.planning.costs import CostTable
         table = self.costs.get(graph_key(graph))
         if table is not None and list(table.devices) == list(devices):
             return table
         return CostTable.estimate(graph, devices)
 
     def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
-        from .planning import MilpPlanner
-        from .planning.baselines import af_plan, layer_split_plan
+        from tessera_actors.planning import MilpPlanner
+        from tessera_actors.planning.baselines import af_plan, layer_split_plan
         costs = self._table(graph, devices)
         if self.name == "milp":
             return MilpPlanner(costs).plan(graph, devices, mode)
@@ -59,6 +59,6 @@ def get_planner(name: str, costs: Mapping[tuple, object] | None = None, **option
             raise PlanError(f"planner {name!r} takes no options {sorted(options)}")
         return _CostsPlanner(name, costs)
     if name == "offload":
-        from .planning.offload import OffloadPlanner
+        from tessera_actors.planning.offload import OffloadPlanner
         return OffloadPlanner(**options)
     raise ValueError(f"unknown planner {name!r}; known: {', '.join(NAMES)}")

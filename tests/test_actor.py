@@ -7,7 +7,7 @@ from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.runtime.errors import (ActorDead, AskTimeout, MailboxFull, NameTaken, NoSuchActor,
                                    RemoteError, UnknownMessage)
 from tessera_actors.runtime.messages import Ok, Ping, Pong, message
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 
 
 @message

@@ -13,7 +13,7 @@ from tessera_actors import advise, cli
 def tiny_data(tmp_path_factory):
     """Tiny Llama graphs (meta-device capture) named as advise expects."""
     from tessera_actors.capture.aten import capture_module
-    from tessera_actors.capture_cli import build_model
+    from tessera_actors.capture.cli import build_model
     d = tmp_path_factory.mktemp("advise")
     for bucket, name in (("decode:64", "decode-b64"), ("prefill:1:1024", "prefill-b1-t1024")):
         model, inputs, _ = build_model("llama", "tiny", bucket, "bfloat16", "meta", max_seq=2048)

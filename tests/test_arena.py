@@ -2,7 +2,7 @@
 requests through the engine, rows named by what ran, a bound above them."""
 import json
 
-from tessera_actors.arena import ArenaConfig, ideal_split, print_table, run_arena
+from tessera_actors.bench.arena import ArenaConfig, ideal_split, print_table, run_arena
 
 
 def test_every_policy_serves_the_trace_and_the_bound_bounds_them(tmp_path):

@@ -3,7 +3,7 @@ overload, and fall back to result-and-copy when a run would not write the
 buffer as it is."""
 import torch
 
-from actors.backends.aten import _Into, out_variant
+from tessera_actors.execution.program import _Into, out_variant
 
 aten = torch.ops.aten
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from tessera_actors.capture import CaptureError, capture, capture_module
 from tessera_actors.plan import build_plan, single_device_plan
-from tessera_actors.execution.runner import PlanRunner
-from tessera_actors.runtime.testing import random_assignment
+from tessera_actors.execution.reference import PlanRunner
+from tessera_actors.testing import random_assignment
 
 
 class Attn(torch.nn.Module):

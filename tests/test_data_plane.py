@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from actors.chunks import chunk_spans
+from tessera_actors.execution.spans import chunk_spans
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.demo import split_on_nodes
@@ -16,7 +16,7 @@ from tessera_actors.execution.stepper import StepFailed, greedy_decode
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.runtime.messages import RunStep
 from tessera_actors.plan import single_device_plan
-from tessera_actors.execution.runner import PlanRunner
+from tessera_actors.execution.reference import PlanRunner
 
 PROMPT = [3, 1, 4, 1]
 NEW = 6

@@ -25,9 +25,10 @@ from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes, Uninstall
 from tessera_actors.plan import ContiguousPlanner, build_plan, plan_to_dict, single_device_plan
-from tessera_actors.execution.runner import PlanRunner, write_inputs
-from tessera_actors.runtime.system import ActorSystem
-from tessera_actors.runtime.testing import random_assignment
+from tessera_actors.execution.reference import PlanRunner
+from tessera_actors.execution.inputs import write_inputs
+from transport.system import ActorSystem
+from tessera_actors.testing import random_assignment
 
 PROMPT = [1, 2, 3]
 

@@ -1,5 +1,5 @@
 """Thread-to-thread hand-offs between co-located device actors
-(actors/handoff.py): each transfer is taken exactly once, by the worker or by
+(tessera_actors/execution/handoff.py): each transfer is taken exactly once, by the worker or by
 the event loop, and a worker that stops waiting loses nothing."""
 import asyncio
 import threading
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from actors.handoff import Handoff
+from tessera_actors.execution.handoff import Handoff
 
 
 def test_a_waiting_worker_gets_the_bytes_put_from_another_thread():

@@ -121,7 +121,7 @@ def test_default_transformers_model_captured_by_inductor_with_default_regions(ar
     """On a GPU: the inductor capture with the default regions (transformers'
     mask code reads the host between the layers: compiled as one graph)."""
     from tessera_actors.capture.inductor import capture_inductor
-    from tessera_actors.capture.inductor_check import soundness
+    from tessera_actors.check.inductor import soundness
     loaded = hf.load(f"hf:tiny-{arch}", dtype=torch.bfloat16, device="cuda", seed=0)
     inputs = user_inputs(loaded)
     res = capture_inductor(loaded.model, inputs)

@@ -179,7 +179,7 @@ def test_buckets_share_state_buffer_names(tmp_path):
 
 
 def test_capture_command_on_cpu_writes_a_graph_and_prints_the_summary(tmp_path, capsys):
-    from tessera_actors.capture_cli import main
+    from tessera_actors.capture.cli import main
     out = tmp_path / "g.tgraph"
     args = argparse.Namespace(model="llama", size="tiny", bucket="decode:2", dtype="float32", device="cpu",
                               out=str(out))
@@ -192,7 +192,7 @@ def test_capture_command_on_cpu_writes_a_graph_and_prints_the_summary(tmp_path, 
 
 
 def test_capture_command_reports_bad_models_clearly(tmp_path, capsys):
-    from tessera_actors.capture_cli import main
+    from tessera_actors.capture.cli import main
     args = argparse.Namespace(model="nosuch", size="tiny", bucket="decode:2", dtype="float32", device="cpu",
                               out=str(tmp_path / "x.tgraph"))
     assert main(args) == 2
@@ -255,8 +255,8 @@ def cuda_llama():
 
 
 def _replay(res, inp, order, device="cuda"):
-    from actors.backends.triton import TritonProgram
-    from tessera_actors.execution.runner import write_inputs
+    from tessera_actors.execution.triton import TritonProgram
+    from tessera_actors.execution.inputs import write_inputs
     g = res.graph
     prog = TritonProgram(g, torch.device(device), g.buffers)
     prog.load(res.values)
@@ -294,7 +294,7 @@ def test_whole_model_and_block_compilation_both_replay_to_the_model_output():
 
 @pytest.mark.gpu
 def test_cuda_program_order_and_random_orders_replay_bitwise(cuda_llama):
-    from tessera_actors.runtime.testing import random_topological_order
+    from tessera_actors.testing import random_topological_order
     res, inp = cuda_llama
     got = _replay(res, inp, range(len(res.graph.kernels)))
     assert all(torch.equal(a, b) for a, b in zip(got, res.outputs))
@@ -317,7 +317,7 @@ def test_gpu_check_helpers_run_on_cpu_with_an_aten_graph():
     run the same on a CPU aten capture, where TritonProgram takes the aten path."""
     from tessera_actors import models
     from tessera_actors.capture import capture_module
-    from tessera_actors.capture.inductor_check import greedy_tokens, soundness
+    from tessera_actors.check.inductor import greedy_tokens, soundness
     m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
     inp = m.example_inputs("decode", batch=2, pos=3)
     res = capture_module(m, inp)
@@ -347,7 +347,7 @@ def _inductor_writes(graph, kernel):
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_cuda_fixture_is_a_complete_kernel_graph(path):
-    from tessera_actors.runtime.testing import program_order_is_topological
+    from tessera_actors.testing import program_order_is_topological
     g = KernelGraph.load(path)
     assert g.meta["device"].startswith("cuda") and g.meta["backend"] == "triton"
     ptx = [k for k in g.kernels if k.kind == "ptx"]

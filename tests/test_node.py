@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tessera_actors.cluster import LocalCluster
 from tessera_actors.runtime.messages import Describe, GetStats, Shutdown
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 
 ROOT = Path(__file__).resolve().parent.parent
 

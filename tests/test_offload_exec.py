@@ -12,10 +12,10 @@ from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.runtime.messages import GetStats
-from tessera_actors.offload_run import adapt, deploy, greedy, predicted_busy
+from tessera_actors.bench.offload_run import adapt, deploy, greedy, predicted_busy
 from tessera_actors.plan import single_device_plan
 from tessera_actors.planning.offload import Offload, OffloadPlanner, estimate_rates
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 
 PROMPT = [1, 2, 3]
 PCIE = 3e8   # the rates below give a plan with all three homes
@@ -70,7 +70,7 @@ async def test_split_decode_streams_and_computes_on_the_cpu_with_single_device_t
 
 async def test_hand_offs_between_co_located_devices_move_every_byte_once(tiny):
     """Each transfer to the co-located peer goes thread to thread
-    (:mod:`actors.handoff`): every transfer of every step arrives once, its
+    (:mod:`tessera_actors.execution.handoff`): every transfer of every step arrives once, its
     bytes counted, the logits bitwise those of one device."""
     cap, budget, devices = tiny
     g = cap.graph
@@ -143,11 +143,11 @@ def test_slow_option_round_trips_and_is_checked():
 
 
 def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_pieces(tiny):
-    from actors.backends.aten import AtenProgram
-    from actors.backends.base import CpuBackend
-    from actors.streaming import StreamingProgram
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.execution.backends.cpu import CpuBackend
+    from tessera_actors.execution.streaming import StreamingProgram
     from tessera_actors.devices import DeviceSpec
-    from tessera_actors.execution.runner import write_inputs
+    from tessera_actors.execution.inputs import write_inputs
     cap, budget, devices = tiny
     g = cap.graph
     plan, _ = plan_for(g, devices)
@@ -184,9 +184,9 @@ def _streaming_pair(tiny, device="cpu", mode="slots", backend=None):
     staging ring and one KV cache (a share group's buckets), streaming
     different weights, on ``device`` (the reference on the same device),
     the ring filled as ``mode`` says (``backend``: instead of the device's)."""
-    from actors.backends.aten import AtenProgram
-    from actors.backends.base import backend_for
-    from actors.streaming import Staging, StreamingProgram
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.execution.backends import backend_for
+    from tessera_actors.execution.streaming import Staging, StreamingProgram
     cap, budget, devices = tiny
     g = cap.graph
     readers: dict = {}
@@ -215,7 +215,7 @@ def _streaming_pair(tiny, device="cpu", mode="slots", backend=None):
 
 
 def _step(g, progs, step):
-    from tessera_actors.execution.runner import write_inputs
+    from tessera_actors.execution.inputs import write_inputs
     inputs = {"input_ids": torch.tensor([[5 + step]]), "positions": torch.tensor([step])}
     for p in progs:
         write_inputs(p, g, inputs, [b for b in g.buffers if g.buffers[b].role == "input"])
@@ -253,8 +253,8 @@ def test_a_load_drops_the_copies_queued_ahead(tiny):
 def test_a_load_through_another_program_of_the_group_drops_the_copies_queued_ahead(tiny):
     """Buckets share the host homes: new values loaded through one program
     reach the next step of another that had its first copies queued."""
-    from actors.backends.base import backend_for
-    from actors.streaming import StreamingProgram
+    from tessera_actors.execution.backends import backend_for
+    from tessera_actors.execution.streaming import StreamingProgram
     g, cap, ref, a, _ = _streaming_pair(tiny)
     twin = StreamingProgram(g, a.device, sorted(g.buffers), a.streamed, a.slots, a.ring.slot_bytes,
                             backend_for("cpu"), ring=a.ring, homes=a.home,

@@ -49,8 +49,8 @@ async def test_served_offload_plans_share_one_ring_and_give_single_device_tokens
         await eng.wait_placed()
         alone = [await _greedy(eng, p) for p in PROMPTS]
         together = await asyncio.gather(*(_greedy(eng, p) for p in PROMPTS))
-        placed = dict(eng.runtime.placed)
-        stats = (await eng.runtime.system.ref("device0").ask(GetStats())).values
+        placed = dict(eng.deployment.placed)
+        stats = (await eng.deployment.system.ref("device0").ask(GetStats())).values
     assert alone == want and list(together) == want
     assert set(placed) == {"decode:4@0", "decode:1@0", "prefill:8", "prefill:16"}
     graphs = {name: eng.served.graphs[name] for name in placed}

@@ -15,7 +15,7 @@ import zmq.asyncio
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.runtime.errors import ActorDead, AskTimeout, CodecError, RemoteError, UnknownMessage
 from tessera_actors.runtime.messages import ErrorReply, Ping, Pong, message
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 from transport import auth, codec
 from transport.codec import OP_ASK, OP_FAILED, OP_REPLY, Envelope
 
@@ -258,7 +258,7 @@ CHILD = textwrap.dedent("""
     import asyncio, signal, sys
     from tessera_actors.runtime.actor import Actor, handler
     from tessera_actors.runtime.messages import message
-    from tessera_actors.runtime.system import ActorSystem
+    from transport.system import ActorSystem
 
     @message
     class RemoteSum:

@@ -3,7 +3,7 @@ import torch
 
 from tessera_actors import models
 from tessera_actors.capture import capture_module
-from tessera_actors.roofline import RooflineConfig, build, format_table, step_bytes, step_flops
+from tessera_actors.bench.roofline import RooflineConfig, build, format_table, step_bytes, step_flops
 
 
 def test_step_bytes_are_the_weights_and_state_the_step_touches():
@@ -39,6 +39,6 @@ def test_flops_count_grouped_experts_and_attention_like_the_textbook():
     assert step_flops(grouped, x) == step_flops(gather, x)     # grouped GEMMs counted as the bmm they replace
     cfg = grouped.cfg
     attn = cfg.n_layers * 4 * 16 * cfg.n_heads * cfg.max_seq * cfg.head_dim   # q@k and p@v over every slot
-    from tessera_actors.roofline import _sdpa_flops
+    from tessera_actors.bench.roofline import _sdpa_flops
     assert _sdpa_flops((1, cfg.n_heads, 16, cfg.head_dim), (1, 2, cfg.max_seq, cfg.head_dim),
                        (1, 2, cfg.max_seq, cfg.head_dim)) * cfg.n_layers == attn

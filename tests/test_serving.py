@@ -148,7 +148,7 @@ async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token(de
             return toks
         tasks = [asyncio.ensure_future(stream(i)) for i in range(len(prompts))]
         await asyncio.wait_for(started.wait(), 120)
-        victim = eng.runtime.cluster.nodes[1].proc
+        victim = eng.deployment.cluster.nodes[1].proc
         os.kill(victim.pid, signal.SIGKILL)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         stats = eng.stats()
@@ -172,7 +172,7 @@ async def test_served_tokens_are_the_eager_pytorch_models_tokens():
                            prefill_buckets=(4, 16)) as eng:
         got, _, last = await _tokens(eng, prompt, SamplingParams(max_tokens=n))
         assert len(eng.stats()["placement"]["kernels_per_device"]) == 2
-        ops = {k.name for g in eng.runtime.served.graphs.values() for k in g.kernels}
+        ops = {k.name for g in eng.deployment.served.graphs.values() for k in g.kernels}
     assert got == want and last.finish_reason == "length"
     # CPU devices only: the fused CPU attention kernel eager PyTorch runs, not SDPA's math decomposition
     assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "_safe_softmax" not in ops
@@ -237,7 +237,7 @@ async def test_a_device_memory_budget_covers_the_shared_weights_and_kv_cache():
 
 
 async def test_the_detector_tells_a_refused_port_from_a_listening_one():
-    from tessera_actors.serving.runtime import _refused
+    from tessera_actors.serving.deployment import _refused
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     assert not await _refused(f"tcp://127.0.0.1:{port}")
@@ -262,7 +262,7 @@ async def test_the_engine_serves_once_its_largest_buckets_are_placed_the_rest_fo
     assert eng.health()["status"] != "ok"
     await eng.start(lambda phase, done, total: seen.append((phase, done, total)))
     try:
-        assert eng.runtime.core_buckets() == {"decode:2@0", "prefill:48"}
+        assert eng.deployment.core_buckets() == {"decode:2@0", "prefill:48"}
         assert seen[0] == ("loading", 0, 1) and seen[1][:2] == ("placing", 1)
         assert eng.health()["status"] == "ok"
         early, _, _ = await _tokens(eng, prompt, greedy)
@@ -308,20 +308,20 @@ async def test_decode_steps_sent_ahead_of_their_tokens_stream_what_waiting_for_t
 
 
 async def test_a_step_fed_from_tokens_its_device_did_not_sample_fails_by_name():
-    from tessera_actors.serving.runtime import StepFailed
+    from tessera_actors.serving.deployment import StepFailed
     import torch
     async with AsyncEngine(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=64,
                            decode_buckets=(2,), prefill_buckets=(8,)) as eng:
-        bucket = eng.runtime.reference_bucket()
+        bucket = eng.deployment.reference_bucket()
         inputs = {"input_ids": torch.zeros(2, 1, dtype=torch.int64), "positions": torch.zeros(2, dtype=torch.int64)}
         sample = [[r, 0, 0.0, 1.0, 0, 0, 0] for r in range(2)]
-        first = eng.runtime.reserve(bucket)
+        first = eng.deployment.reserve(bucket)
         assert first is not None
-        await eng.runtime.step(bucket, inputs, sample, number=first)
+        await eng.deployment.step(bucket, inputs, sample, number=first)
         with pytest.raises(StepFailed, match=f"sampled by step {first + 7}, which this device did not sample"):
-            await eng.runtime.step(bucket, inputs, sample, number=eng.runtime.reserve(bucket),
+            await eng.deployment.step(bucket, inputs, sample, number=eng.deployment.reserve(bucket),
                                    token_rows=[[0, 0]], tokens_from=first + 7)
-        again = await eng.runtime.step(bucket, inputs, sample, number=eng.runtime.reserve(bucket),
+        again = await eng.deployment.step(bucket, inputs, sample, number=eng.deployment.reserve(bucket),
                                        token_rows=[[0, 1], [1, 0]], tokens_from=first)
         assert len(again.tokens) == 2
 

@@ -9,7 +9,7 @@ from tessera_actors.planning.pinning import pinned_assignment, respects, state_h
 from tessera_actors.serving import InvalidRequest, SamplingParams
 from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.sampling import sample_rows, uniform
+from tessera_actors.execution.sampling import sample_rows, uniform
 
 
 def test_greedy_rows_take_the_argmax_of_their_own_row_and_column():
@@ -164,8 +164,8 @@ async def test_a_failed_placement_is_tried_again_by_the_next_step_that_needs_it(
     """(After a loss every bucket is placed anew; one failed attempt - a
     timeout, a full device - must not fail every later step at once.)"""
     import types
-    from tessera_actors.serving.runtime import Runtime
-    rt = Runtime.__new__(Runtime)
+    from tessera_actors.serving.deployment import Deployment
+    rt = Deployment.__new__(Deployment)
     rt.placed, rt._placing, rt.generation, rt.pins, rt.weights = {}, {}, 0, {}, {}
     rt.served, rt.progress = types.SimpleNamespace(buckets={"prefill:32": object()}), None
     calls = []

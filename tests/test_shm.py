@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.runtime.messages import ErrorReply, Ping, Pong, message
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 from transport import auth, codec, shm
 from transport.codec import OP_ASK, OP_FAILED, OP_RELEASE, OP_REPLY, Envelope
 from transport.shm import ShmConfig
@@ -208,7 +208,7 @@ async def test_malformed_descriptors_get_an_error_reply(shm_pair):
 SENDER = textwrap.dedent("""
     import asyncio, os, signal, sys, torch
     from tessera_actors.runtime.messages import message
-    from tessera_actors.runtime.system import ActorSystem
+    from transport.system import ActorSystem
     from transport.shm import ShmConfig
 
     @message

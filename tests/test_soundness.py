@@ -6,13 +6,14 @@ import random
 import pytest
 import torch
 
-from actors.backends.aten import AtenProgram
+from tessera_actors.execution.program import AtenProgram
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import build_plan
-from tessera_actors.execution.runner import PlanRunner, write_inputs
-from tessera_actors.runtime.testing import random_assignment, random_topological_order
+from tessera_actors.execution.reference import PlanRunner
+from tessera_actors.execution.inputs import write_inputs
+from tessera_actors.testing import random_assignment, random_topological_order
 
 ARCHS = [("llama", "decode"), ("moe", "decode"), ("mamba2", "decode"), ("vlm", "prefill"), ("dit", "denoise")]
 ORDERS = 200

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.backends.base import CpuBackend
+from tessera_actors.execution.backends.cpu import CpuBackend
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.planning.staging import ALIGN, ring_layout
 

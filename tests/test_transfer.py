@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.chunks import chunk_spans, sub_ranges
-from actors.inbox import Inbox, TransferFailed
+from tessera_actors.execution.spans import chunk_spans, sub_ranges
+from tessera_actors.execution.inbox import Inbox, TransferFailed
 from actors.links import LinkHub
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -2,13 +2,13 @@
 
 ``aten`` records at the aten-op level (any device torch runs on: CPU in CI);
 ``inductor`` (GPU) records the generated Triton kernels with their PTX."""
-from .aten import CaptureError, CaptureResult, capture, capture_module
+from tessera_actors.capture.aten import CaptureError, CaptureResult, capture, capture_module
 
 
 def __getattr__(name: str):
     # the inductor capture imports torch._inductor: loaded only when asked for
     if name in ("capture_inductor", "capture_buckets"):
-        from . import inductor, inductor_buckets
+        from tessera_actors.capture import inductor, inductor_buckets
         return getattr(inductor, name, None) or getattr(inductor_buckets, name)
     raise AttributeError(name)
 

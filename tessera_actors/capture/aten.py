@@ -7,7 +7,7 @@ only).  Storages become buffers; temporaries are then packed into reusable
 slots (as inductor and the caching allocator do), so WAR/WAW edges are real.
 
 The payload of each kernel is a msgpack-able call record interpreted by the
-``aten`` device backends (``actors/backends``): the op's qualified name and
+``aten`` device backends (``tessera_actors/execution``): the op's qualified name and
 its arguments, with tensors as references ``{"t": [buffer, byte_offset,
 shape, strides, dtype]}``.  The same graph therefore runs on a CPU or a CUDA
 device.
@@ -32,16 +32,13 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..graph import Access, Buffer, Kernel, KernelGraph
-from .hostreads import allowed_random, python_level_reads, record_guard, user_site
-from .pytree import encode_constant, flatten_inputs, flatten_outputs
+from tessera_actors.capture.errors import CaptureError
+from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph, dtype_name as _dtype_name
+from tessera_actors.capture.hostreads import allowed_random, python_level_reads, record_guard, user_site
+from tessera_actors.capture.pytree import encode_constant, flatten_inputs, flatten_outputs
 
 _FULL_OVERWRITE = {"aten::copy_", "aten::fill_", "aten::zero_"}
 _MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
-
-
-class CaptureError(RuntimeError):
-    """The forward pass cannot be recorded as a static kernel program."""
 
 
 @dataclass
@@ -52,17 +49,6 @@ class CaptureResult:
     graph: KernelGraph
     values: dict[int, torch.Tensor]
     outputs: list[torch.Tensor] = field(default_factory=list)
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise CaptureError(f"unknown dtype {name!r}")
-    return dt
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,7 @@ def python_level_reads(on_tolist: Callable[[torch.Tensor, Any], None]) -> Iterat
     op) reports to ``on_tolist(tensor, result)``; ``Tensor.numpy`` is refused.
     Only calls from the capturing thread count (like the dispatch mode, which
     is thread-local): other threads' calls behave as always."""
-    from .aten import CaptureError
+    from tessera_actors.capture.errors import CaptureError
     orig_tolist, orig_numpy = torch.Tensor.tolist, torch.Tensor.numpy
     me = threading.get_ident()
 

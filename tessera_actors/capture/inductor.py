@@ -17,7 +17,7 @@ Storages become buffers exactly as in the aten capture (weights, state,
 inputs, outputs, temporaries packed into reusable slots). A Triton kernel's
 payload names its generated module file and kernel, the captured config and
 its arguments (tensor references and scalars), so
-:class:`actors.backends.triton.TritonProgram` can replay it; each distinct
+:class:`tessera_actors.execution.triton.TritonProgram` can replay it; each distinct
 kernel's PTX and source are stored once in ``graph.meta`` (zlib-compressed
 when ``compress``). A kernel whose PTX is missing or cannot be analysed is
 pinned (``indirect``) with every tensor argument read-write, and listed in
@@ -33,12 +33,12 @@ from typing import Any, Callable
 
 import torch
 
-from . import inductor_hooks as hooks
-from .aten import CaptureError, CaptureResult, _Recorder, byte_span, module_roles
-from .hostreads import host_read_sites, python_level_reads
-from .pytree import encode_constant, flatten_inputs
-from .inductor_graph import assemble
-from .inductor_match import (KernelAnalysis, analyze_ptx, inductor_opinion, launch_access, ptx_text,
+from tessera_actors.capture import inductor_hooks as hooks
+from tessera_actors.capture.aten import CaptureError, CaptureResult, _Recorder, byte_span, module_roles
+from tessera_actors.capture.hostreads import host_read_sites, python_level_reads
+from tessera_actors.capture.pytree import encode_constant, flatten_inputs
+from tessera_actors.capture.inductor_graph import assemble
+from tessera_actors.capture.inductor_match import (KernelAnalysis, analyze_ptx, inductor_opinion, launch_access, ptx_text,
                              triton_source, unpack_text)
 
 log = logging.getLogger("tessera.capture.inductor")

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .aten import CaptureError, CaptureResult, capture_module
+from tessera_actors.capture.aten import CaptureError, CaptureResult, capture_module
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KINDS = ("decode", "prefill", "denoise")
@@ -75,7 +75,7 @@ def capture_buckets(model: torch.nn.Module, kinds: Iterable[tuple[str, Iterable[
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     if capture is None:
         if dev.type == "cuda":
-            from .inductor import capture_inductor as capture
+            from tessera_actors.capture.inductor import capture_inductor as capture
         else:
             capture = capture_module
     cfg = getattr(model, "cfg", None)

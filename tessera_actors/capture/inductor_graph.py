@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ..graph import Access, Buffer, Kernel, KernelGraph
-from .aten import CaptureError, CaptureResult, _pack_temps, _remap_payload
-from .inductor_match import pack_text
-from .pytree import flatten_outputs
+from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
+from tessera_actors.capture.aten import CaptureError, CaptureResult, _pack_temps, _remap_payload
+from tessera_actors.capture.inductor_match import pack_text
+from tessera_actors.capture.pytree import flatten_outputs
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)\.")
 

@@ -240,7 +240,7 @@ def reanalyze(graph):
     listed in ``meta["reanalysis_skipped"]``."""
     from dataclasses import replace
 
-    from ..graph import Access, KernelGraph
+    from tessera_actors.graph import Access, KernelGraph
     kinfo = graph.meta.get("triton_kernels", {})
     cache: dict[str, KernelAnalysis] = {}
     kernels, skipped, pinned, indirect = [], set(), set(), set()

@@ -69,7 +69,7 @@ def flatten_inputs(inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dic
             constants[name] = leaf
             order.append((name, False))
         else:
-            from .aten import CaptureError
+            from tessera_actors.capture.errors import CaptureError
             raise CaptureError(f"input {name!r} is a {type(leaf).__name__}: pass tensors, lists/tuples/dicts "
                                "of tensors, or plain constants (None, bool, int, float, str, dtype, device)")
 

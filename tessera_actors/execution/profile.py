@@ -15,10 +15,10 @@ from typing import Sequence
 
 import torch
 
-from actors.backends.aten import AtenProgram
-from actors.backends.base import DeviceBackend
+from tessera_actors.execution.program import AtenProgram
+from tessera_actors.execution.backends import DeviceBackend
 from tessera_actors.graph import KernelGraph
-from tessera_actors.execution.runner import write_inputs
+from tessera_actors.execution.inputs import write_inputs
 
 
 def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs: dict[str, torch.Tensor],
@@ -54,10 +54,6 @@ def profile_kernels(graph: KernelGraph, values: dict[int, torch.Tensor], inputs:
         bar.close()
     backend.synchronize()
     return times
-
-
-def time_segments(times: Sequence[float], segments) -> list[float]:
-    return [sum(times[k] for k in s.kernels) for s in segments]
 
 
 def profile_link(src: DeviceBackend, dst: DeviceBackend, sizes: tuple[int, int] = (1 << 12, 1 << 24),

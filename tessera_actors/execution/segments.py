@@ -1,5 +1,5 @@
 """How a device actor's worker thread runs its share of a step: on the
-device seam (``actors/backends/base.py``), with one compute stream (sends and
+device seam (``tessera_actors/execution/backends/cpu.py``), with one compute stream (sends and
 outputs are copied there too) and, per chunk of kernels, a replayable unit.
 
 A *chunk* is a run of kernels the device actor executes without a transfer
@@ -10,7 +10,7 @@ step with valid inputs.  The second time it is captured once through
 ``backend.replayable`` (a CUDA graph on the compute stream, which keeps a
 green context's SM limit) and replayed, and from then on only replayed.
 Capture records pointers: every kernel reads and writes the fixed arena of
-its :class:`~actors.backends.aten.AtenProgram`, which step inputs, received
+its :class:`~tessera_actors.execution.program.AtenProgram`, which step inputs, received
 bytes and loaded values are copied into, so a replay sees them.
 
 Ordering: the worker thread's current stream *is* the compute stream, so
@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from actors.backends.aten import AtenProgram
-from actors.backends.base import backend_for
+from tessera_actors.execution.program import AtenProgram
+from tessera_actors.execution.backends import backend_for
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
 
@@ -57,7 +57,7 @@ def program_class(graph: KernelGraph) -> type[AtenProgram]:
     """``TritonProgram`` for graphs captured by inductor (any ``ptx``
     kernel), else ``AtenProgram``."""
     if any(k.kind == "ptx" for k in graph.kernels):
-        from actors.backends.triton import TritonProgram
+        from tessera_actors.execution.triton import TritonProgram
         return TritonProgram
     return AtenProgram
 
@@ -124,7 +124,7 @@ class SegmentRunner:
 
     def read(self, readers: Sequence[Callable[[], Any]]) -> list[Any]:
         """The snapshots ``readers`` take (:meth:`AtenProgram.reader
-        <actors.backends.aten.AtenProgram.reader>`: a transfer's bytes, into
+        <tessera_actors.execution.program.AtenProgram.reader>`: a transfer's bytes, into
         pinned host memory when they cross PCIe to a co-located peer, or a
         step's outputs) once everything queued so far has produced them;
         returns after those bytes are settled.  The copies queue on the

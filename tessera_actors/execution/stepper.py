@@ -20,7 +20,7 @@ from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import RunStep, StepDone
 from tessera_actors.plan import Plan
-from tessera_actors.execution.runner import assemble_outputs
+from tessera_actors.execution.inputs import assemble_outputs
 
 
 class StepFailed(RuntimeError):

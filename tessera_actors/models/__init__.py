@@ -40,7 +40,7 @@ import importlib
 
 import torch
 
-from .common import ReferenceModel, cast_model, init_parameters, param_count
+from tessera_actors.models.common import ReferenceModel, cast_model, init_parameters, param_count
 
 # name -> (module, model class, config class, real-size constructor)
 _REGISTRY: dict[str, tuple[str, str, str, str]] = {
@@ -57,7 +57,7 @@ NAMES = tuple(_REGISTRY) + ("smollm2",)
 def config(name: str, size: str = "tiny", **overrides):
     """The config dataclass instance of model ``name`` at ``size``."""
     if name == "smollm2":
-        from .llama import LlamaConfig
+        from tessera_actors.models.llama import LlamaConfig
         return LlamaConfig.smollm2_135m(**overrides)
     if name not in _REGISTRY:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(NAMES)}")
@@ -80,7 +80,7 @@ def get(name: str, size: str = "tiny", dtype: torch.dtype = torch.float32, seed:
     first 2 layers); it raises ``ModuleNotFoundError`` when that is missing.
     """
     if name == "smollm2":
-        from .smollm2 import load_smollm2
+        from tessera_actors.models.smollm2 import load_smollm2
         return load_smollm2(size=size, dtype=dtype, device=device, **overrides)
     cfg = config(name, size, **overrides)
     module, cls_name, _, _ = _REGISTRY[name]

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .common import apply_rope, register_state
+from tessera_actors.models.common import apply_rope, register_state
 
 GQA_MODES = ("fold", "enable_gqa")
 

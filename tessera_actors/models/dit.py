@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .common import ReferenceModel
+from tessera_actors.models.common import ReferenceModel
 
 
 @dataclass

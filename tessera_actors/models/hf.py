@@ -165,7 +165,7 @@ def _resolve(spec: str) -> tuple[str, str]:
             raise ValueError(f"unknown tiny model {spec!r}; known: {', '.join('tiny-' + k for k in TINY)}")
         return "tiny", spec[5:]
     if spec == "smollm2":
-        from .smollm2 import gguf_path
+        from tessera_actors.models.smollm2 import gguf_path
         return "gguf", gguf_path()
     if os.path.isfile(spec):
         if spec.endswith(".gguf"):
@@ -220,7 +220,7 @@ def load_serving(spec: str, max_batch: int, max_seq: int, dtype: torch.dtype = t
     positions, rows, last)``, a static KV cache of ``max_batch`` rows x
     ``max_seq`` positions as state, ``row_base``); on ``device="meta"`` for
     capture without values (buffer names match the real model's)."""
-    from .hf_serving import ServingLM
+    from tessera_actors.models.hf_serving import ServingLM
     loaded = load(spec, dtype=dtype, device=device, seed=seed, layers=layers, **config_overrides)
     if loaded.kind != "causal-lm":
         raise ValueError(f"{loaded.source} is not a causal LM: nothing to serve")

@@ -30,7 +30,7 @@ import inspect
 import torch
 from torch import Tensor, nn
 
-from .common import register_state
+from tessera_actors.models.common import register_state
 
 
 class StaticRows:
@@ -106,7 +106,7 @@ class ServingLM(nn.Module):
                 b.zero_()
 
     def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
-        from .common import example_ids, lm_positions
+        from tessera_actors.models.common import example_ids, lm_positions
         device = next(self.hf.parameters()).device
         tokens = 1 if kind == "decode" else seq
         if kind not in ("decode", "prefill"):
@@ -118,7 +118,7 @@ class ServingLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, rows: Tensor | None = None,
                 last: Tensor | None = None) -> Tensor:
-        from .llama import normalize_positions
+        from tessera_actors.models.llama import normalize_positions
         B, T = input_ids.shape
         positions = normalize_positions(positions, B, T)
         slots = torch.arange(self.max_seq, device=input_ids.device)

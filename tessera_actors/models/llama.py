@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .attention import CachedAttention
-from .common import (ReferenceModel, RMSNorm, SwiGLU, example_ids, lm_positions,
+from tessera_actors.models.attention import CachedAttention
+from tessera_actors.models.common import (ReferenceModel, RMSNorm, SwiGLU, example_ids, lm_positions,
                      rope_inv_freq, rope_tables)
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .common import ReferenceModel, RMSNorm, example_ids, lm_positions, register_state
-from .llama import normalize_positions
+from tessera_actors.models.common import ReferenceModel, RMSNorm, example_ids, lm_positions, register_state
+from tessera_actors.models.llama import normalize_positions
 
 
 @dataclass

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .attention import CachedAttention
-from .common import ReferenceModel, RMSNorm, example_ids, lm_positions, rope_inv_freq, rope_tables
-from .llama import normalize_positions
+from tessera_actors.models.attention import CachedAttention
+from tessera_actors.models.common import ReferenceModel, RMSNorm, example_ids, lm_positions, rope_inv_freq, rope_tables
+from tessera_actors.models.llama import normalize_positions
 
 
 @dataclass

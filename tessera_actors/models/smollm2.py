@@ -16,10 +16,10 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .common import cast_model
-from .llama import Llama, LlamaConfig
-from .gguf_file import GGUFFile
-from .tokenizer import BPETokenizer
+from tessera_actors.models.common import cast_model
+from tessera_actors.models.llama import Llama, LlamaConfig
+from tessera_actors.models.gguf_file import GGUFFile
+from tessera_actors.models.tokenizer import BPETokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .common import ReferenceModel, example_ids, lm_positions
-from .llama import LlamaConfig, LlamaDecoder, normalize_positions
+from tessera_actors.models.common import ReferenceModel, example_ids, lm_positions
+from tessera_actors.models.llama import LlamaConfig, LlamaDecoder, normalize_positions
 
 
 @dataclass

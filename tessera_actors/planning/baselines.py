@@ -37,12 +37,12 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import KernelGraph
-from ..plan import Plan, PlanError, build_plan, legal_cuts, validate_assignment
-from .coarsen import layer_of
-from .costs import CostTable
-from .planner import annotate, choose_inflight, default_inflight, fits, memory_inflight
-from .simulate import simulate
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import Plan, PlanError, build_plan, legal_cuts, validate_assignment
+from tessera_actors.planning.coarsen import layer_of
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.planner import annotate, choose_inflight, default_inflight, fits, memory_inflight
+from tessera_actors.planning.simulate import simulate
 
 _ATTN_SCOPE = re.compile(r"attn|attention", re.I)
 _ATTN_NAME = re.compile(r"attn|attention|sdpa|flash|softmax|rope|rotary|[qkvo]_proj", re.I)

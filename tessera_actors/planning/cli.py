@@ -5,14 +5,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..devices import DeviceSpec, DeviceSpecError, parse_devices
-from ..graph import GraphError, KernelGraph
-from ..plan import Plan, PlanError
-from .baselines import BaselineResult, single_graph_baselines
-from .mix import best_mix
-from .costs import CostTable, costs_path_for
-from .planner import MilpPlanner, PlannerConfig
-from .timeline import TimelineUnavailable, render_png
+from tessera_actors.devices import DeviceSpec, DeviceSpecError, parse_devices
+from tessera_actors.graph import GraphError, KernelGraph
+from tessera_actors.plan import Plan, PlanError
+from tessera_actors.planning.baselines import BaselineResult, single_graph_baselines
+from tessera_actors.planning.mix import best_mix
+from tessera_actors.planning.costs import CostTable, costs_path_for
+from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
+from tessera_actors.planning.timeline import TimelineUnavailable, render_png
 
 
 def load_costs(graph: KernelGraph, graph_path: str, devices: Sequence[str],

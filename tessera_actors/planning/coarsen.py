@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..graph import KernelGraph, _merge
-from .costs import CostTable
+from tessera_actors.graph import KernelGraph, _merge
+from tessera_actors.planning.costs import CostTable
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..devices import DeviceSpec
-from ..graph import KernelGraph
-from ..plan import PlanError
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import PlanError
 
 FORMAT_VERSION = 1
 

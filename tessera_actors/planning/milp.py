@@ -43,9 +43,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from ..plan import PlanError
-from .coarsen import Problem
-from .costs import CostTable
+from tessera_actors.plan import PlanError
+from tessera_actors.planning.coarsen import Problem
+from tessera_actors.planning.costs import CostTable
 
 _US = 1e6          # seconds -> microseconds (keeps HiGHS numerics sane)
 

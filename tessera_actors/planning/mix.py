@@ -21,10 +21,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..graph import KernelGraph
-from ..plan import Plan, PlanError, build_plan
-from .costs import CostTable
-from .simulate import segment_times, simulate
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import Plan, PlanError, build_plan
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.simulate import segment_times, simulate
 
 
 @dataclass
@@ -84,7 +84,7 @@ def offload_family(graph: KernelGraph, devices: Sequence[str], costs: CostTable,
     throughput plans solved with one device's kernel times scaled, so the
     split moves.  Mixed with replicas, they let kernels run where they are
     relatively fast while every device stays busy."""
-    from .planner import MilpPlanner, PlannerConfig
+    from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
     plans: list[Plan] = []
     seen: set[tuple[int, ...]] = set()
     for d in range(len(devices)):
@@ -170,8 +170,8 @@ def best_mix(graph: KernelGraph, devices: Sequence[str], costs: CostTable, kerne
 
 def _search_schedule(graph: KernelGraph, costs: CostTable, replicas: list[Plan], kernel_level: list[Plan],
                      max_slots: int, horizon: int, keep: int = 4) -> Mix:
-    from ..plan import split_long_segments
-    from .schedule import list_schedule
+    from tessera_actors.plan import split_long_segments
+    from tessera_actors.planning.schedule import list_schedule
     # A replica is one long segment: on a stream its device shares, it would
     # hold up every kernel-level slot's short hop queued behind it; cut it
     # into pieces of a tenth of the fastest replica's step.

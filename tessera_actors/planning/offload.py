@@ -33,12 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..devices import DeviceSpec
-from ..graph import KernelGraph
-from ..plan import Plan, PlanError, build_plan
-from .costs import CostTable, DeviceModel, device_model
-from .pinning import state_homes
-from .staging import RING_MODES, ring_layout
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import Plan, PlanError, build_plan
+from tessera_actors.planning.costs import CostTable, DeviceModel, device_model
+from tessera_actors.planning.pinning import state_homes
+from tessera_actors.planning.staging import RING_MODES, ring_layout
 
 # DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
 # beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
@@ -526,7 +526,7 @@ def follow(o: Offload, homes: dict[str, str], slots: int, slot_bytes: int, polic
 
 def to_plan(o: Offload, p: Placement, name: str, st: StepTime | None = None) -> Plan:
     """A plan whose ``meta["offload"]`` tells the budgeted device which
-    weights it streams (``actors/streaming.py``)."""
+    weights it streams (``tessera_actors/execution/streaming.py``)."""
     plan = build_plan(o.graph, o.devices, p.assignment, name=name)
     plan.predicted_step_s = st.step_s if st else None
     plan.meta["offload"] = {"device": o.gpu, "streamed": list(p.streamed), "slots": p.slots,
@@ -596,8 +596,8 @@ class OffloadPlanner:
         return to_plan(o, p, f"offload-{self.policy}", st)
 
 
-from .offload_baselines import gpu_only, ideal, layer_offload, streaming  # noqa: E402  (re-exported)
-from .offload_mixes import class_chooser, unit_classes  # noqa: E402  (re-exported)
+from tessera_actors.planning.offload_baselines import gpu_only, ideal, layer_offload, streaming  # noqa: E402  (re-exported)
+from tessera_actors.planning.offload_mixes import class_chooser, unit_classes  # noqa: E402  (re-exported)
 
 __all__ = ["CPU_GEMV_BPS", "Offload", "OffloadPlanner", "PCIE_BPS", "POLICIES", "Placement", "StepTime",
            "estimate_rates", "follow", "gpu_only", "homes_of", "host_model", "ideal", "layer_offload", "streaming",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .offload import Offload, Placement, StepTime, _best
+from tessera_actors.planning.offload import Offload, Placement, StepTime, _best
 
 
 def gpu_only(o: Offload) -> tuple[Placement, StepTime] | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .offload import Offload
+from tessera_actors.planning.offload import Offload
 
 
 def unit_classes(o: Offload, units: Sequence[int]) -> list[list[int]]:

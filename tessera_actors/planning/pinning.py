@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ..graph import KernelGraph
-from ..plan import PlanError
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import PlanError
 
 
 def _state_names(graph: KernelGraph, kernel) -> set[str]:

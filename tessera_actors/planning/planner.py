@@ -28,12 +28,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-from ..graph import KernelGraph
-from ..plan import Plan, PlanError, build_plan
-from .coarsen import build_problem
-from .costs import CostTable
-from .milp import solve_or_explain
-from .simulate import Prediction, simulate
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import Plan, PlanError, build_plan
+from tessera_actors.planning.coarsen import build_problem
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.milp import solve_or_explain
+from tessera_actors.planning.simulate import Prediction, simulate
 
 
 @dataclass
@@ -208,7 +208,7 @@ class MilpPlanner:
                 sol_depth = depth
         source = "milp"
         if cfg.fallback:
-            from .baselines import candidate_assignments
+            from tessera_actors.planning.baselines import candidate_assignments
             for name, cand in candidate_assignments(graph, costs):
                 p = build_plan(graph, devices, cand, name=f"tessera-{mode}", mode=mode)
                 if any(fits(graph, p, costs)):

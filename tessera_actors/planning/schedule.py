@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..plan import Plan
-from .costs import CostTable
+from tessera_actors.plan import Plan
+from tessera_actors.planning.costs import CostTable
 
 
 @dataclass

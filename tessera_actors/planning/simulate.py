@@ -24,8 +24,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from ..plan import Plan, PlanError
-from .costs import CostTable
+from tessera_actors.plan import Plan, PlanError
+from tessera_actors.planning.costs import CostTable
 
 
 @dataclass
@@ -202,10 +202,3 @@ def simulate(plan: Plan, costs: CostTable, inflight: int | None = None, items: i
     return Prediction(step, thr, lat, [x / total for x in busy], m, ev)
 
 
-def best_inflight(plan: Plan, costs: CostTable, max_inflight: int = 8, tol: float = 0.01) -> Prediction:
-    """Simulate ``1..max_inflight`` micro-batches in flight and return the
-    prediction of the smallest count within ``tol`` of the best throughput
-    (more in flight costs activation memory and latency)."""
-    preds = [simulate(plan, costs, inflight=m) for m in range(1, max_inflight + 1)]
-    best = max(p.throughput for p in preds)
-    return next(p for p in preds if p.throughput >= best * (1 - tol))

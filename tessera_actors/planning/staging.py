@@ -1,6 +1,6 @@
 """Where a step's streamed weights land in a device's staging ring, and
 which reads each copy must wait for: the one layout the offload planner's
-step model (``offload.py``) and the executor (``actors/streaming.py``)
+step model (``offload.py``) and the executor (``tessera_actors/execution/streaming.py``)
 share.  Pure Python.
 
 A ring is ``slots`` slots of ``slot_bytes`` bytes of device memory (each

@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from ..graph import Access, Buffer, Kernel, KernelGraph
-from .costs import CostTable
+from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
+from tessera_actors.planning.costs import CostTable
 
 _BLOCK = [  # name, scope suffix, flops factor (x tokens*hidden^2), weight factor (x hidden^2)
     ("rmsnorm", "input_layernorm", 0.0, 0.0),

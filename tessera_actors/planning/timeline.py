@@ -5,9 +5,9 @@ when it is not installed, and callers print that and carry on.
 """
 from __future__ import annotations
 
-from .costs import CostTable
-from ..plan import Plan
-from .simulate import simulate
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.plan import Plan
+from tessera_actors.planning.simulate import simulate
 
 
 class TimelineUnavailable(RuntimeError):

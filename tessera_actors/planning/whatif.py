@@ -40,10 +40,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import KernelGraph
-from .costs import CostTable
-from .specs import GpuSpec, get_spec, link_between
-from .whatif_features import CLASSES, KernelFeatures, graph_features, kernel_features
+from tessera_actors.graph import KernelGraph
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.specs import GpuSpec, get_spec, link_between
+from tessera_actors.planning.whatif_features import CLASSES, KernelFeatures, graph_features, kernel_features
 
 TILED = ("gemm", "attention", "attn_decode")   # classes launched as output tiles, one CTA resident per SM
 REF_GHZ = 1.98          # clock the floor and wave terms are expressed at (H100/H200 SXM boost)

@@ -10,8 +10,8 @@ import math
 import zlib
 from dataclasses import dataclass
 
-from ..graph import KernelGraph
-from .costs import kernel_bytes
+from tessera_actors.graph import KernelGraph
+from tessera_actors.planning.costs import kernel_bytes
 
 CLASSES = ("gemm", "attention", "attn_decode", "gather", "pointwise", "strided", "reduction", "t_pointwise", "t_reduction")
 _GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm",

@@ -59,16 +59,6 @@ def lookup(kind: str) -> type | None:
     return _REGISTRY.get(kind)
 
 
-def field_names(cls: type) -> tuple[str, ...]:
-    """Field names of a registered message class, in declaration order."""
-    return _FIELD_NAMES[cls]
-
-
-def is_message(obj: object) -> bool:
-    """True when ``obj`` is an instance of a registered message class."""
-    return type(obj) in _FIELD_NAMES
-
-
 # --- runtime messages -------------------------------------------------------
 
 @message
@@ -181,7 +171,7 @@ class RunStep:
     the request's output, so a seed gives the same draw in any batch),
     optionally with an eighth element, the record of penalties, logit bias,
     token mask and top log probabilities of
-    ``tessera_actors.serving.sampling_extras``; that device answers with
+    ``tessera_actors.execution.sampling_extras``; that device answers with
     ``tokens``.  ``outputs=False``: no output bytes in
     the reply (the engine needs only the tokens).  ``trace``: answer with
     ``StepDone.spans`` (what the device did when, for a trace file).
@@ -309,20 +299,9 @@ class GraphBlob:
 
 
 @message
-class Deploy:
-    """To the scheduler: place ``plan`` (plan_to_dict msgpack bytes; its
-    devices are indices into the registered inventory) and load weights.
-    Reply: ``Deployment``."""
-    plan_id: str
-    plan: bytes
-    buffers: list = dataclasses.field(default_factory=list)
-    data: list = dataclasses.field(default_factory=list)
-
-
-@message
 class Place:
     """To the scheduler: plan the graph on the registered devices with its
-    planner (``mode`` latency | throughput) and deploy it. Reply: ``Deployment``.
+    planner (``mode`` latency | throughput) and deploy it. Reply: ``Placed``.
     ``graph`` names the graph (a bucket of a served model; "" = the first);
     ``pins`` maps state-buffer names to inventory device indices: kernels
     touching that state run there (the KV cache stays where it lives), and
@@ -340,7 +319,7 @@ class Place:
 
 
 @message
-class Deployment:
+class Placed:
     """Where each plan device lives (``[device, endpoint, actor]``) and the plan."""
     plan_id: str
     routes: list = dataclasses.field(default_factory=list)

@@ -24,13 +24,13 @@ from typing import Any
 
 from aiohttp import web
 
-from . import openai_api as oa
+from tessera_actors.serving import openai_api as oa
 
 log = logging.getLogger("tessera.serve")
 
 
 def engine_errors():
-    from . import EngineBusy, EngineDead, EngineError, InvalidRequest
+    from tessera_actors.serving import EngineBusy, EngineDead, EngineError, InvalidRequest
     return InvalidRequest, EngineBusy, EngineDead, EngineError
 
 
@@ -53,7 +53,7 @@ def api_error(e: BaseException) -> oa.ApiError:
 def sampling_params(req: oa.ApiRequest, max_tokens: int, choice: int = 0):
     """The engine's parameters for choice ``choice`` of ``req`` (a seeded
     request's choices draw with seeds ``seed``, ``seed + 1``, ...)."""
-    from . import SamplingParams
+    from tessera_actors.serving import SamplingParams
     seed = None if req.seed is None else (req.seed + choice) % (oa.MAX_SEED + 1)
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                           seed=seed, stop=list(req.stop), ignore_eos=req.ignore_eos,
@@ -113,10 +113,8 @@ def _logprobs_of(engine, req: oa.ApiRequest, out) -> list[oa.TokenLogprob]:
             for t, lp, top in zip(out.token_ids, out.logprobs, tops)]
 
 
-async def generate(request: web.Request, parse) -> web.StreamResponse:
-    """A chat or completions request (``parse``: its validator)."""
-    from .server import STATE
-    st = request.app[STATE]
+async def generate(request: web.Request, st, parse) -> web.StreamResponse:
+    """A chat or completions request (``st``: the server's state; ``parse``: its validator)."""
     req = parse(oa.load_object(await request.read()))
     headers = ignored_fields_header(st, req.ignored)
     rid, created, t0 = oa.new_id(req.kind), oa.now(), time.perf_counter()
@@ -286,10 +284,8 @@ def ignored_fields_header(st, names: list[str]) -> dict:
     return {"Warning": f'299 tessera "ignored unrecognized request fields: {", ".join(sorted(names))}"'}
 
 
-async def embeddings(request: web.Request) -> web.Response:
+async def embeddings(request: web.Request, st) -> web.Response:
     """``/v1/embeddings``: the mean-pooled final hidden state of each input."""
-    from .server import STATE
-    st = request.app[STATE]
     req = oa.parse_embeddings(oa.load_object(await request.read()))
     headers = ignored_fields_header(st, req.ignored)
     if req.model != st.model_name:

@@ -114,7 +114,7 @@ def kv_budget(value: int | float | str | None) -> tuple[str, float] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        from ..devices import DeviceSpecError, parse_bytes
+        from tessera_actors.devices import DeviceSpecError, parse_bytes
         try:
             value = parse_bytes(value)
         except DeviceSpecError as e:

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..capture import capture_module
-from ..capture.aten import storage_bytes
-from ..graph import KernelGraph
-from .config import EngineConfig
-from .memory import fit_kv_cache, state_bytes
-from .params import EngineError
+from tessera_actors.capture import capture_module
+from tessera_actors.capture.aten import storage_bytes
+from tessera_actors.graph import KernelGraph
+from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.params import EngineError
+from tessera_actors.serving.memory import fit_kv_cache, state_bytes
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def _attention_shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool):
 def cpu_only(cfg: EngineConfig) -> bool:
     """Whether every device of the deployment is a CPU (devices, or the
     node processes' devices); anything unparsable counts as not."""
-    from ..devices import parse_devices
+    from tessera_actors.devices import parse_devices
     try:
         specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
     except Exception:   # noqa: BLE001 - an unusual device string only loses the fused CPU kernel
@@ -174,7 +174,7 @@ def core_buckets(cfg: EngineConfig, buckets: dict[str, Bucket]) -> set[str]:
     """Buckets placed before the engine serves: the reference decode bucket
     (every row, the whole cache) and the longest prompt chunk over the whole
     cache, which can stand in for every decode step and every prompt chunk
-    (:meth:`~tessera_actors.serving.runtime.Runtime.runnable`: padded, in a larger bucket) while the others
+    (:meth:`~tessera_actors.serving.deployment.Deployment.runnable`: padded, in a larger bucket) while the others
     are captured and placed in the background, the most used first.  With
     node processes every bucket is core: a placement waits on its devices'
     answers, and one under way when a node dies would hold up the
@@ -269,7 +269,7 @@ def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, buil
     """The real model, built once per configuration in a process (engines of
     one benchmark share its weights: they are only ever read); generated on
     ``build_device`` and kept in host memory."""
-    from .. import models
+    from tessera_actors import models
     m = models.get(model, size, dtype=dtype, seed=seed, device=build_device, **dict(kw))
     if build_device != "cpu":
         m = m.to("cpu")
@@ -295,10 +295,10 @@ def _build_model(cfg: EngineConfig, device: str) -> torch.nn.Module:
     """The model of ``cfg`` on ``device``: "meta" (shapes only, for capture)
     or "cpu" (its real weights; a reference model's random ones generated on
     ``cfg.build_device``)."""
-    from .. import models
+    from tessera_actors import models
     dtype = _dtype(cfg.dtype)
     if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
-        from ..models import hf
+        from tessera_actors.models import hf
         extra = {"device": "meta"} if device == "meta" else {}
         return hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
                                **extra, **cfg.overrides)
@@ -348,7 +348,7 @@ def load_served_model(cfg: EngineConfig, core_only: bool = False) -> ServedModel
         served_buckets[embed.name] = embed
     meta_gguf = None
     if cfg.model in ("smollm2", "hf:smollm2"):
-        from ..models.smollm2 import _reader
+        from tessera_actors.models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
     served = ServedModel(cfg, real, meta, vocab, served_buckets, meta_gguf, cpu_only(cfg))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .params import EngineDead, InvalidRequest
+from tessera_actors.serving.params import EngineDead, InvalidRequest
 
 
 def embed_bucket(served) -> str | None:
@@ -42,7 +42,7 @@ async def embed(engine, prompt) -> tuple[list[float], int]:
         total = None
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
-            res = await engine.runtime.step(name, _inputs(part, start, chunk, slot, engine.max_model_len), [],
+            res = await engine.deployment.step(name, _inputs(part, start, chunk, slot, engine.max_model_len), [],
                                             outputs=True)
             vec = _pooled(res, engine.served.graph(name))
             total = vec if total is None else total + vec

@@ -41,16 +41,16 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from ..planning.monitor import Monitor
-from .batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
-from .config import EngineConfig
-from .deploy import bucket_name, decode_sizes, load_served_model, window_for
-from .memory import memory_report
-from .params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
-from .json_mode import JsonGrammar, token_texts
-from .records import RowRecord
-from .runtime import Runtime, StepFailed
-from .text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
+from tessera_actors.planning.monitor import Monitor
+from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
+from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.deploy import bucket_name, decode_sizes, load_served_model, window_for
+from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
+from tessera_actors.serving.deployment import Deployment, StepFailed
+from tessera_actors.serving.json_mode import JsonGrammar, token_texts
+from tessera_actors.serving.memory import memory_report
+from tessera_actors.serving.records import RowRecord
+from tessera_actors.serving.text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -68,7 +68,7 @@ class _Step:
     """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
     sampling-entry order), the prompt tokens it feeds (prefill), its bucket,
     the placement generation, the launch order, and its step number when its
-    tokens can feed the next step on the device (``Runtime.reserve``)."""
+    tokens can feed the next step on the device (``Deployment.reserve``)."""
     key: str
     reqs: list
     chunk: int
@@ -89,7 +89,7 @@ class AsyncEngine:
         self.cfg = config
         self.model_name = config.model
         self.max_model_len = config.max_model_len
-        self.runtime: Runtime | None = None
+        self.deployment: Deployment | None = None
         self._requests: dict[str, _Request] = {}
         self._waiting: list[_Request] = []
         self._prefill: list[_Request] = []
@@ -154,13 +154,13 @@ class AsyncEngine:
                 self.template = ChatTemplate(tpl, self.tokenizer.bos_token, self.tokenizer.eos_token)
         self.trace = None
         if self.cfg.trace_dir:
-            from .trace import StepTrace
+            from tessera_actors.serving.trace import StepTrace
             self.trace = StepTrace()
-        self.runtime = Runtime(self.cfg, served, self._on_lost, self.trace, placing)
+        self.deployment = Deployment(self.cfg, served, self._on_lost, self.trace, placing)
         try:
-            await self.runtime.start()
+            await self.deployment.start()
         except BaseException:
-            await self.runtime.stop()
+            await self.deployment.stop()
             raise
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
@@ -175,8 +175,8 @@ class AsyncEngine:
         self._deliver()
         for req in list(self._requests.values()):
             self._finish(req, "abort")
-        if self.runtime is not None:
-            await self.runtime.stop()
+        if self.deployment is not None:
+            await self.deployment.stop()
         self.write_trace()
 
     def write_trace(self) -> str | None:
@@ -267,7 +267,7 @@ class AsyncEngine:
     async def embed(self, prompt) -> tuple[list[float], int]:
         """(the mean-pooled final hidden state of ``prompt``, its token
         count): :mod:`.embeddings`."""
-        from .embeddings import embed
+        from tessera_actors.serving.embeddings import embed
         return await embed(self, prompt)
 
     async def abort(self, request_id: str) -> bool:
@@ -392,12 +392,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
             req = self._prefill[0]
-            bucket = self.runtime.runnable(self._prefill_bucket(req))
+            bucket = self.deployment.runnable(self._prefill_bucket(req))
             _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
                                                   self._rows_of(bucket))
-            task = loop.create_task(self.runtime.step(bucket, inputs, sample, [req.seq.rid]))
+            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [req.seq.rid]))
             req.in_step += 1
-            inflight[task] = _Step("prefill", [req], n, bucket, self.runtime.generation, next(self._order))
+            inflight[task] = _Step("prefill", [req], n, bucket, self.deployment.generation, next(self._order))
         if self._catchup:
             return
         for g, rows in enumerate(self._group_rows()):
@@ -420,14 +420,14 @@ class AsyncEngine:
         reqs = [r for r in rows if r.finished is None and r.seq.may_decode(self.max_model_len)]
         if not reqs or self._switching:
             return None   # a plan switch waits for every decode step in flight to land: none starts meanwhile
-        if prev is not None and (prev.number is None or prev.generation != self.runtime.generation or self._prefill
+        if prev is not None and (prev.number is None or prev.generation != self.deployment.generation or self._prefill
                                  or any(r.seq.record is not None and r.seq.record.needs_tokens for r in reqs)):
             return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device;
             #              penalties and JSON masks are computed from the tokens so far)
         lo, hi = self.slots.bounds[g]
         sizes = decode_sizes(self.cfg, hi - lo)
         size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
-        bucket = self.runtime.runnable(bucket_name("decode", size, lo, window_for(
+        bucket = self.deployment.runnable(bucket_name("decode", size, lo, window_for(
             self.cfg, max(r.seq.next_position for r in reqs))), (lo, hi))
         fed = None
         if prev is not None:
@@ -436,8 +436,8 @@ class AsyncEngine:
             fed = {r.seq.rid: i for i, r in enumerate(prev.reqs)}
         _, inputs, sample, token_rows = decode_inputs([r.seq for r in reqs], lo, sizes, self.max_model_len,
                                                       self._rows_of(bucket), fed)
-        number = self.runtime.reserve(bucket) if self.cfg.lookahead else None
-        task = asyncio.get_running_loop().create_task(self.runtime.step(
+        number = self.deployment.reserve(bucket) if self.cfg.lookahead else None
+        task = asyncio.get_running_loop().create_task(self.deployment.step(
             bucket, inputs, sample, [r.seq.rid for r in reqs], number, token_rows,
             prev.number if prev is not None else -1))
         for r in reqs:
@@ -445,10 +445,10 @@ class AsyncEngine:
             r.seq.pending += 1
         if prev is not None:
             self.counters["lookahead_steps"] += 1
-        return task, _Step(key, reqs, 0, bucket, self.runtime.generation, next(self._order), number)
+        return task, _Step(key, reqs, 0, bucket, self.deployment.generation, next(self._order), number)
 
     def _rows_of(self, bucket: str) -> int | None:
-        b = self.runtime.served.buckets.get(bucket)
+        b = self.deployment.served.buckets.get(bucket)
         return b.size if b is not None else None
 
     def _prefill_bucket(self, req: _Request) -> str:
@@ -464,7 +464,7 @@ class AsyncEngine:
         except asyncio.CancelledError:
             return
         except StepFailed as e:
-            if self._lost or generation != self.runtime.generation:
+            if self._lost or generation != self.deployment.generation:
                 return   # a loss is pending, or the step belonged to a placement since replaced: recovery redoes it
             log.warning("%s", e)
             self._lost_or_fail(reqs, e)
@@ -554,7 +554,7 @@ class AsyncEngine:
         # gap is then the loss plus the re-prefills, not plus the decode steps between them)
         self._catchup = {r.seq.rid for r in self._prefill}
         try:   # the re-prefills' first buckets at once; decode steps stand in on the reference bucket
-            await self.runtime.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
+            await self.deployment.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
         except Exception as e:
             raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
@@ -578,7 +578,7 @@ class AsyncEngine:
         return "throughput" if self.groups > 1 else "latency"
 
     def stats(self) -> dict:
-        rt = self.runtime
+        rt = self.deployment
         ref = rt.placed.get(rt.reference_bucket()) if rt else None
         placement, devices = {}, []
         if ref is not None:
@@ -602,15 +602,15 @@ class AsyncEngine:
         its decode buckets and its shortest and longest prompt chunks are,
         and places the chunk sizes between them in the background (a prompt
         meanwhile runs in a longer chunk)."""
-        if self.runtime is not None:
-            await self.runtime.wait_placed()
+        if self.deployment is not None:
+            await self.deployment.wait_placed()
 
     async def release_weights(self) -> bool:
         """Give back this process's copy of the weights once every bucket is
         placed, where nothing reads it again (in-process devices hold their
         own and are never re-placed; node deployments keep it to re-place
         after a lost node).  ``tessera serve`` calls it; True when done."""
-        return self.runtime is not None and await self.runtime.release_weights()
+        return self.deployment is not None and await self.deployment.release_weights()
 
     def health(self) -> dict:
         """``ok``: serving; ``status``: "ok", "starting" (being started:
@@ -619,10 +619,10 @@ class AsyncEngine:
         ``buckets_placed`` of ``buckets``: the placement's progress (it goes
         on in the background after start)."""
         serving = self._loop_task is not None and not self._loop_task.done()
-        ok = self._dead is None and not self._lost and serving and bool(self.runtime.placed)
+        ok = self._dead is None and not self._lost and serving and bool(self.deployment.placed)
         starting = not serving and self._dead is None and self._progress["phase"] in ("loading", "placing", "placed")
         return {"ok": ok, "status": "ok" if ok else ("starting" if starting else "unhealthy"),
-                "lost": sorted(self.runtime.lost) if self.runtime else [], "error": self._dead,
+                "lost": sorted(self.deployment.lost) if self.deployment else [], "error": self._dead,
                 **self._progress}
 
 

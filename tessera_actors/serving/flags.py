@@ -13,7 +13,7 @@ DEFAULT_MAX_BODY = 4 * 1024 * 1024   # bytes of a request body; larger bodies ge
 def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
     """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``).
     A flag left out keeps ``EngineConfig``'s default, which its help shows."""
-    from .config import EngineConfig
+    from tessera_actors.serving.config import EngineConfig
     d = EngineConfig()
     p.add_argument("--model", default="smollm2", help="model: smollm2, llama (random weights) or hf:<dir | "
                    "config.json | file.gguf>")

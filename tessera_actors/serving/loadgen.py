@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from .loadgen_report import Record, summarize, table, write_json, write_png
+from tessera_actors.serving.loadgen_report import Record, summarize, table, write_json, write_png
 
 WORDS = ("the of and to in is was for on with as by at from that this it are be have an not or one all "
          "time people year way day man thing woman life child world school state family student group "
@@ -103,7 +103,7 @@ class EngineClient:
 
     def __init__(self, engine: Any) -> None:
         import dataclasses
-        from . import SamplingParams
+        from tessera_actors.serving import SamplingParams
         self.engine, self.sp = engine, SamplingParams
         self.has_ignore_eos = "ignore_eos" in {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -248,7 +248,7 @@ def _span(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .flags import add_engine_arguments
+    from tessera_actors.serving.flags import add_engine_arguments
     p.add_argument("--url", default=None, help="a running tessera serve (default: an in-process AsyncEngine)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--compare", action="store_true",
@@ -292,9 +292,9 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
             await warm_up(client, prompts, a.warmup)
             records["http"] = await replay(trace, prompts, client)
             return records, {"url": a.url, "model": client.model}
-        from . import AsyncEngine
-        from .flags import engine_kwargs
-        from .server import make_app, start_site
+        from tessera_actors.serving import AsyncEngine
+        from tessera_actors.serving.flags import engine_kwargs
+        from tessera_actors.serving.server import make_app, start_site
         kw = engine_kwargs(a, a.trace_dir)
         async with AsyncEngine(**kw) as eng:
             await eng.wait_placed()   # a steady engine: every prompt-chunk bucket in place

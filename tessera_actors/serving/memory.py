@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from .config import EngineConfig, kv_budget
-from .params import EngineError
+from tessera_actors.serving.config import EngineConfig, kv_budget
+from tessera_actors.serving.params import EngineError
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -32,7 +32,7 @@ def devices_memory(cfg: EngineConfig) -> int:
     """Bytes the deployment's devices have: each device's ``mem=`` budget,
     else a GPU's memory, and this machine's RAM once for its CPU devices
     (they share it)."""
-    from ..devices import parse_devices
+    from tessera_actors.devices import parse_devices
     specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
     total, host = 0, False
     for spec in specs:

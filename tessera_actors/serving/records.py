@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .json_mode import JsonGrammar
-from .params import InvalidRequest, SamplingParams
+from tessera_actors.serving.json_mode import JsonGrammar
+from tessera_actors.serving.params import InvalidRequest, SamplingParams
 
 
 class RowRecord:

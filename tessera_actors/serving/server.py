@@ -42,10 +42,10 @@ from typing import Any
 
 from aiohttp import web
 
-from . import completions as completions_
-from . import openai_api as oa
-from .flags import DEFAULT_MAX_BODY, engine_kwargs
-from .metrics import CONTENT_TYPE, ServerMetrics
+from tessera_actors.serving import completions as completions_
+from tessera_actors.serving import openai_api as oa
+from tessera_actors.serving.flags import DEFAULT_MAX_BODY, engine_kwargs
+from tessera_actors.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")
 STATIC = Path(__file__).with_name("static")
@@ -126,11 +126,15 @@ def _check_started(h: dict) -> None:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await completions_.generate(request, oa.parse_chat)
+    return await completions_.generate(request, request.app[STATE], oa.parse_chat)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await completions_.generate(request, oa.parse_completion)
+    return await completions_.generate(request, request.app[STATE], oa.parse_completion)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    return await completions_.embeddings(request, request.app[STATE])
 
 
 async def models(request: web.Request) -> web.Response:
@@ -193,7 +197,7 @@ def make_app(engine: Any, *, api_key: str | None = None, served_model_name: str 
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/completions", completions)
-    r.add_post("/v1/embeddings", completions_.embeddings)
+    r.add_post("/v1/embeddings", embeddings)
     r.add_get("/v1/models", models)
     r.add_post("/tokenize", tokenize)
     r.add_get("/v1/tessera/stats", stats)
@@ -219,7 +223,7 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None) -> None:
     Prints one line ``tessera serve: ready http://HOST:PORT ...`` on stdout once
     it accepts requests. On stop, in-flight requests are aborted, then the
     server and the engine shut down."""
-    from . import AsyncEngine
+    from tessera_actors.serving import AsyncEngine
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

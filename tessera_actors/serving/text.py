@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .params import InvalidRequest
+from tessera_actors.serving.params import InvalidRequest
 
 
 class Tokenizer:

@@ -24,7 +24,7 @@ from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.runtime.messages import Describe, ErrorReply, GetStats, InstallPlan, Ping, Pong
 from tessera_actors.plan import ContiguousPlanner, plan_to_dict, single_device_plan
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 from transport import auth, codec, shm
 from transport.codec import OP_ASK, OP_FAILED, OP_RELEASE, OP_REPLY, Envelope
 

@@ -10,7 +10,7 @@ import pytest
 
 from tessera_actors.runtime.actor import Actor
 from tessera_actors.runtime.messages import Describe, Ping, Pong
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 from transport import auth
 from transport.auth import AuthError, ClusterKeys, HandshakeFailed
 

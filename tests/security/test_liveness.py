@@ -6,14 +6,14 @@ import asyncio
 import pytest
 import torch
 
-from actors.inbox import Inbox
+from tessera_actors.execution.inbox import Inbox
 from actors.lease import LEASE_SUFFIX
 from actors.scheduler import SchedulerActor
 from tessera_actors.cluster import LocalCluster
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.runtime.messages import GetStats, Heartbeat, Ok, Register, Registered, ReportLost
 from tessera_actors.plan import ContiguousPlanner
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 
 
 class WatchedScheduler(SchedulerActor):

@@ -19,13 +19,13 @@ import torch
 
 from actors.device import DeviceActor
 from actors.transfer import TransferActor
-from .devices import DeviceSpec
-from .graph import KernelGraph
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import InstallPlan, LoadValues, Routes, RunStep, StepDone, Uninstall
-from .plan import Plan, plan_to_dict
-from .planning.costs import CostTable
-from .planning.offload import Offload, Placement
-from tessera_actors.execution.runner import assemble_outputs
+from tessera_actors.plan import Plan, plan_to_dict
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.offload import Offload, Placement
+from tessera_actors.execution.inputs import assemble_outputs
 
 
 @dataclass

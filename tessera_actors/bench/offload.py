@@ -48,15 +48,15 @@ from pathlib import Path
 
 import torch
 
-from .devices import DeviceSpec, parse_bytes
-from .offload_measure import measure_rates, measure_switch
-from .offload_run import adapt, deploy, predicted_busy
-from .plan import single_device_plan
-from .serving import AsyncEngine, SamplingParams
-from .serving.config import EngineConfig
-from .planning.offload import Offload, estimate_rates, gpu_only, ideal
+from tessera_actors.devices import DeviceSpec, parse_bytes
+from tessera_actors.bench.offload_measure import measure_rates, measure_switch
+from tessera_actors.bench.offload_run import adapt, deploy, predicted_busy
+from tessera_actors.plan import single_device_plan
+from tessera_actors.serving import AsyncEngine, SamplingParams
+from tessera_actors.serving.config import EngineConfig
+from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal
 from tessera_actors.runtime.messages import GetStats
-from tessera_actors.runtime.system import ActorSystem
+from transport.system import ActorSystem
 
 POLICIES = ("gpu_only", "layer_offload", "streaming", "tessera")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +147,7 @@ async def time_decode(eng: AsyncEngine, batch: int, steps: int, warm: int = 3) -
     """``batch`` concurrent greedy requests of ``warm + steps`` tokens: the
     tokens/s over the window where all of them decode (after each one's
     ``warm``-th token, before the first one ends); row 0's tokens."""
-    busy0 = dict(eng.runtime.busy_s)
+    busy0 = dict(eng.deployment.busy_s)
     prompts = [[1 + r, 2 + r, 3 + r] for r in range(batch)]
     t0 = time.perf_counter()
     got = await asyncio.gather(*(_stream(eng, p, warm + steps) for p in prompts))
@@ -156,7 +156,7 @@ async def time_decode(eng: AsyncEngine, batch: int, steps: int, warm: int = 3) -
     end = min(t[-1] for _, t in got)
     n = sum(sum(1 for x in t if start < x <= end) for _, t in got)
     wall = max(end - start, 1e-9)
-    busy = [(eng.runtime.busy_s.get(d, 0.0) - busy0.get(d, 0.0)) / called for d in sorted(eng.runtime.busy_s)]
+    busy = [(eng.deployment.busy_s.get(d, 0.0) - busy0.get(d, 0.0)) / called for d in sorted(eng.deployment.busy_s)]
     return {"tok_s": n / wall, "step_s": wall / max(n / batch, 1e-9), "tokens": got[0][0],
             "busy_fraction": busy, "window_s": wall}
 
@@ -167,12 +167,12 @@ async def time_prefill(eng: AsyncEngine, tokens: int, reps: int, vocab: int) -> 
     ids = [int((i * 7919 + 1) % vocab) for i in range(tokens)]
     times, busy = [], []
     for i in range(reps + 1):
-        busy0 = dict(eng.runtime.busy_s)
+        busy0 = dict(eng.deployment.busy_s)
         t0 = time.perf_counter()
         await _stream(eng, ids[:-1] + [int((ids[-1] + i) % vocab)], 1)
         if i:
             times.append(time.perf_counter() - t0)
-            busy.append([eng.runtime.busy_s.get(d, 0.0) - busy0.get(d, 0.0) for d in sorted(eng.runtime.busy_s)])
+            busy.append([eng.deployment.busy_s.get(d, 0.0) - busy0.get(d, 0.0) for d in sorted(eng.deployment.busy_s)])
     ttft = sorted(times)[len(times) // 2]
     return {"tok_s": tokens / ttft, "step_s": ttft, "ttft_runs_s": times,
             "busy_fraction": [sum(b[d] for b in busy) / sum(times) for d in range(len(busy[0]))] if busy else []}
@@ -197,7 +197,7 @@ async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, g
     conf = EngineConfig(devices=devices, planner=planner, planner_options=options, **engine_fields(cfg))
     async with AsyncEngine(config=conf) as eng:
         await eng.wait_placed()
-        log(f"{label}: engine on {devices} placed {len(eng.runtime.placed)} buckets in "
+        log(f"{label}: engine on {devices} placed {len(eng.deployment.placed)} buckets in "
             f"{time.perf_counter() - t0:.1f} s")
         gc.collect()
         gc.freeze()   # CUDA graph capture runs gc.collect() each time: keep it to the new objects
@@ -208,9 +208,9 @@ async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, g
                 out["prefill"] = await time_prefill(eng, cfg.prefill, cfg.prefill_steps, eng.served.vocab_size)
         finally:
             gc.unfreeze()
-        out["plans"] = {name: p.plan for name, p in eng.runtime.placed.items()}
+        out["plans"] = {name: p.plan for name, p in eng.deployment.placed.items()}
         out["served"] = eng.served
-        st = (await eng.runtime.system.ref("device0").ask(GetStats())).values
+        st = (await eng.deployment.system.ref("device0").ask(GetStats())).values
         out["gpu_allocated_bytes"] = st["allocated_bytes"]   # the budgeted device: all buckets' buffers
         out["gpu_stats"] = {k: st[k] for k in GPU_STATS if k in st}
     out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
@@ -505,7 +505,7 @@ def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict
 
 
 def rings_of(text: str) -> tuple[str, ...]:
-    from .planning.staging import RING_MODES
+    from tessera_actors.planning.staging import RING_MODES
     rings = tuple(r.strip() for r in text.split(",") if r.strip())
     bad = [r for r in rings if r not in RING_MODES]
     if not rings or bad or len(set(rings)) != len(rings):

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from .graph import KernelGraph
+from tessera_actors.graph import KernelGraph
 
 
 class Progress:
@@ -109,11 +109,11 @@ def _dtype(name: str):
 
 def build_model(name: str, size: str, bucket: str, dtype_name: str, device: str, **extra):
     """The reference model sized so that ``bucket`` fits its static caches, and the bucket's inputs."""
-    from . import models
-    from .capture.inductor_buckets import bucket_inputs, bucket_overrides, parse_bucket
+    from tessera_actors import models
+    from tessera_actors.capture.inductor_buckets import bucket_inputs, bucket_overrides, parse_bucket
     kind, batch, seq = parse_bucket(bucket)
     if name.startswith("hf:"):  # a transformers model: inputs as a user passes them (models/hf.py)
-        from .models import hf
+        from tessera_actors.models import hf
         loaded = hf.load(name, dtype=_dtype(dtype_name), device=device, **extra)
         return loaded.model, loaded.example_inputs(batch, seq), (kind, batch, seq)
     cfg = models.config(name, size, **extra)
@@ -125,17 +125,17 @@ def build_model(name: str, size: str, bucket: str, dtype_name: str, device: str,
 def profile_to_costs(res, inputs, devices: list[str], graph_path: str) -> str:
     """Time every kernel on every device and every device-to-device copy,
     and save the cost table next to the graph (``tessera plan`` reads it)."""
-    from actors.backends.base import backend_for
-    from .planning.costs import CostTable, costs_path_for
+    from tessera_actors.execution.backends import backend_for
+    from tessera_actors.planning.costs import CostTable, costs_path_for
     from tessera_actors.execution.profile import measured_links, profile_kernels
-    from .capture.pytree import flatten_inputs
+    from tessera_actors.capture.pytree import flatten_inputs
     backends = [backend_for(d) for d in devices]
     tensors = flatten_inputs(inputs)[0]   # the step's tensors; constants (use_cache=False) stay in the graph
     program_cls = None
     if any(k.kind == "ptx" for k in res.graph.kernels):
-        from actors.backends.triton import TritonProgram as program_cls
+        from tessera_actors.execution.triton import TritonProgram as program_cls
     else:
-        from actors.backends.aten import AtenProgram as program_cls
+        from tessera_actors.execution.program import AtenProgram as program_cls
     profiles = [profile_kernels(res.graph, res.values, {k: v.to(be.device) for k, v in tensors.items()}, be,
                                 program_cls=program_cls) for be in backends]
     costs = CostTable.from_profiles(res.graph, devices, profiles, measured_links(backends))
@@ -147,8 +147,8 @@ def profile_to_costs(res, inputs, devices: list[str], graph_path: str) -> str:
 def main(args: argparse.Namespace) -> int:
     """Run ``tessera capture`` with parsed ``args`` (.model .size .bucket .dtype .device .out)."""
     import torch
-    from .capture.aten import CaptureError, capture_module
-    from .capture.inductor_buckets import bucket_name
+    from tessera_actors.capture.aten import CaptureError, capture_module
+    from tessera_actors.capture.inductor_buckets import bucket_name
     device = getattr(args, "device", "cpu") or "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         print("tessera capture: error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
@@ -161,7 +161,7 @@ def main(args: argparse.Namespace) -> int:
                     "dtype": args.dtype, "device": device,
                     "state_names": list(getattr(model, "state_names", list)())}
             if device.startswith("cuda"):
-                from .capture.inductor import capture_inductor
+                from tessera_actors.capture.inductor import capture_inductor
                 res = capture_inductor(model, inputs, meta=meta, progress=progress,
                                        regions=getattr(args, "regions", "auto"))
             else:

@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .capture.aten import CaptureError
-    from .capture_cli import build_model
-    from .check import check
+    from tessera_actors.capture.errors import CaptureError
+    from tessera_actors.capture.cli import build_model
+    from tessera_actors.check import check
     extra = {"layers": args.layers} if args.model.startswith("hf:") and args.layers else {}
     try:
         model, inputs, _ = build_model(args.model, args.size, args.bucket, args.dtype, "cpu", **extra)

@@ -16,8 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from actors.backends.aten import BackendError
-from actors.streaming import Staging
+from tessera_actors.execution.program import BackendError
+from tessera_actors.execution.streaming import Staging
 from tessera_actors.graph import KernelGraph
 
 

@@ -10,12 +10,12 @@ import time
 
 import torch
 
-from . import models
-from .capture import capture_module
-from .devices import DeviceSpec
-from .offload_run import deploy
-from .plan import single_device_plan
-from tessera_actors.runtime.system import ActorSystem
+from tessera_actors import models
+from tessera_actors.capture import capture_module
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.bench.offload_run import deploy
+from tessera_actors.plan import single_device_plan
+from transport.system import ActorSystem
 
 
 def measure_rates(threads: int | None, gpu_index: int, seconds: float = 0.6, windows: int = 3,
@@ -76,8 +76,8 @@ def alternating_split(model: str, dtype: torch.dtype, devices: list[str], run: i
     weight and state values, and a plan over ``devices`` (two) that changes
     device after every ``run`` kernels where a cut is legal; returns
     ``(graph, values, plan, assignment)``."""
-    from .plan import build_plan, legal_cuts
-    from .capture.aten import storage_bytes
+    from tessera_actors.plan import build_plan, legal_cuts
+    from tessera_actors.capture.aten import storage_bytes
     m = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64)
     meta = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64, device="meta")
     g = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()}).graph

@@ -3,7 +3,7 @@
 ``check(model, inputs, devices=["cpu", "cpu"], orders=20)`` takes a module
 and the keyword inputs a user passes to ``model(**inputs)`` (any pytree;
 plain keywords are constants of the bucket), captures one forward pass and
-replays it through the product's :class:`~tessera_actors.execution.runner.PlanRunner`:
+replays it through the product's :class:`~tessera_actors.execution.reference.PlanRunner`:
 
 =====================  ==============================================
 case                   compared with
@@ -36,13 +36,13 @@ from typing import Any, Sequence
 
 import torch
 
-from .capture.aten import capture_module, module_roles
-from .capture.pytree import flatten_outputs
-from .devices import DeviceSpec
-from .plan import Plan, Segment, build_plan, single_device_plan
-from .planners import get_planner
-from tessera_actors.execution.runner import PlanRunner
-from tessera_actors.runtime.testing import random_assignment, random_topological_order
+from tessera_actors.capture.aten import capture_module, module_roles
+from tessera_actors.capture.pytree import flatten_outputs
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.plan import Plan, Segment, build_plan, single_device_plan
+from tessera_actors.planners import get_planner
+from tessera_actors.execution.reference import PlanRunner
+from tessera_actors.testing import random_assignment, random_topological_order
 
 _COSINE_MIN = 0.9999
 

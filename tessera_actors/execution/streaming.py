@@ -5,7 +5,7 @@ A plan made by the offload planner says in ``meta["offload"]`` which weight
 buffers the budgeted device streams (``streamed``, in the order of their
 readers), into how many staging slots (``slots``) of ``slot_bytes`` each.
 :func:`program_for` gives that device a :class:`StreamingProgram`: an
-:class:`~actors.backends.aten.AtenProgram` whose streamed weights live in
+:class:`~tessera_actors.execution.program.AtenProgram` whose streamed weights live in
 host memory (pinned on CUDA) and whose kernels read them from a slot.
 
 Contract of a step (every method runs on the device actor's worker thread):
@@ -50,7 +50,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from actors.backends.aten import AtenProgram, BackendError
+from tessera_actors.execution.program import AtenProgram, BackendError
 from tessera_actors.graph import KernelGraph
 from tessera_actors.planning.staging import ring_layout, slot_pitch
 from tessera_actors.plan import Plan

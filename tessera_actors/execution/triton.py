@@ -1,6 +1,6 @@
 """Run kernels recorded by the inductor capture (CUDA) on one torch device.
 
-:class:`TritonProgram` is an :class:`~actors.backends.aten.AtenProgram` (same
+:class:`TritonProgram` is an :class:`~tessera_actors.execution.program.AtenProgram` (same
 arena: one flat uint8 tensor per buffer) that also binds ``ptx`` kernels: it
 obtains the kernel's inductor ``CachingAutotuner`` - the live one when the
 capture ran in this process, else one re-created from the generated module
@@ -18,8 +18,8 @@ import torch
 from tessera_actors.capture import inductor_hooks as hooks
 from tessera_actors.capture.inductor_match import triton_source
 
-from .allow import check_triton_record
-from .aten import AtenProgram, BackendError
+from tessera_actors.execution.allow import check_triton_record
+from tessera_actors.execution.program import AtenProgram, BackendError
 
 
 class TritonProgram(AtenProgram):
@@ -42,7 +42,7 @@ class TritonProgram(AtenProgram):
 
         def tuner():
             # chosen at the first launch: a partition's kernels are loaded into its green context
-            from .cuda import current_green
+            from tessera_actors.execution.backends.cuda import current_green
             green = current_green()
             try:
                 loaded.append(hooks.load_autotuner(file, p["triton"], source, p.get("config") or {},

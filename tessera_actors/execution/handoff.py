@@ -153,7 +153,7 @@ _HUBS: "weakref.WeakKeyDictionary[Any, HandoffHub]" = weakref.WeakKeyDictionary(
 
 
 def hub_for(system: Any) -> HandoffHub:
-    """The hub of ``system`` (an :class:`~tessera_actors.runtime.system.ActorSystem`),
+    """The hub of ``system`` (an :class:`~transport.system.ActorSystem`),
     made on first use and gone with the system."""
     hub = _HUBS.get(system)
     if hub is None:

@@ -3,18 +3,18 @@ scheduler actors, the devices (in-process actors or node processes), the
 placed bucket plans, one-message-per-device steps, and a failure detector.
 
 Contract:
-* :meth:`Runtime.start` spawns everything and places every bucket graph:
+* :meth:`Deployment.start` spawns everything and places every bucket graph:
   the reference bucket (the largest decode bucket) with the planner, the
   others with their state pinned where the reference put it
   (``Place.pins``), all in one share group, so one copy of the weights and
   one KV cache per device serve every bucket.
-* :meth:`Runtime.step` sends one ``RunStep`` to every device of a bucket's
+* :meth:`Deployment.step` sends one ``RunStep`` to every device of a bucket's
   plan (inputs only to the devices that read them) and returns the sampled
   tokens; a failure raises :class:`StepFailed` naming the device.
 * The detector pings every node every ``heartbeat_s`` and watches the node
   processes it started; a node silent for ``lost_after_s`` (or exited) is
   reported through ``on_lost`` at once - the stall is bounded by the
-  detector, not by a step timeout.  :meth:`Runtime.replace` then reports
+  detector, not by a step timeout.  :meth:`Deployment.replace` then reports
   it to the scheduler (which uninstalls the old plans, failing their
   pending steps) and places every bucket again on the survivors.
 """
@@ -33,18 +33,18 @@ from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
 from actors.transfer import TransferActor
 from tessera_actors.runtime.actor import ActorRef
-from ..cluster import LocalCluster
-from ..devices import parse_devices
+from tessera_actors.cluster import LocalCluster
+from tessera_actors.devices import parse_devices
 from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import GetStats, Ping, Place, Register, ReportLost, RunStep
-from ..plan import Plan, plan_from_dict
-from ..planners import get_planner
-from ..planning.pinning import state_homes, weight_homes
-from tessera_actors.runtime.system import ActorSystem
-from .config import EngineConfig
-from .deploy import Bucket, ServedModel, core_buckets
-from .memory import give_back_freed_memory
-from .params import EngineDead
+from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.planners import get_planner
+from tessera_actors.planning.pinning import state_homes, weight_homes
+from transport.system import ActorSystem
+from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.deploy import Bucket, ServedModel, core_buckets
+from tessera_actors.serving.memory import give_back_freed_memory
+from tessera_actors.serving.params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -54,7 +54,7 @@ class StepFailed(RuntimeError):
 
 
 @dataclass
-class Placed:
+class PlacedBucket:
     """A bucket's deployed plan: its id, the plan, a ref per plan device."""
     plan_id: str
     plan: Plan
@@ -114,7 +114,7 @@ def _background_order(b: Bucket) -> tuple:
     return (b.kind == "embed", b.kind != "decode", not b.window, b.window, b.base, b.size)
 
 
-class Runtime:
+class Deployment:
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
                  trace=None, progress: Callable[[int, int], None] | None = None) -> None:
         """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
@@ -124,7 +124,7 @@ class Runtime:
         self.trace = trace
         self.progress = progress
         self.generation = 0
-        self.placed: dict[str, Placed] = {}
+        self.placed: dict[str, PlacedBucket] = {}
         self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
         self._unplaceable: set[str] = set()             # buckets whose placement failed this generation
         self.lost: set[str] = set()
@@ -188,11 +188,11 @@ class Runtime:
         """Measured per-kernel times of the reference bucket on every
         in-process device (and measured links between them), keyed for the
         planner (``planners.graph_key``).  Blocking."""
-        from actors.backends.base import backend_for
-        from ..planners import graph_key
-        from ..planning.costs import CostTable
+        from tessera_actors.execution.backends import backend_for
+        from tessera_actors.planners import graph_key
+        from tessera_actors.planning.costs import CostTable
         from tessera_actors.execution.profile import measured_links, profile_kernels
-        from .deploy import bucket_inputs
+        from tessera_actors.serving.deploy import bucket_inputs
         name = self.reference_bucket()
         graph, values = self.served.graphs[name], self.served.values[name]
         specs = [s.name for s in parse_devices(self.cfg.devices)]
@@ -207,14 +207,14 @@ class Runtime:
     def reference_bucket(self) -> str:
         return f"decode:{self.cfg.max_seqs}@0"
 
-    async def _place(self, bucket: str, pins: dict, weights: dict | None = None) -> Placed:
+    async def _place(self, bucket: str, pins: dict, weights: dict | None = None) -> PlacedBucket:
         sched = self.system.ref("scheduler")
         plan_id = f"g{self.generation}:{bucket}"
         dep = await sched.ask(Place(plan_id, "throughput", graph=bucket, pins=pins, share=self.served.name,
                                     weights=weights or {}), timeout=600)
         plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
-        return Placed(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graph(bucket), plan))
+        return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graph(bucket), plan))
 
     def core_buckets(self) -> set[str]:
         """Buckets placed before the engine serves (:func:`core_buckets`)."""
@@ -270,7 +270,7 @@ class Runtime:
                 return
             await asyncio.wait(pending)
 
-    async def _placed(self, bucket: str) -> Placed:
+    async def _placed(self, bucket: str) -> PlacedBucket:
         """The bucket's plan, placed now if it is not yet (one placement per
         bucket even when several steps ask at once)."""
         p = self.placed.get(bucket)
@@ -342,7 +342,7 @@ class Runtime:
             return self._placing.get(bucket)
         generation = self.generation
 
-        async def place() -> Placed:
+        async def place() -> PlacedBucket:
             if after is not None:
                 await asyncio.wait([after])
             return await self._place(bucket, self.pins, self.weights)
@@ -481,16 +481,3 @@ class Runtime:
             log.warning("node %s exited with %s", node.name, node.proc.returncode)
             self.on_lost([node.endpoint])
 
-    async def device_stats(self) -> list[dict]:
-        ref_name = self.reference_bucket()
-        p = self.placed.get(ref_name)
-        if p is None:
-            return []
-        out = []
-        for d, ref in enumerate(p.refs):
-            try:
-                st = (await ref.ask(GetStats(), timeout=2)).values
-            except ActorError:
-                st = {}
-            out.append({"device": p.plan.devices[d], "busy_s": st.get("busy_s", 0.0), "steps": st.get("steps", 0)})
-        return out

@@ -1,6 +1,6 @@
 """Checks of a CUDA capture on the GPU that recorded it (used by the GPU
 scripts and tests): replay in program order and in random topological
-orders with :class:`~actors.backends.triton.TritonProgram`, compare with the
+orders with :class:`~tessera_actors.execution.triton.TritonProgram`, compare with the
 compiled model, and compare greedy tokens over several decode steps.
 Blocking (synchronises the device after each replay)."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .aten import CaptureResult
+from tessera_actors.capture.aten import CaptureResult
 
 
 def new_program(res: CaptureResult, device: torch.device | str = "cuda"):
-    from actors.backends.triton import TritonProgram
+    from tessera_actors.execution.triton import TritonProgram
     g = res.graph
     return TritonProgram(g, torch.device(device), g.buffers)
 
@@ -23,7 +23,7 @@ def new_program(res: CaptureResult, device: torch.device | str = "cuda"):
 def replay(prog, res: CaptureResult, inputs: dict[str, torch.Tensor], order: Sequence[int],
            reload: bool = True) -> list[torch.Tensor]:
     """Reset weights/state (``reload``), write ``inputs``, run ``order``; outputs (clones)."""
-    from tessera_actors.execution.runner import write_inputs
+    from tessera_actors.execution.inputs import write_inputs
     g = res.graph
     if reload:
         prog.load(res.values)
@@ -51,7 +51,7 @@ def soundness(res: CaptureResult, inputs: dict[str, torch.Tensor], orders: int =
               deadline: float | None = None, device: str = "cuda") -> dict[str, Any]:
     """Program order, then ``orders`` random topological orders; each compared
     with the compiled model's output from the capture (``res.outputs``)."""
-    from tessera_actors.runtime.testing import random_topological_order
+    from tessera_actors.testing import random_topological_order
     t0 = time.perf_counter()
     prog = new_program(res, device)
     g = res.graph

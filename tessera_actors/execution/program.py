@@ -12,10 +12,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from tessera_actors.capture.aten import dtype_from_name
+from tessera_actors.graph import dtype_from_name
 from tessera_actors.graph import KernelGraph
 
-from .allow import KernelRefused, check_allocation, default_cap, resolve_allowed
+from tessera_actors.execution.allow import KernelRefused, check_allocation, default_cap, resolve_allowed
 
 
 class BackendError(RuntimeError):
@@ -59,12 +59,12 @@ def out_variant(op):
 
 def resolve_op(name: str):
     """``aten.mm.default`` -> ``torch.ops.aten.mm.default``, for ops on the
-    allow-list only (``actors.backends.allow``; else ``KernelRefused``)."""
+    allow-list only (``tessera_actors.execution.allow``; else ``KernelRefused``)."""
     return resolve_allowed(name)
 
 
 class AtenProgram:
-    capturable = True   # its runs may be captured as CUDA graphs (see actors/streaming.py)
+    capturable = True   # its runs may be captured as CUDA graphs (see tessera_actors/execution/streaming.py)
 
     def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
                  memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None) -> None:

@@ -14,7 +14,7 @@ samples.  :func:`sample_with_logprobs` also gives each drawn token's log
 probability under the unmodified distribution (``log_softmax`` of the
 logits), the number a client can compare bitwise across placements.  One
 host read for the whole batch.  An entry may carry an eighth element, the
-record of :mod:`.sampling_extras` (penalties, logit bias, a token mask,
+record of :mod:`tessera_actors.execution.sampling_extras` (penalties, logit bias, a token mask,
 top log probabilities), applied to that row's logits before the draw.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Sequence
 
 import torch
 
-from tessera_actors.execution.runner import to_device
-from .sampling_extras import apply_records, pack, top_count, top_logprobs, unpack
+from tessera_actors.execution.inputs import to_device
+from tessera_actors.execution.sampling_extras import apply_records, pack, top_count, top_logprobs, unpack
 
 _MASK64 = (1 << 64) - 1
 
@@ -78,7 +78,7 @@ def to_host(ids: torch.Tensor, logprobs: torch.Tensor, top: torch.Tensor | None 
 def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(token ids [n] int64, their log probabilities [n] float32, the top
-    log probabilities ``[n, 2, k]`` of :func:`.sampling_extras.top_logprobs`
+    log probabilities ``[n, 2, k]`` of :func:`tessera_actors.execution.sampling_extras.top_logprobs`
     or None) on the logits' device, one per entry of ``rows`` (non-empty);
     no host read."""
     if logits.dim() != 3:

@@ -90,8 +90,8 @@ def measured_gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, 
 
 def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tuple[Callable[[], Any], str]:
     """(factory of (model, inputs), case label) for ``case`` in decode | prefill."""
-    from . import models
-    from .models.llama import LlamaConfig
+    from tessera_actors import models
+    from tessera_actors.models.llama import LlamaConfig
     dtype = getattr(torch, cfg.dtype)
     if name == "dit":
         batch = cfg.batch if case == "decode" else 1
@@ -114,7 +114,7 @@ def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tu
             kw = dict(n_layers=cfg.layers, max_batch=batch, max_seq=max(cfg.cache, seq))
 
     def make():
-        from .models.attention import CachedAttention
+        from tessera_actors.models.attention import CachedAttention
         model = models.get(name, "real", dtype=dtype, seed=0, device=device, **kw)
         for mod in model.modules():
             if isinstance(mod, CachedAttention):
@@ -134,7 +134,7 @@ def step_bytes(graph) -> int:
     ``index_put``; any indirect kernel) moves the values it writes, not the
     whole range its access set allows: its write counts the bytes of its
     other inputs, at most that range."""
-    from .graph import _merge
+    from tessera_actors.graph import _merge
     read: dict[int, list[tuple[int, int]]] = {}
     written: dict[int, list[tuple[int, int]]] = {}
     scattered = 0
@@ -209,10 +209,10 @@ async def device_actor_step(graph, values, inputs, device: str, steps: int, stat
     import msgpack
     from actors.device import DeviceActor
     from actors.transfer import TransferActor
-    from .devices import DeviceSpec
+    from tessera_actors.devices import DeviceSpec
     from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, RunStep
-    from .plan import plan_to_dict, single_device_plan
-    from tessera_actors.runtime.system import ActorSystem
+    from tessera_actors.plan import plan_to_dict, single_device_plan
+    from transport.system import ActorSystem
     plan = single_device_plan(graph, device)
     feed = {k: v.cpu() for k, v in inputs.items()}
     async with ActorSystem("roofline") as system:
@@ -244,7 +244,7 @@ def tessera_step(model, inputs, steps: int, device: str, stats: dict | None = No
     """Seconds per step of the inductor capture (``regions``) on one device
     through the product's executor (a device actor, CUDA graphs), and the
     capture's graph."""
-    from .capture.inductor import capture_inductor
+    from tessera_actors.capture.inductor import capture_inductor
     res = capture_inductor(model, inputs, regions=regions)
     seconds = asyncio.run(device_actor_step(res.graph, res.values, inputs, device, steps, stats))
     return seconds, res.graph
@@ -300,7 +300,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def _git_commit() -> str:
     """The commit, as every result file records it (``TESSERA_GIT_COMMIT`` first)."""
-    from .serving.loadgen_report import provenance
+    from tessera_actors.serving.loadgen_report import provenance
     return provenance()["git_commit"] or "unknown"
 
 

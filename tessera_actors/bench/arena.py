@@ -34,9 +34,9 @@ from typing import Any, Callable
 
 import torch
 
-from .serving import AsyncEngine, EngineConfig
-from .serving.loadgen import EngineClient, TraceRequest, replay
-from .serving.loadgen_report import provenance, summarize
+from tessera_actors.serving import AsyncEngine, EngineConfig
+from tessera_actors.serving.loadgen import EngineClient, TraceRequest, replay
+from tessera_actors.serving.loadgen_report import provenance, summarize
 
 
 @dataclass
@@ -75,7 +75,7 @@ def default_devices() -> tuple[str, str]:
 def price_of(spec: str) -> float:
     """$/hour: ``price=`` of the spec, else 1.0 for a full device and the SM
     share of 132 for a partition (R at 32 SMs: 0.24)."""
-    from .devices import DeviceSpec
+    from tessera_actors.devices import DeviceSpec
     s = DeviceSpec.parse(spec)
     if "price=" in spec:
         return s.price
@@ -178,7 +178,7 @@ async def run_policy(cfg: ArenaConfig, model: str, policy: str, runs: dict[str, 
         plans, devices, busy = [], [], []
         for e in engines:
             st = e.stats()
-            placed = e.runtime.placed
+            placed = e.deployment.placed
             plans.append(st["placement"].get("plan", "?"))
             pinned = sum("state-pinned" in p.plan.name for p in placed.values())
             if pinned:

@@ -1,0 +1,235 @@
+"""One device's share of one step: the one step path of the execution core.
+
+:class:`DeviceStep` is a plan's program on one device, made once at install:
+its blocks of kernels, the views of every transfer it sends or receives,
+its outputs, the inputs it reads.  :meth:`DeviceStep.begin` starts a step
+(a :class:`StepRun`); the device actor then drives it:
+
+* :meth:`StepRun.advance` (on the device's worker thread) writes what was
+  staged, runs blocks of kernels and their sends, takes receives from
+  co-located peers in place, and returns a :class:`Progress`: either the
+  receive the event loop must wait for (``waiting``), or ``done``: the
+  program ended, the step's tokens were sampled on the device and their
+  copy to host memory is queued behind an event (``landing``);
+* :meth:`StepRun.stage` (on the loop) keeps received bytes for the next
+  ``advance``;
+* :meth:`StepRun.landed` (after ``landing`` completed) gives the answer.
+
+A step without transfers or outputs is one ``advance`` call that is done at
+once: the device actor may then *launch* the next step behind it before this
+one has landed (decode lookahead) - the same code, not a second path.
+
+Sends go out through callables the actor passes (``send``: a co-located
+peer's hand-off or the transfer actor), so tests drive a step with plain
+dicts.  Blocking: ``advance`` and ``landed`` run torch work on the calling
+thread (the actor's worker); nothing here is thread-safe.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from tessera_actors.execution.inputs import write_fed_inputs, write_inputs
+from tessera_actors.execution.program import AtenProgram, BackendError
+from tessera_actors.execution.segments import SegmentRunner
+from tessera_actors.graph import KernelGraph
+from tessera_actors.plan import Plan, program_blocks
+
+
+@dataclass
+class Progress:
+    """What one ``advance`` did.  ``waiting``: the plan transfer the event
+    loop must receive before the next ``advance`` (None when ``done``);
+    ``ship``: ``(tag, bytes)`` for the transfer actor; ``busy``: host seconds
+    spent on the worker, ``waited``: of them, waiting for co-located peers."""
+    done: bool
+    waiting: Any = None
+    ship: list = field(default_factory=list)
+    busy: float = 0.0
+    waited: float = 0.0
+
+
+@dataclass
+class Landed:
+    """The device's answer to a step: sampled tokens and their log
+    probabilities, output byte ranges and their bytes, trace spans."""
+    tokens: list
+    logprobs: list
+    outputs: list
+    data: list
+    spans: list
+
+
+class DeviceStep:
+    def __init__(self, plan_id: str, graph: KernelGraph, plan: Plan, device: int, prog: AtenProgram,
+                 runner: SegmentRunner, peers: dict) -> None:
+        """``peers``: plan device -> hand-off of the co-located device actors;
+        a transfer to or from one of them crosses PCIe when one side is a GPU
+        and the other not, and then leaves in pinned host memory."""
+        self.plan_id, self.graph, self.plan, self.device = plan_id, graph, plan, device
+        self.prog, self.runner, self.peers = prog, runner, peers
+        here = plan.devices[device].startswith("cuda")
+        self.transfers = {t.tag: t for t in plan.transfers}
+        self.readers, self.writers = {}, {}
+        for t in plan.transfers:
+            if t.src == device:
+                crosses = t.dst in peers and plan.devices[t.dst].startswith("cuda") != here
+                self.readers[t.tag] = prog.reader(t.buffer, t.ranges, pinned=crosses)
+            if t.dst == device:
+                self.writers[t.tag] = prog.writer(t.buffer, t.ranges)
+        self.blocks = program_blocks(plan, device)
+        self.program = plan.programs[device]
+        self.outputs = [(b, s, e, prog.reader(b, [(s, e)])) for b, s, e, dev in plan.outputs if dev == device]
+        self.feed = plan.inputs[device]
+        logits = graph.meta["output_views"][0] if graph.meta.get("output_views") else None
+        self.logits = logits
+        self.holds_logits = logits is not None and any(b == logits[0] and dev == device
+                                                       for b, _, _, dev in plan.outputs)
+        self.sampled: tuple[int, torch.Tensor] | None = None   # (step, its token ids on the device)
+        self.only_kernels = all(st.op == "run" for st in self.program)
+
+    def local(self, msg) -> bool:
+        """Whether a step may be launched ahead: this device's program runs
+        kernels only, and the step wants no output bytes from it and no trace."""
+        if msg.trace or not self.only_kernels:
+            return False
+        return not (msg.outputs and self.outputs)
+
+    def samples(self, msg) -> bool:
+        """Whether this device samples ``msg``: it asks for tokens and the
+        logits (the graph's first output) end here."""
+        return bool(msg.sample) and self.holds_logits
+
+    def begin(self, msg, handoff, spin: float = 0.0, busy_elsewhere: Callable[[], bool] = lambda: False
+              ) -> "StepRun":
+        return StepRun(self, msg, handoff, spin, busy_elsewhere)
+
+
+class StepRun:
+    """One step of one :class:`DeviceStep` in progress (module docstring)."""
+
+    def __init__(self, step: DeviceStep, msg, handoff, spin: float, busy_elsewhere: Callable[[], bool]) -> None:
+        self.step, self.msg, self.handoff = step, msg, handoff
+        self.spin = 0.0 if msg.trace else spin   # a traced step records every worker call and receive
+        self.busy_elsewhere = busy_elsewhere
+        self.i = 0
+        self.staged: list[tuple[int, list, Any]] = []
+        self.prelude = self._inputs_writer()
+        self.spans: list | None = [] if msg.trace else None
+        self.landing: Any = None      # the event behind the step's work (None: done when queued, CPU)
+        self.host: torch.Tensor | None = None   # sampled ids and log probabilities, in host memory
+        self.data: list = []
+        self.busy = self.waited = 0.0
+
+    def stage(self, buffer: int, ranges: list, data: Any) -> None:
+        """Received bytes the next :meth:`advance` writes before its kernels."""
+        self.staged.append((buffer, ranges, data))
+
+    def advance(self) -> Progress:
+        """On the worker: from the current program step on, until the
+        program ends (then the step is finished here: sampling, outputs,
+        the landing event) or a receive must wait on the event loop."""
+        st, msg = self.step, self.msg
+        t0 = time.perf_counter()
+        waited = 0.0
+        ship: list = []
+        if self.prelude is not None:
+            self.prelude()
+            self.prelude = None
+        for buffer, ranges, data in self.staged:
+            st.prog.write(buffer, ranges, data)
+        self.staged = []
+        program, key = st.program, (st.plan_id, msg.step)
+        while self.i < len(program):
+            op = program[self.i]
+            if op.op == "recv":
+                t = st.transfers[op.ref]
+                if t.src not in st.peers or self.spin <= 0:
+                    break
+                w0 = time.perf_counter()
+                data = self.handoff.take((*key, t.tag), self.spin, self.busy_elsewhere)
+                waited += time.perf_counter() - w0
+                if data is None:
+                    break   # the peer is slow: wait on the loop, the worker stays free meanwhile
+                st.writers[t.tag](data)
+                self.i += 1
+                continue
+            self._block(ship)
+        busy = time.perf_counter() - t0 - waited
+        self.busy += busy
+        self.waited += waited
+        if self.i < len(program):
+            return Progress(False, st.transfers[program[self.i].ref], ship, busy, waited)
+        t1 = time.perf_counter()
+        self._finish()
+        busy += time.perf_counter() - t1
+        self.busy += time.perf_counter() - t1
+        return Progress(True, None, ship, busy, waited)
+
+    def _block(self, ship: list) -> None:
+        """Program step ``i`` (a run): its block of kernels, then its sends."""
+        st = self.step
+        b0 = time.time()
+        j, kernels, sends = st.blocks[self.i]
+        if kernels:
+            st.runner.run((st.plan_id, self.i), st.prog, kernels)
+        out = st.runner.read([st.readers[tag] for tag in sends]) if sends else []   # settled: peers may read them
+        for tag, data in zip(sends, out):
+            peer = st.peers.get(st.transfers[tag].dst)
+            if peer is not None:
+                peer.put((st.plan_id, self.msg.step, tag), data)
+            else:
+                ship.append((tag, data))
+        if self.spans is not None:
+            label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
+            sent = sum(st.transfers[tag].nbytes for tag in sends)
+            self.spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), b0, time.time()])
+        self.i = j
+
+    def _finish(self) -> None:
+        """The program ended: sample here (tokens queued to host memory),
+        read the outputs, record the event the step lands on."""
+        st, msg = self.step, self.msg
+        runner = st.runner
+        if st.samples(msg):
+            s0 = time.time()
+            from tessera_actors.execution.sampling import sample_on_device
+            ids, lps = sample_on_device(st.prog.view(st.logits), msg.sample)
+            st.sampled = (msg.step, ids)
+            both = torch.stack([ids.to(torch.float64), lps.to(torch.float64)])
+            self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
+            self.host.copy_(both, non_blocking=both.is_cuda)
+            if self.spans is not None:
+                self.spans.append([f"sample {len(msg.sample)} rows", s0, time.time()])
+        if msg.outputs and st.outputs:
+            self.data = runner.read([r for *_, r in st.outputs])
+        self.landing = runner.backend.record(runner.compute)
+
+    def landed(self) -> Landed:
+        """The answer, once ``landing`` completed (the host copy is settled)."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        if self.host is not None:
+            tokens, logprobs = [int(t) for t in self.host[0].tolist()], self.host[1].tolist()
+        outs = [[b, s, e] for b, s, e, _ in self.step.outputs] if self.msg.outputs else []
+        return Landed(tokens, logprobs, outs, self.data, self.spans or [])
+
+    def _inputs_writer(self) -> Callable[[], None] | None:
+        """The worker-side writing of the step's inputs (None: this device
+        reads none); checks first that tokens it should take were sampled."""
+        st, msg = self.step, self.msg
+        if msg.token_rows:
+            sampled = st.sampled if st.sampled is not None and st.sampled[0] == msg.tokens_from else None
+            if sampled is None:
+                raise BackendError(f"step {msg.step} takes tokens sampled by step {msg.tokens_from}, "
+                                   "which this device did not sample")
+            return lambda: write_fed_inputs(st.prog, st.graph, msg.inputs, st.feed, msg.token_rows, sampled[1])
+        if st.feed:
+            return lambda: write_inputs(st.prog, st.graph, msg.inputs, st.feed)
+        return None
+
+
+__all__ = ["DeviceStep", "Landed", "Progress", "StepRun"]
