@@ -57,8 +57,8 @@ from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
                                      Ship, Stats, StepDone, Uninstall)
-from tessera_actors.plan import Plan, plan_from_dict, program_blocks
-from tessera_actors.execution.inputs import write_fed_inputs, write_inputs
+from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.execution.step import DeviceStep, StepRun
 
 log = logging.getLogger("tessera_actors.device")
 
@@ -75,19 +75,13 @@ class _Installed:
     plan: Plan
     device: int
     prog: AtenProgram
+    step: DeviceStep | None = None                   # the program's step path (execution/step.py)
     steps: asyncio.Queue = field(default_factory=asyncio.Queue)
     inbox: Inbox = field(default_factory=Inbox)   # transfer bytes, possibly ahead of their step
     runner: asyncio.Task | None = None
     share_keys: dict = field(default_factory=dict)   # buffer id -> (share group, name)
-    sampled: tuple[int, Any] | None = None           # (step, its sampled token ids on the device)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
-    peers: dict = field(default_factory=dict)   # plan device -> its Handoff, for device actors in this process
     home_keys: dict = field(default_factory=dict)   # streamed buffer id -> (share group, name, "home")
-    readers: dict = field(default_factory=dict)     # transfer tag -> snapshot of its bytes (sends of this device)
-    writers: dict = field(default_factory=dict)     # transfer tag -> write of its bytes (receives)
-    blocks: dict = field(default_factory=dict)      # program step of a run -> (end, kernels, sends)
-    transfers: dict = field(default_factory=dict)   # tag -> the plan's transfer
-    outputs: list = field(default_factory=list)     # (buffer, start, end, snapshot) of the outputs on this device
     ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
 
 
@@ -188,19 +182,7 @@ class DeviceActor(Actor):
         inst.share_keys = keys
         inst.home_keys = home_keys
         inst.ring_lock = shares.lock(msg.share, ring) if ring is not None else None
-        inst.peers = self._peers(msg.routes, d)
-        # the views of every transfer are made once; a hand-off to a co-located peer across PCIe
-        # (GPU <-> CPU) leaves in pinned host memory
-        here = plan.devices[d].startswith("cuda")
-        for t in plan.transfers:
-            if t.src == d:
-                crosses = t.dst in inst.peers and plan.devices[t.dst].startswith("cuda") != here
-                inst.readers[t.tag] = prog.reader(t.buffer, t.ranges, pinned=crosses)
-            if t.dst == d:
-                inst.writers[t.tag] = prog.writer(t.buffer, t.ranges)
-        inst.blocks = program_blocks(plan, d)
-        inst.transfers = {t.tag: t for t in plan.transfers}
-        inst.outputs = [(b, s, e, prog.reader(b, [(s, e)])) for b, s, e, dev in plan.outputs if dev == d]
+        inst.step = DeviceStep(msg.plan_id, graph, plan, d, prog, self.runner, self._peers(msg.routes, d))
         inst.runner = asyncio.get_running_loop().create_task(self._run_steps(msg.plan_id, inst))
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
@@ -248,6 +230,7 @@ class DeviceActor(Actor):
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:
         graphs = self.runner.stats() if self.runner is not None else {"graphs": False}
+        graphs["per_plan"] = {p: dict(c) for p, c in self.runner.per_plan.items()} if self.runner is not None else {}
         sh = self.shares
         own = sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
@@ -258,18 +241,12 @@ class DeviceActor(Actor):
                       "allocated_bytes": sh.device_bytes() + own})
 
     def _streaming_stats(self) -> dict[str, Any]:
-        """Over the installed plans that stream weights here: copies queued,
-        those a step found queued ahead by the step before, pieces replayed
-        as CUDA graphs, captures that failed (those pieces run eagerly) and
-        the last failure (read from the loop while the worker counts: ints
-        and one string)."""
+        """Over the installed plans that stream weights here: copies queued and
+        those a step found queued ahead by the step before (ints, read from
+        the loop while the worker counts)."""
         progs = [i.prog for i in self.plans.values() if getattr(i.prog, "streamed", None)]
-        errors = [p.capture_error for p in progs if p.capture_error]
         return {"streamed_copies": sum(p.copies for p in progs),
-                "streamed_copies_ahead_used": sum(p.ahead_used for p in progs),
-                "streamed_replays": sum(p.replays for p in progs),
-                "streamed_capture_failures": sum(p.graphs_failed for p in progs),
-                "streamed_last_capture_error": errors[-1] if errors else ""}
+                "streamed_copies_ahead_used": sum(p.ahead_used for p in progs)}
 
     def _plan(self, plan_id: str) -> _Installed:
         try:
@@ -305,15 +282,16 @@ class DeviceActor(Actor):
         inst.inbox.put(msg.step, msg.tag, msg.offset, msg.data, msg.error)
 
     async def _run_steps(self, plan_id: str, inst: _Installed) -> None:
-        """Run the plan's steps in arrival order.  A local step (no transfer,
-        no output bytes, untraced) is *launched*: its inputs, kernels and
-        sampling are queued on the device and its tokens copied back
-        asynchronously; the next step, when already here, is launched behind
-        it before the first has landed (its kernels queue on the same
-        stream), so the device never idles between the two while the host
-        reads tokens and answers.  At most ``AHEAD`` steps are launched and
-        not landed; they are answered in order."""
-        launched: collections.deque = collections.deque()   # (msg, fut, landed future, launch)
+        """Run the plan's steps in arrival order, through the one step path
+        (:mod:`tessera_actors.execution.step`).  A local step (no transfer,
+        no output bytes, untraced) is done after one worker call that queued
+        its inputs, kernels, sampling and the tokens' copy to host memory;
+        it is answered when its event has landed, and meanwhile the next
+        step, when already here, is launched behind it (its kernels queue on
+        the same stream), so the device never idles between the two while
+        the host reads tokens and answers.  At most ``AHEAD`` steps are
+        launched and not landed; they are answered in order."""
+        launched: collections.deque = collections.deque()   # (msg, fut, landed future, run)
         fut = None
         try:
             while True:
@@ -324,7 +302,7 @@ class DeviceActor(Actor):
                         await asyncio.wait({launched[0][2], arrived}, return_when=asyncio.FIRST_COMPLETED)
                         arrived.cancel()
                     if launched[0][2].done():
-                        self._land(plan_id, inst, *launched.popleft())
+                        self._answer(*launched.popleft())
                         continue
                     if len(launched) >= AHEAD or inst.steps.empty():
                         continue
@@ -333,49 +311,108 @@ class DeviceActor(Actor):
                     msg, fut = await inst.steps.get()
                 if fut.done():
                     continue
-                if self._local(inst, msg):
-                    try:
-                        async with inst.ring_lock or contextlib.nullcontext():   # its copies are queued in the launch
-                            launch = await self._on_worker(self._launch, plan_id, inst, msg)
-                    except Exception as exc:  # the asker gets the error; the device keeps serving
-                        if not fut.done():
-                            fut.set_exception(exc)
-                        continue
-                    loop = asyncio.get_running_loop()
-                    if launch["event"] is None:   # a CPU device: the launch ran the step
-                        landed = loop.create_future()
-                        landed.set_result(None)
-                    else:
-                        landed = loop.run_in_executor(self._waiter(), self.runner.backend.host_wait, launch["event"])
-                    launched.append((msg, fut, landed, launch))
-                    continue
-                while launched:   # a step with transfers or outputs runs once the launched ones landed
-                    await asyncio.wait({launched[0][2]})
-                    self._land(plan_id, inst, *launched.popleft())
+                local = self.runner is not None and inst.step.local(msg)
+                if not local:
+                    while launched:   # a step with transfers or outputs runs once the launched ones landed
+                        await asyncio.wait({launched[0][2]})
+                        self._answer(*launched.popleft())
                 try:
-                    async with inst.ring_lock or contextlib.nullcontext():
-                        done = await self._run_one(plan_id, inst, msg)
+                    async with inst.ring_lock or contextlib.nullcontext():   # its copies are queued in the step
+                        run = await self._drive(plan_id, inst, msg)
                 except Exception as exc:  # the asker gets the error; the device keeps serving
                     if not fut.done():
                         fut.set_exception(exc)
                     continue
-                if not fut.done():
-                    fut.set_result(done)
+                landed = self._landing(run)
+                if local:
+                    launched.append((msg, fut, landed, run))
+                    continue
+                await asyncio.wait({landed})
+                self._answer(msg, fut, landed, run)
         except asyncio.CancelledError:
             for waiting in [f for _, f, *_ in launched] + [fut]:
                 if waiting is not None and not waiting.done():
                     waiting.set_exception(BackendError(f"{self.spec.name}: a step of plan {plan_id!r} was cancelled"))
             raise
 
-    def _local(self, inst: _Installed, msg: RunStep) -> bool:
-        """Whether ``msg`` can be launched ahead: this device's program runs
-        kernels only (no transfer), and the step wants no output bytes from
-        it and no trace."""
-        if msg.trace or self.runner is None:
-            return False
-        if msg.outputs and any(dev == inst.device for *_, dev in inst.plan.outputs):
-            return False
-        return all(st.op == "run" for st in inst.plan.programs[inst.device])
+    async def _drive(self, plan_id: str, inst: _Installed, msg: RunStep) -> StepRun:
+        """Run ``msg`` on this device until its program ended: worker calls
+        (:meth:`StepRun.advance`) and, between them, the receives that must
+        wait on the event loop.  A transfer to or from a device actor of
+        this process is handed over thread to thread
+        (:mod:`tessera_actors.execution.handoff`): after its kernels the
+        worker waits there (up to ``spin_s``, and only while no other worker
+        call is queued) and goes on in the same call, so a chain of
+        hand-offs between co-located devices never passes through the loop."""
+        step = inst.step
+        run = step.begin(msg, self.handoff, self.spin_s, lambda: self._queued > 0)
+        busy = wait = 0.0
+        try:
+            while True:
+                p = await self._on_worker(run.advance)
+                busy += p.busy
+                wait += p.waited
+                for tag, data in p.ship:
+                    await self.transfer.tell(Ship(plan_id, msg.step, tag, step.transfers[tag].dst, data))
+                if p.done:
+                    break
+                wait += await self._receive(plan_id, inst, msg, p.waiting, run)
+        finally:
+            if step.peers:
+                self.handoff.discard(plan_id, msg.step)
+        run.busy, run.waited = busy, wait
+        return run
+
+    async def _receive(self, plan_id: str, inst: _Installed, msg: RunStep, t, run: StepRun) -> float:
+        """Wait on the loop for transfer ``t`` of ``msg`` and stage its bytes
+        (whole, or chunk by chunk as they arrive); seconds waited."""
+        plan = inst.plan
+        what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
+        started = time.time()
+        w0 = time.perf_counter()
+        if t.src in inst.step.peers:
+            try:
+                data = await self.handoff.wait((plan_id, msg.step, t.tag), self.recv_timeout)
+            except asyncio.TimeoutError:
+                raise TransferFailed(f"{what} of step {msg.step}: nothing arrived within "
+                                     f"{self.recv_timeout:g} s") from None
+            run.stage(t.buffer, t.ranges, data)
+            waited = time.perf_counter() - w0
+        else:
+            async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
+                # written by the worker call that runs the kernels after it (one thread hop per
+                # device change, not one per transfer and chunk)
+                run.stage(t.buffer, sub_ranges(t.ranges, offset, data.numel() * data.element_size()), data)
+            waited = await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
+        run.received()
+        if run.spans is not None:
+            run.spans.append([f"recv {t.tag} ({t.nbytes} B from device {t.src})", started, time.time()])
+        return waited
+
+    def _landing(self, run: StepRun) -> asyncio.Future:
+        """A future done when the step's work on the device has finished
+        (its event waited for on the landing thread; at once on a CPU)."""
+        loop = asyncio.get_running_loop()
+        if run.landing is None:
+            landed = loop.create_future()
+            landed.set_result(None)
+            return landed
+        return loop.run_in_executor(self._waiter(), self.runner.backend.host_wait, run.landing)
+
+    def _answer(self, msg: RunStep, fut: asyncio.Future, landed: asyncio.Future, run: StepRun) -> None:
+        """Answer a step whose work landed."""
+        if fut.done():
+            return
+        err = landed.exception()
+        if err is not None:
+            fut.set_exception(err)
+            return
+        out = run.landed()
+        self.steps_run += 1
+        self.busy_s += run.busy
+        fut.set_result(StepDone(msg.plan_id, msg.step, run.step.device, out.outputs, out.data, run.busy,
+                                run.waited, out.tokens, out.logprobs, out.spans, **run.counts,
+                                top_logprobs=out.top_logprobs))
 
     def _waiter(self) -> ThreadPoolExecutor:
         """The thread that waits for launched steps to land (the worker stays
@@ -383,222 +420,3 @@ class DeviceActor(Actor):
         if self.waiter is None:
             self.waiter = ThreadPoolExecutor(1, thread_name_prefix=f"land-{self.spec.name}")
         return self.waiter
-
-    def _launch(self, plan_id: str, inst: _Installed, msg: RunStep) -> dict:
-        """On the worker: queue a local step - inputs, kernels, sampling, the
-        tokens' copy to pinned host memory - and an event after it."""
-        t0 = time.perf_counter()
-        prog, runner = inst.prog, self.runner
-        prelude = self._inputs_writer(inst, msg)
-        if prelude is not None:
-            prelude()
-        kernels = [k for st in inst.plan.programs[inst.device] for k in inst.plan.segments[st.ref].kernels]
-        if kernels:
-            runner.run((plan_id, 0), prog, kernels)   # the key of the one worker call of _run_one
-        host = None
-        if self._samples_here(inst, msg):
-            from tessera_actors.execution.sampling_extras import pack
-            both = pack(*self._sample(inst, msg))
-            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
-            host.copy_(both, non_blocking=both.is_cuda)
-        return {"event": runner.backend.record(runner.compute), "host": host, "busy": time.perf_counter() - t0}
-
-    def _land(self, plan_id: str, inst: _Installed, msg: RunStep, fut: asyncio.Future, landed: asyncio.Future,
-              launch: dict) -> None:
-        """Answer a launched step whose event completed."""
-        if fut.done():
-            return
-        err = landed.exception()
-        if err is not None:
-            fut.set_exception(err)
-            return
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        host = launch["host"]
-        top: list = []
-        if host is not None:
-            from tessera_actors.execution.sampling_extras import unpack
-            tokens, logprobs, top = unpack(host)
-        self.steps_run += 1
-        self.busy_s += launch["busy"]
-        fut.set_result(StepDone(plan_id, msg.step, inst.device, [], [], launch["busy"], 0.0, tokens, logprobs, [],
-                                top))
-
-    async def _run_one(self, plan_id: str, inst: _Installed, msg: RunStep) -> StepDone:
-        """One step of this device's program.  The host work around the
-        kernels goes to the worker calls that run them: the step's inputs to
-        the first, the sampling to the last when no receive follows it (a
-        single-device step is one worker call, one event-loop hop).  A
-        transfer to or from a device actor of this process is handed over
-        thread to thread (:mod:`tessera_actors.execution.handoff`): after its kernels the
-        worker waits there (up to ``spin_s``, and only while no other worker
-        call is queued) for the next receive from such a peer and goes on in
-        the same call, so a chain of hand-offs between co-located devices
-        never passes through the event loop."""
-        plan, d, prog = inst.plan, inst.device, inst.prog
-        runner = self.runner
-        transfers = inst.transfers
-        busy = wait = 0.0
-        spans: list | None = [] if msg.trace else None
-        spin = 0.0 if msg.trace else self.spin_s   # a traced step records every worker call and receive
-        prelude = self._inputs_writer(inst, msg)
-        mine = inst.outputs
-        sampler = None
-        if self._samples_here(inst, msg):
-            from tessera_actors.execution.sampling import to_host
-
-            def sampler() -> tuple[list[int], list[float], list, float, float]:
-                started = time.time()
-                return (*to_host(*self._sample(inst, msg)), started, time.time())
-        sampled = None
-        program = plan.programs[d]
-        peers, blocks, readers, writers = inst.peers, inst.blocks, inst.readers, inst.writers
-        staged: list[tuple[int, list, Any]] = []   # received chunks the next worker call writes
-
-        def work(i: int, writes: list, pre) -> tuple[int, list, float, float, float, Any, list]:
-            """On the worker, from program step ``i`` (a run): blocks of kernels
-            and their sends, co-located receives in between taken here, until
-            the program ends or a receive must wait on the loop.  Returns
-            (next step, payloads for the transfer actor, host seconds, seconds
-            waiting for hand-offs, start, sampling, spans)."""
-            started = time.time()
-            t0 = time.perf_counter()
-            waited = 0.0
-            ship: list[tuple[int, Any]] = []
-            local_spans: list = []
-            if pre is not None:
-                pre()
-            for buffer, ranges, data in writes:
-                prog.write(buffer, ranges, data)
-            while i < len(program):
-                if program[i].op == "recv":
-                    t = transfers[program[i].ref]
-                    if t.src not in peers or spin <= 0:
-                        break
-                    w0 = time.perf_counter()
-                    data = self.handoff.take((plan_id, msg.step, t.tag), spin, lambda: self._queued > 0)
-                    waited += time.perf_counter() - w0
-                    if data is None:
-                        break   # the peer is slow: wait on the loop, the worker stays free meanwhile
-                    writers[t.tag](data)
-                    i += 1
-                    continue
-                b0 = time.time()
-                j, kernels, sends = blocks[i]
-                if kernels:
-                    runner.run((plan_id, i), prog, kernels)
-                out = runner.read([readers[tag] for tag in sends]) if sends else []   # settled: the peer may read them
-                for tag, data in zip(sends, out):
-                    dst = peers.get(transfers[tag].dst)
-                    if dst is not None:
-                        dst.put((plan_id, msg.step, tag), data)
-                    else:
-                        ship.append((tag, data))
-                if spans is not None:
-                    label = f"run k{kernels[0]}-k{kernels[-1]}" if kernels else "stage"
-                    sent = sum(transfers[tag].nbytes for tag in sends)
-                    local_spans.append([label + (f", send {len(sends)} ({sent} B)" if sends else ""), b0, time.time()])
-                i = j
-            got = sampler() if sampler is not None and i == len(program) else None
-            return i, ship, time.perf_counter() - t0 - waited, waited, started, got, local_spans
-
-        i = 0
-        try:
-            while i < len(program):
-                st = program[i]
-                if st.op == "recv":
-                    t = transfers[st.ref]
-                    what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
-                    started = time.time()
-                    if t.src in peers:
-                        w0 = time.perf_counter()
-                        try:
-                            data = await self.handoff.wait((plan_id, msg.step, t.tag), self.recv_timeout)
-                        except asyncio.TimeoutError:
-                            raise TransferFailed(f"{what} of step {msg.step}: nothing arrived within "
-                                                 f"{self.recv_timeout:g} s") from None
-                        wait += time.perf_counter() - w0
-                        staged.append((t.buffer, t.ranges, data))
-                    else:
-                        async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
-                            # written by the worker call that runs the kernels after it (one thread hop per
-                            # device change, not one per transfer and chunk)
-                            staged.append((t.buffer, sub_ranges(t.ranges, offset,
-                                                                data.numel() * data.element_size()), data))
-                        wait += await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
-                    if spans is not None:
-                        spans.append([f"recv {t.tag} ({t.nbytes} B from device {t.src})", started, time.time()])
-                    i += 1
-                    continue
-                i, ship, spent, waited, started, got, local_spans = await self._on_worker(work, i, staged, prelude)
-                staged, prelude = [], None
-                busy += spent
-                wait += waited
-                if spans is not None:
-                    spans.extend(local_spans)
-                if got is not None:
-                    sampled = got
-                for tag, data in ship:
-                    await self.transfer.tell(Ship(plan_id, msg.step, tag, transfers[tag].dst, data))
-        finally:
-            if peers:
-                self.handoff.discard(plan_id, msg.step)
-        if prelude is not None or staged:   # no kernels here, or the program ends with receives
-            def rest(pre=prelude, writes=staged) -> None:
-                if pre is not None:
-                    pre()
-                for w in writes:
-                    prog.write(*w)
-            await self._on_worker(rest)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        top: list = []
-        if sampler is not None:
-            if sampled is None:
-                sampled = await self._on_worker(sampler)
-            tokens, logprobs, top, started, ended = sampled
-            if spans is not None:
-                spans.append([f"sample {len(tokens)} rows", started, ended])
-        if not msg.outputs:
-            mine = []
-
-        def outputs() -> list[Any]:
-            return runner.read([r for *_, r in mine])
-        data = await self._on_worker(outputs) if mine else []
-        self.steps_run += 1
-        self.busy_s += busy
-        return StepDone(plan_id, msg.step, d, [[b, s, e] for b, s, e, _ in mine], data, busy, wait, tokens,
-                        logprobs, spans or [], top)
-
-    @staticmethod
-    def _samples_here(inst: _Installed, msg: RunStep) -> bool:
-        """Whether this device samples ``msg``: it asks for tokens and the
-        logits (the graph's first output) end on this device."""
-        if not msg.sample:
-            return False
-        logits = inst.graph.meta["output_views"][0][0]
-        return any(b == logits and dev == inst.device for b, _, _, dev in inst.plan.outputs)
-
-    @staticmethod
-    def _sample(inst: _Installed, msg: RunStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """On the worker: the step's tokens, log probabilities and top log
-        probabilities (None unless asked), on the device; the tokens are kept
-        as those a later step may take as its inputs."""
-        from tessera_actors.execution.sampling import sample_on_device
-        ids, lps, top = sample_on_device(inst.prog.view(inst.graph.meta["output_views"][0]), msg.sample)
-        inst.sampled = (msg.step, ids)
-        return ids, lps, top
-
-    def _inputs_writer(self, inst: _Installed, msg: RunStep):
-        """The worker-side writing of the step's inputs (None: this device
-        reads none); checks first that tokens it should take were sampled."""
-        feed = inst.plan.inputs[inst.device]
-        if msg.token_rows:
-            sampled = inst.sampled if inst.sampled is not None and inst.sampled[0] == msg.tokens_from else None
-            if sampled is None:
-                raise BackendError(f"{self.spec.name}: step {msg.step} takes tokens sampled by step "
-                                   f"{msg.tokens_from}, which this device did not sample")
-            return lambda: write_fed_inputs(inst.prog, inst.graph, msg.inputs, feed, msg.token_rows, sampled[1])
-        if feed:
-            return lambda: write_inputs(inst.prog, inst.graph, msg.inputs, feed)
-        return None

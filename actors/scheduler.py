@@ -59,16 +59,17 @@ class SchedulerActor(Actor):
                  graph_actor: str = "graph", heartbeat_timeout: float = 5.0, install_timeout: float = 60.0,
                  named_values: Mapping[str, Any] | None = None) -> None:
         """``values``: initial bytes of weight/state buffers by buffer id (one
-        graph), or by graph name then buffer id (several graphs);
+        graph), or by graph name then buffer id (several graphs; the mapping
+        is read at each deployment, not copied);
         ``named_values``: bytes by buffer name, for the buffers of a graph
         that ``values`` does not cover (a served model's buckets captured
         after start name their weights as the model does); read at each
         deployment, not copied: its owner may empty it (a served model
         gives its copy of the weights back once every bucket is placed)."""
         self.planner = planner
-        values = values or {}
+        values = values if values is not None else {}
         if values and all(isinstance(k, str) for k in values):
-            self.values_by_graph = dict(values)
+            self.values_by_graph = values   # read, not copied: as named_values
         else:
             self.values_by_graph = {"": values}
         self.named_values = named_values if named_values is not None else {}

@@ -40,7 +40,7 @@ COMMANDS = {
     "capture": Command("capture a model's kernel graph to a file",
                        "tessera_actors.cli:capture_flags", "tessera_actors.capture.cli:main"),
     "check": Command("capture a model and check random orders and splits against one device and eager",
-                     "tessera_actors.check.cli:add_arguments", "tessera_actors.check.cli:main"),
+                     "tessera_actors.cli:check_flags", "tessera_actors.check.cli:main"),
     "plan": Command("place a graph on devices and compare with the baselines",
                     "tessera_actors.cli:plan_flags", "tessera_actors.cli:run_plan"),
     "advise": Command("predict every policy on a pair of GPU types we may not have",
@@ -163,6 +163,21 @@ def capture_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="also time every kernel and link on these comma-separated devices and write the "
                         "cost table next to the graph (read by tessera plan)")
+
+
+def check_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama", help="reference model (llama, moe, mamba2, vlm, dit, smollm2) or "
+                   "hf:<dir | config.json | file.gguf | smollm2 | tiny-ARCH>")
+    p.add_argument("--size", default="tiny", help="reference models: tiny | real")
+    p.add_argument("--layers", type=int, default=None, help="hf models: keep the first N layers")
+    p.add_argument("--bucket", default="prefill:1:8", help="decode:B | prefill:B:T | denoise:B")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    p.add_argument("--devices", default="cpu,cpu", help="comma-separated devices to split over")
+    p.add_argument("--orders", type=int, default=20, help="random topological orders")
+    p.add_argument("--splits", type=int, default=5, help="random legal splits")
+    p.add_argument("--planner", default="milp", help="planner whose split is checked too (contiguous, milp)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the orders, splits and inputs")
+    p.add_argument("--json", default=None, help="write the report (rows, info, command line) to this file")
 
 
 def plan_flags(p: argparse.ArgumentParser) -> None:

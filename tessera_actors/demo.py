@@ -90,7 +90,9 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
     ref_dev = cuda[0].split("?")[0] if cuda else "cpu?threads=1"
     common = dict(model=cfg.model, size=cfg.size, seed=cfg.seed, planner=cfg.planner, max_seqs=cfg.requests,
                   max_model_len=max(64, cfg.prompt_len + cfg.new_tokens + 1), prefill_buckets=(8, 32),
-                  mode=cfg.mode)
+                  # one decode shape: which rows share a step depends on timing, and a row's bits on the
+                  # step's shape (a GEMM of 2 rows may round differently from one of 4)
+                  decode_buckets=(cfg.requests,), mode=cfg.mode)
     gen = torch.Generator().manual_seed(cfg.seed)
     params = SamplingParams(max_tokens=cfg.new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()

@@ -46,7 +46,8 @@ def test_sdpa_in_eval_mode_is_recorded_with_its_access_sets():
     reads = {a.buffer for a in k.accesses if a.mode == "r"}
     writes = [a for a in k.accesses if "w" in a.mode]
     assert g.inputs["mask"] in reads                  # the mask is read
-    assert len(writes) == 2                           # output and logsumexp written, nothing else
+    assert k.name == "scaled_dot_product_attention"   # recorded whole: each device runs its own kernel
+    assert len(writes) == 1                           # the output written, nothing else
     assert all(g.buffers[a.buffer].role in ("temp", "output") for a in writes)
     producers = {a.buffer for kk in g.kernels[:k.id] for a in kk.accesses if "w" in a.mode}
     assert len(reads & producers) >= 1                # q, k, v come from the projection

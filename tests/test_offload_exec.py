@@ -146,6 +146,7 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
     from tessera_actors.execution.program import AtenProgram
     from tessera_actors.execution.backends.cpu import CpuBackend
     from tessera_actors.execution.streaming import StreamingProgram
+    from tessera_actors.execution.segments import SegmentRunner
     from tessera_actors.devices import DeviceSpec
     from tessera_actors.execution.inputs import write_inputs
     cap, budget, devices = tiny
@@ -156,7 +157,8 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
     everything = sorted(g.buffers)
     ref = AtenProgram(g, cpu, everything)
     prog = StreamingProgram(g, cpu, everything, off["streamed"], off["slots"], off["slot_bytes"],
-                            CpuBackend(DeviceSpec.parse("cpu")), graphs=True)
+                            CpuBackend(DeviceSpec.parse("cpu")))
+    runner = SegmentRunner(DeviceSpec.parse("cpu"))   # the device's one capture/replay cache
     for p in (ref, prog):
         p.load(cap.values)
         for k in range(len(g.kernels)):
@@ -166,7 +168,8 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
         inputs = {"input_ids": torch.tensor([[5 + step]]), "positions": torch.tensor([step])}
         for p in (ref, prog):
             write_inputs(p, g, inputs, [b for b in g.buffers if g.buffers[b].role == "input"])
-            p.run(range(len(g.kernels)))
+        ref.run(range(len(g.kernels)))
+        runner.run(("p", 0), prog, range(len(g.kernels)))
         assert torch.equal(ref.view(out), prog.view(out))
     m, first = len(off["streamed"]), min(off["slots"], len(off["streamed"]))
     # each weight once per step, and the fourth step's first copies queued by the third
@@ -174,9 +177,10 @@ def test_streaming_program_copies_each_weight_once_per_step_and_replays_its_piec
     assert prog.copied_bytes == (3 * sum(g.buffers[b].nbytes for b in off["streamed"])
                                  + sum(g.buffers[b].nbytes for b in off["streamed"][:first]))
     assert prog.ahead_used == 2 * first   # steps 2 and 3 found their first copies queued
-    pieces = len(prog.units)
-    # step 1 eager, step 2 captured and run, step 3 replayed
-    assert pieces >= m and prog.replays == 2 * pieces
+    counts = runner.per_plan["p"]
+    pieces = counts["captures"]
+    # step 1 eager, step 2 captured and run, step 3 replayed: one unit of the runner per piece
+    assert pieces >= m and counts["eager_runs"] == pieces and counts["replays"] == 2 * pieces
 
 
 def _streaming_pair(tiny, device="cpu", mode="slots", backend=None):

@@ -182,12 +182,20 @@ async def test_a_failed_placement_is_tried_again_by_the_next_step_that_needs_it(
     assert rt.placed["prefill:32"] == "placed"
 
 
-def test_only_an_all_cpu_deployment_captures_the_fused_cpu_attention():
-    from tessera_actors.serving.deploy import cpu_only
-    assert cpu_only(EngineConfig(devices="cpu,cpu?threads=1"))
-    assert cpu_only(EngineConfig(nodes=("cpu?threads=1", "cpu")))
-    assert not cpu_only(EngineConfig(devices="cpu,cuda:0"))       # a GPU could get an attention kernel
-    assert not cpu_only(EngineConfig(nodes=("cuda:0",)))
+def test_every_deployment_captures_attention_as_one_kernel_and_only_gpus_ask_for_inductor():
+    from tessera_actors.serving.deploy import all_cuda, capture_kind, load_served_model
+    assert capture_kind(EngineConfig(devices="cpu,cpu?threads=1")) == "aten"
+    assert capture_kind(EngineConfig(devices="cuda:0,cpu")) == "aten"       # a CPU runs no Triton kernel
+    assert all_cuda(EngineConfig(nodes=("cuda:0", "cuda:1?sms=32"))) and not all_cuda(EngineConfig(nodes=("cpu",)))
+    assert capture_kind(EngineConfig(devices="cuda:0", capture="aten")) == "aten"
+    with pytest.raises(ValueError, match="capture must be one of"):
+        EngineConfig(capture="triton")
+    # a GPU+CPU deployment (no GPU here, nothing runs): attention whole, the device picks its kernel
+    served = load_served_model(EngineConfig(model="llama", size="tiny", devices="cuda:0,cpu", max_seqs=2,
+                                            max_model_len=64, prefill_buckets=(16,)))
+    ops = [k.name for g in served.graphs.values() for k in g.kernels]
+    assert set(served.captures.values()) == {"aten"}
+    assert "scaled_dot_product_attention" in ops and "_safe_softmax" not in ops and "bmm" not in ops
 
 
 def test_a_prompts_first_chunk_reads_only_its_own_length_of_the_cache():

@@ -178,10 +178,9 @@ async def time_prefill(eng: AsyncEngine, tokens: int, reps: int, vocab: int) -> 
             "busy_fraction": [sum(b[d] for b in busy) / sum(times) for d in range(len(busy[0]))] if busy else []}
 
 
-# the budgeted device's counters a result row carries (GetStats): how its chunks and streamed pieces ran
+# the budgeted device's counters a result row carries (GetStats): how its segments and streamed pieces ran
 GPU_STATS = ("captures", "replays", "eager_runs", "capture_failures", "last_capture_error", "streamed_copies",
-             "streamed_copies_ahead_used", "streamed_replays", "streamed_capture_failures",
-             "streamed_last_capture_error", "direct_transfers", "taken_on_worker", "taken_on_loop")
+             "streamed_copies_ahead_used", "direct_transfers", "taken_on_worker", "taken_on_loop")
 
 
 async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, gpu: DeviceSpec,

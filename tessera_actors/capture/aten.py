@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera_actors.capture.errors import CaptureError
+from tessera_actors.capture.fused import whole_ops
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph, dtype_name as _dtype_name
 from tessera_actors.capture.hostreads import allowed_random, python_level_reads, record_guard, user_site
 from tessera_actors.capture.pytree import encode_constant, flatten_inputs, flatten_outputs
@@ -76,6 +77,9 @@ class _Recorder(TorchDispatchMode):
         self.storages: dict[int, dict[str, Any]] = {}
         self.records: list[dict[str, Any]] = []
         self.guards: list[dict[str, Any]] = []
+        # snapshot the initial bytes of named weights and state too (False: the caller has them by name;
+        # a served model's would be copies of every weight and of the whole KV cache)
+        self.snapshot_named = True
 
     def _where(self) -> str:
         return f"at {user_site()}" + (f" in module {self.scope[-1]!r}" if self.scope[-1] else "")
@@ -97,7 +101,8 @@ class _Recorder(TorchDispatchMode):
                 role = "weight"
             info = {"id": len(self.storages), "nbytes": st.nbytes(), "role": role, "name": name,
                     "dtype": _dtype_name(t.dtype), "shape": tuple(t.shape), "tensor": t,
-                    "initial": None if producing else storage_bytes(t).clone()}
+                    "initial": None if producing or (name and not self.snapshot_named)
+                    else storage_bytes(t).clone()}
             self.storages[key] = info
             self.keep.append(t)
         return info["id"]
@@ -154,6 +159,24 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view:
             return out
+        return self._record(func, qual, args, kwargs, out)
+
+    def record_whole(self, func, args: tuple, kwargs: dict):
+        """Record ``func`` (a composite op such as
+        ``aten.scaled_dot_product_attention``) as one kernel: its result is
+        computed with this recorder off (on the meta device: its shape), so
+        the ops it decomposes into here are not recorded; each device runs
+        the op as its own dispatch does (``tessera_actors.capture.fused``)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+        for v in list(args) + list(kwargs.values()):
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                if isinstance(t, torch.Tensor):
+                    self._storage(t, producing=False)
+        with _disable_current_modes():
+            out = func(*args, **kwargs)
+        return self._record(func, func._schema.name, args, kwargs, out)
+
+    def _record(self, func, qual: str, args: tuple, kwargs: dict, out):
         in_keys = {t.untyped_storage()._cdata for v in list(args) + list(kwargs.values())
                    for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)}
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -308,7 +331,7 @@ def capture(fn: Callable[..., Any], inputs: dict[str, Any], *,
     try:
         for name, t in list((params or {}).items()) + list((state or {}).items()) + list(inputs.items()):
             rec._storage(t, producing=False)
-        with torch.no_grad(), python_level_reads(rec.guard_tolist), rec:
+        with torch.no_grad(), python_level_reads(rec.guard_tolist), rec, whole_ops(rec):
             result = fn(**rebuild(inputs))
     finally:
         for h in hooks:

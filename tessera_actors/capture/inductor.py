@@ -321,7 +321,8 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      state_names: list[str] | None = None, meta: dict[str, Any] | None = None, *,
                      warmup: int = 2, reuse_temps: bool = True, keep_ptx: bool = True,
                      compress: bool = True, progress: Callable[[str], None] | None = None,
-                     compiled: Callable[..., Any] | None = None, regions: str = "auto") -> CaptureResult:
+                     compiled: Callable[..., Any] | None = None, regions: str = "auto",
+                     fresh_state: bool = False) -> CaptureResult:
     """Compile ``model`` with inductor and record ``model(**inputs)``.
 
     ``inputs`` are what a user passes (tensors, nested tensors, plain
@@ -337,7 +338,11 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
     and restored after it (warm-up runs too), so the model's state is
     unchanged by the capture. ``progress`` receives phase names; ``compiled``
     (from :func:`compile_model`) reuses an already compiled model; ``regions``
-    is passed to :func:`compile_model` otherwise. Raises
+    is passed to :func:`compile_model` otherwise.  ``fresh_state``: the
+    state holds nothing to keep (a served model's KV cache before serving):
+    it is zeroed after the capture instead of snapshot and restored, and the
+    result's values leave out every named weight and state buffer (the
+    caller has them by name) - no copy of the weights or the cache.  Raises
     :class:`CaptureError` when the model cannot be compiled or recorded."""
     say = progress or (lambda msg: log.info("%s", msg))
     params, state = module_roles(model, state_names)
@@ -347,13 +352,16 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
         # inductor's CPU kernels are C++ functions no recorder sees: the graph would miss them
         raise CaptureError(f"the inductor capture records Triton kernels and needs CUDA inputs, not {device}; "
                            f"use the aten capture (tessera_actors.capture.capture_module) on {device.type}")
-    saved = {n: t.clone() for n, t in state.items()}
+    saved = {} if fresh_state else {n: t.clone() for n, t in state.items()}
     times: dict[str, float] = {}
 
     def restore() -> None:
         with torch.no_grad():
             for n, t in state.items():
-                t.copy_(saved[n])
+                if fresh_state:
+                    t.zero_()
+                else:
+                    t.copy_(saved[n])
     try:
         t0 = time.perf_counter()
         reason = ""
@@ -388,6 +396,7 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
         for name, t in tensors.items():
             roles[t.untyped_storage()._cdata] = ("input", name)
         rec = _InductorRecorder(roles, [""], keep_ptx)
+        rec.snapshot_named = not fresh_state
         for t in list(params.values()) + list(state.values()) + list(tensors.values()):
             rec._storage(t, producing=False)
         graphs_before = _unique_graphs()

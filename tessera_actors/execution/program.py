@@ -226,9 +226,15 @@ class AtenProgram:
                 d.copy_(res[i])
         return run_many
 
-    def run(self, kernel_ids: Iterable[int]) -> None:
+    def run_kernels(self, kernel_ids: Iterable[int]) -> None:
+        """The kernels, one after the other, on the current stream (what a
+        device's runner captures and replays as one unit)."""
         for kid in kernel_ids:
             self.bind(kid)()
+
+    def run(self, kernel_ids: Iterable[int]) -> None:
+        """The kernels, eagerly (a device actor runs them through its runner)."""
+        self.run_kernels(kernel_ids)
 
 
 class _Into:

@@ -1,21 +1,25 @@
 """How a device actor's worker thread runs its share of a step: on the
-device seam (``tessera_actors/execution/backends/cpu.py``), with one compute stream (sends and
-outputs are copied there too) and, per chunk of kernels, a replayable unit.
+device seam (``tessera_actors/execution/backends/``), with one compute stream
+(sends and outputs are copied there too) and one capture/replay cache.
 
-A *chunk* is a run of kernels the device actor executes without a transfer
-in between (``(plan_id, chunk)`` names it; the chunk is its first program
-step).  The first time a chunk runs it runs eagerly on the compute stream:
-the warm-up that lets libraries initialise and Triton compile, on a real
-step with valid inputs.  The second time it is captured once through
+A *segment* is a run of kernels the device executes without a transfer in
+between (``(plan_id, program step)`` names it; a program that streams
+weights splits it further into pieces ending at streamed readers, each its
+own unit).  The first time a unit runs it runs eagerly on the compute
+stream: the warm-up that lets libraries initialise and Triton compile, on a
+real step with valid inputs.  The second time it is captured once through
 ``backend.replayable`` (a CUDA graph on the compute stream, which keeps a
-green context's SM limit) and replayed, and from then on only replayed.
-Capture records pointers: every kernel reads and writes the fixed arena of
-its :class:`~tessera_actors.execution.program.AtenProgram`, which step inputs, received
-bytes and loaded values are copied into, so a replay sees them.
+green context's SM limit) and replayed, and from then on only replayed; a
+unit whose capture fails stays eager.  Capture records pointers: every
+kernel reads and writes the fixed arena of its
+:class:`~tessera_actors.execution.program.AtenProgram`, which step inputs,
+received bytes and loaded values are copied into, so a replay sees them.
+Counts (``captures``, ``replays``, ``eager_runs``, ``capture_failures``)
+are kept per device and per plan.
 
 Ordering: the worker thread's current stream *is* the compute stream, so
 everything the actor runs there (input writes, received bytes, loads,
-chunks) is stream-ordered without host waits.  The host waits only where
+segments) is stream-ordered without host waits.  The host waits only where
 bytes leave the device - before a send or the step's outputs - on an event,
 never per kernel.  On CPU the seam runs everything at once and
 ``replayable`` returns the function itself, so CI runs this same logic.
@@ -40,6 +44,7 @@ from tessera_actors.graph import KernelGraph
 log = logging.getLogger("tessera_actors.device")
 
 GRAPHS_ENV = "TESSERA_CUDA_GRAPHS"
+PLAN_COUNTS = ("captures", "replays", "eager_runs", "capture_failures")
 
 
 def graphs_from_env() -> bool:
@@ -78,49 +83,70 @@ class SegmentRunner:
         # ints only: the actor copies them from the event loop while the worker counts
         self.counts = {"captures": 0, "replays": 0, "eager_runs": 0, "capture_failures": 0, "units": 0}
         self.last_capture_error = ""
+        self.per_plan: dict[str, dict[str, int]] = {}   # plan -> PLAN_COUNTS
 
-    def run(self, key: tuple[str, int], prog: AtenProgram, kernels: Sequence[int]) -> None:
-        """Queue chunk ``key`` (``kernels`` of ``prog``) on the compute stream:
-        eagerly the first time, captured and replayed from the second on."""
+    def run(self, key: tuple, prog: AtenProgram, kernels: Sequence[int]) -> None:
+        """Queue segment ``key`` (``kernels`` of ``prog``; ``key[0]`` is the
+        plan) on the compute stream: eagerly the first time, captured and
+        replayed from the second on.  A program that streams weights splits
+        the segment into pieces ending at streamed readers
+        (``prog.pieces``), each its own unit of this one cache, so its
+        copies and events stay between graphs."""
+        pieces = getattr(prog, "pieces", None)
+        if pieces is None:
+            self._unit(key, prog, kernels)
+            return
+        parts = pieces(kernels)
+        for piece in parts:
+            try:
+                self._unit((key[0], "piece", piece[0], len(piece)), prog, piece)
+            except BaseException as e:
+                parts.throw(e)
+
+    def _unit(self, key: tuple, prog: AtenProgram, kernels: Sequence[int]) -> None:
         replay = self._units.get(key)
         if replay is not None:
             replay()
-            self.counts["replays"] += 1
+            self._count(key, "replays")
             return
         warmed = key in self._units
 
-        def chunk() -> None:
-            prog.run(kernels)
+        def segment() -> None:
+            prog.run_kernels(kernels)
 
         def eager() -> None:
             if warmed and self.backend.spec.sms is None:
                 # warmed up on a whole GPU: nothing left to load lazily, and the worker's current
                 # stream is the compute stream (no scope, no stream context: on an H200 one is 13 us)
-                chunk()
+                segment()
                 return
             # a partition's Triton kernels load into its green context at their first launch
             with self.backend.scope(), self._on(self.compute):
-                chunk()
+                segment()
         if not self.graphs or not warmed or key in self._eager_only or not prog.capturable:
             eager()
             self._units.setdefault(key, None)
-            self.counts["eager_runs"] += 1
+            self._count(key, "eager_runs")
             return
         try:
-            replay = self.backend.replayable(chunk, self.compute, warmup=False, current=True)
-        except Exception as e:   # e.g. a kernel that syncs with the host: this chunk stays eager
+            replay = self.backend.replayable(segment, self.compute, warmup=False, current=True)
+        except Exception as e:   # e.g. a kernel that syncs with the host: this segment stays eager
             self._eager_only.add(key)
-            self.counts["capture_failures"] += 1
+            self._count(key, "capture_failures")
             self.last_capture_error = f"{key}: {type(e).__name__}: {e}"
-            log.warning("%s: chunk %s cannot be captured, it runs eagerly: %s", self.backend.spec.name, key, e)
+            log.warning("%s: segment %s cannot be captured, it runs eagerly: %s", self.backend.spec.name, key, e)
             eager()
-            self.counts["eager_runs"] += 1
+            self._count(key, "eager_runs")
             return
         self._units[key] = replay
-        self.counts["captures"] += 1
+        self._count(key, "captures")
         self.counts["units"] += 1
         replay()
-        self.counts["replays"] += 1
+        self._count(key, "replays")
+
+    def _count(self, key: tuple, what: str) -> None:
+        self.counts[what] += 1
+        self.per_plan.setdefault(key[0], dict.fromkeys(PLAN_COUNTS, 0))[what] += 1
 
     def read(self, readers: Sequence[Callable[[], Any]]) -> list[Any]:
         """The snapshots ``readers`` take (:meth:`AtenProgram.reader
@@ -155,6 +181,7 @@ class SegmentRunner:
         for key in [k for k in self._units if k[0] == plan_id]:
             self.counts["units"] -= self._units.pop(key) is not None
         self._eager_only = {k for k in self._eager_only if k[0] != plan_id}
+        self.per_plan.pop(plan_id, None)
 
     def synchronize(self) -> None:
         be = self.backend

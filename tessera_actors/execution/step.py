@@ -11,8 +11,8 @@ its outputs, the inputs it reads.  :meth:`DeviceStep.begin` starts a step
   receive the event loop must wait for (``waiting``), or ``done``: the
   program ended, the step's tokens were sampled on the device and their
   copy to host memory is queued behind an event (``landing``);
-* :meth:`StepRun.stage` (on the loop) keeps received bytes for the next
-  ``advance``;
+* :meth:`StepRun.stage` and :meth:`StepRun.received` (on the loop) keep
+  the received bytes for the next ``advance``;
 * :meth:`StepRun.landed` (after ``landing`` completed) gives the answer.
 
 A step without transfers or outputs is one ``advance`` call that is done at
@@ -55,12 +55,14 @@ class Progress:
 @dataclass
 class Landed:
     """The device's answer to a step: sampled tokens and their log
-    probabilities, output byte ranges and their bytes, trace spans."""
+    probabilities, output byte ranges and their bytes, trace spans, and each
+    sampled entry's top log probabilities when its record asked for them."""
     tokens: list
     logprobs: list
     outputs: list
     data: list
     spans: list
+    top_logprobs: list = field(default_factory=list)
 
 
 class DeviceStep:
@@ -123,10 +125,16 @@ class StepRun:
         self.host: torch.Tensor | None = None   # sampled ids and log probabilities, in host memory
         self.data: list = []
         self.busy = self.waited = 0.0
+        self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
 
     def stage(self, buffer: int, ranges: list, data: Any) -> None:
-        """Received bytes the next :meth:`advance` writes before its kernels."""
+        """Received bytes (a whole transfer, or one chunk of it) the next
+        :meth:`advance` writes before its kernels."""
         self.staged.append((buffer, ranges, data))
+
+    def received(self) -> None:
+        """The receive :meth:`advance` stopped at has all its bytes staged."""
+        self.i += 1
 
     def advance(self) -> Progress:
         """On the worker: from the current program step on, until the
@@ -143,6 +151,7 @@ class StepRun:
             st.prog.write(buffer, ranges, data)
         self.staged = []
         program, key = st.program, (st.plan_id, msg.step)
+        before = [st.runner.counts[k] for k in self.counts]
         while self.i < len(program):
             op = program[self.i]
             if op.op == "recv":
@@ -158,6 +167,8 @@ class StepRun:
                 self.i += 1
                 continue
             self._block(ship)
+        for k, b in zip(self.counts, before):
+            self.counts[k] += st.runner.counts[k] - b
         busy = time.perf_counter() - t0 - waited
         self.busy += busy
         self.waited += waited
@@ -197,9 +208,10 @@ class StepRun:
         if st.samples(msg):
             s0 = time.time()
             from tessera_actors.execution.sampling import sample_on_device
-            ids, lps = sample_on_device(st.prog.view(st.logits), msg.sample)
+            from tessera_actors.execution.sampling_extras import pack
+            ids, lps, top = sample_on_device(st.prog.view(st.logits), msg.sample)
             st.sampled = (msg.step, ids)
-            both = torch.stack([ids.to(torch.float64), lps.to(torch.float64)])
+            both = pack(ids, lps, top)   # one host copy: ids, log probabilities, top log probabilities
             self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
             self.host.copy_(both, non_blocking=both.is_cuda)
             if self.spans is not None:
@@ -210,12 +222,10 @@ class StepRun:
 
     def landed(self) -> Landed:
         """The answer, once ``landing`` completed (the host copy is settled)."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        if self.host is not None:
-            tokens, logprobs = [int(t) for t in self.host[0].tolist()], self.host[1].tolist()
+        from tessera_actors.execution.sampling_extras import unpack
+        tokens, logprobs, top = unpack(self.host) if self.host is not None else ([], [], [])
         outs = [[b, s, e] for b, s, e, _ in self.step.outputs] if self.msg.outputs else []
-        return Landed(tokens, logprobs, outs, self.data, self.spans or [])
+        return Landed(tokens, logprobs, outs, self.data, self.spans or [], top)
 
     def _inputs_writer(self) -> Callable[[], None] | None:
         """The worker-side writing of the step's inputs (None: this device

@@ -32,12 +32,12 @@ Contract of a step (every method runs on the device actor's worker thread):
 
 On CPU the copies run when queued and every event is complete at once, so CI
 runs this same order.  The device's ``mem=`` budget counts the resident
-buffers and the slots, not the host homes.  The segment runner does not
-capture a streaming program's chunks (``capturable = False``); the program
-captures the pieces ending at streamed readers itself (eager the first
-time, one CUDA graph the second, replayed after; ``graphs`` from the
-runner), so copies and events stay outside graphs and prefetch crosses
-chunks (copies overlap the CPU's kernels between two GPU chunks).
+buffers and the slots, not the host homes.  A streaming program splits a
+run of kernels into :meth:`~StreamingProgram.pieces` ending at streamed
+readers; the device's segment runner runs each piece through its one
+capture/replay cache (eager the first time, one CUDA graph the second,
+replayed after), so copies and events stay outside graphs and prefetch
+crosses runs (copies overlap the CPU's kernels between two GPU runs).
 
 :class:`Throttle` slows a program down by a factor (``cpu?slow=4``): every
 kernel run is followed by a sleep of ``(slow - 1)`` times its duration, the
@@ -46,7 +46,7 @@ stand-in for another process taking the cores, for load-aware re-planning.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -83,12 +83,11 @@ class Staging:
 
 
 class StreamingProgram(AtenProgram):
-    capturable = False
 
     def __init__(self, graph: KernelGraph, device: torch.device, buffer_ids: Iterable[int],
                  streamed: Sequence[int], slots: int, slot_bytes: int, backend: Any,
                  memory_limit: int | None = None, shared: dict[int, torch.Tensor] | None = None,
-                 graphs: bool = False, ring: Staging | None = None,
+                 ring: Staging | None = None,
                  homes: dict[int, torch.Tensor] | None = None, mode: str = "slots") -> None:
         """``ring``: a shared :class:`Staging` (its bytes are the caller's to
         count), else the program's own; ``homes``: host tensors that are the
@@ -153,12 +152,6 @@ class StreamingProgram(AtenProgram):
         self.copied_bytes = 0
         self.ahead: dict[int, Any] = {}   # copy index -> (event,): next step's copies queued by this step
         self.ahead_used = 0               # copies a step found queued by the step before it
-        # pieces between streamed readers: None = warmed up (eager), else a replay
-        self.units: dict[tuple[int, int], Any] = {}
-        self.graphs = graphs
-        self.pool = None
-        self.replays = self.graphs_failed = 0
-        self.capture_error = ""
 
     def load(self, values: dict[int, torch.Tensor]) -> None:
         # copies queued ahead hold the old values, whichever program of the share group (they share homes)
@@ -243,13 +236,17 @@ class StreamingProgram(AtenProgram):
             self.ring.ahead = self
             self.queued_ahead += 1
 
-    def run(self, kernel_ids: Iterable[int]) -> None:
-        """Kernels between two streamed readers run as one piece with the
-        reader at its end: the compute stream waits for the reader's copy
-        before the piece (its other kernels are light), so a streamed
-        weight costs one replay, one wait and one event."""
-        if not self.streamed:
-            return super().run(kernel_ids)
+    def pieces(self, kernel_ids: Iterable[int]) -> Iterator[list[int]]:
+        """The kernels as pieces, each ending at a streamed weight's reader
+        (the last piece: the kernels after the last reader).  Before a piece
+        is yielded the compute stream waits for its reader's copy (its other
+        kernels are light), so a streamed weight costs one wait and one event;
+        after it was queued, the copies its read frees are issued.  Whoever
+        iterates runs each piece on the compute stream (the device's
+        :class:`~tessera_actors.execution.segments.SegmentRunner`: eager,
+        then captured and replayed as a CUDA graph); an exception thrown
+        into the iteration records the ring's last read behind whatever the
+        piece queued, then propagates."""
         be = self.backend
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         piece: list[int] = []
@@ -266,7 +263,7 @@ class StreamingProgram(AtenProgram):
                                        "was queued (plan out of copy order, or a ring too small for it)")
                 be.wait(compute, self.copied[i][0])
             try:
-                self._piece(piece, compute)
+                yield piece
             except BaseException:
                 # the reader may have queued work before it raised: the next step's first copies wait for it
                 self.ring.last_read = (be.record(compute),)
@@ -274,43 +271,14 @@ class StreamingProgram(AtenProgram):
             piece = []
             for i in sorted(mine):
                 self._read(i, compute)
-        self._piece(piece, compute)
+        if piece:
+            yield piece
 
-    def _piece(self, kernels: list[int], compute) -> None:
-        """Run a piece (the kernels up to a streamed reader, or the last ones):
-        eagerly the first time, captured (one CUDA graph, one memory pool for
-        all pieces) the second, replayed from then on; copies and events stay
-        outside the graphs."""
-        if not kernels:
-            return
-        key = (kernels[0], len(kernels))
-        unit = self.units.get(key)
-        if unit is not None:
-            unit()
-            self.replays += 1
-            return
-
-        def eager() -> None:
-            for kid in kernels:
-                self.bind(kid)()
-        if not self.graphs or key not in self.units:
-            eager()
-            self.units.setdefault(key, None)
-            return
-        if self.pool is None and self.device.type == "cuda":
-            self.pool = torch.cuda.graph_pool_handle()
-        try:
-            unit = self.backend.replayable(eager, compute, pool=self.pool, warmup=False, current=True)
-        except Exception as e:   # e.g. a kernel that syncs with the host: this piece stays eager
-            self.capture_error = f"{key}: {type(e).__name__}: {e}"
-            self.graphs_failed += 1
-            self.units[key] = None
-            self.graphs = self.graphs and self.graphs_failed < 4
-            eager()
-            return
-        self.units[key] = unit
-        unit()
-        self.replays += 1
+    def run(self, kernel_ids: Iterable[int]) -> None:
+        """Every piece run eagerly (a device actor runs them through its
+        runner's cache instead)."""
+        for piece in self.pieces(kernel_ids):
+            self.run_kernels(piece)
 
 
 class Throttle:
@@ -318,8 +286,8 @@ class Throttle:
 
     def __init__(self, prog: AtenProgram, slow: float) -> None:
         self.prog, self.slow = prog, slow
-        self._run = prog.run
-        prog.run = self.run
+        self._run = prog.run_kernels
+        prog.run_kernels = self.run
 
     def run(self, kernel_ids: Iterable[int]) -> None:
         t0 = time.perf_counter()
@@ -347,7 +315,7 @@ def program_for(cls: type[AtenProgram], graph: KernelGraph, plan: Plan, device: 
             raise BackendError("weight streaming runs aten-captured graphs only")
         off = plan.meta["offload"]
         prog = StreamingProgram(graph, runner.device, plan.resident[device], streamed, int(off["slots"]),
-                                int(off["slot_bytes"]), runner.backend, memory_limit, shared, runner.graphs,
+                                int(off["slot_bytes"]), runner.backend, memory_limit, shared,
                                 ring, homes, str(off.get("ring", "slots")))
     else:
         prog = cls(graph, runner.device, plan.resident[device], memory_limit=memory_limit, shared=shared)

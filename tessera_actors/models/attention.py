@@ -70,10 +70,6 @@ class CachedAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.row_base = 0  # without ``rows``: the batch uses cache rows row_base .. row_base+B-1
         self.kv_window = 0  # > 0: read only the first kv_window slots (every position of the step is below it)
-        # CPU-only deployments: call the fused CPU kernel that eager CPU SDPA runs (a capture on the meta
-        # device would otherwise record SDPA's math decomposition); not with sinks or a sliding window,
-        # whose masks can leave a padding row without a key (the math path's safe softmax gives zeros there)
-        self.cpu_fused = False
         # sinks: one zero slot for the sink logit, padded so rows stay 16-element aligned for the kernels
         slots = max_seq + ((16 - max_seq % 16) if sinks else 0)
         register_state(self, "k_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
@@ -148,7 +144,7 @@ class CachedAttention(nn.Module):
         k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
         # ``masks``: one dict per forward, shared by the layers - the mask of a step is the same in every
         # layer of one shape (sinks are per layer: never shared)
-        key = (self.gqa, G, T, self.max_seq, self._window(), self.sliding_window, self.cpu_fused, q.dtype)
+        key = (self.gqa, G, T, self.max_seq, self._window(), self.sliding_window, q.dtype)
         shared = masks is not None and self.sinks is None
         if shared and key in masks:
             mask = masks[key]
@@ -158,13 +154,9 @@ class CachedAttention(nn.Module):
                 masks[key] = mask
         return self._attend(q, k_cache, v_cache, mask, B, T)
 
-    def _fused_cpu(self) -> bool:
-        return self.cpu_fused and self.sinks is None and self.sliding_window is None
-
     def _attention_mask(self, positions: Tensor, dtype: torch.dtype, B: int, T: int) -> Tensor:
         """The mask in the form the attention call takes: [B, 1, T, S] for
-        ``enable_gqa``; folded to the query rows (g, t) otherwise, additive for
-        the fused CPU kernel."""
+        ``enable_gqa``; folded to the query rows (g, t) otherwise."""
         mask = self._mask(positions, dtype)
         if self.gqa == "enable_gqa":
             return mask
@@ -173,8 +165,6 @@ class CachedAttention(nn.Module):
             mf = mask if T == 1 else mask.expand(B, G, T, mask.shape[-1]).reshape(B, 1, G * T, -1)
         else:
             mf = mask.view(B, self.n_kv_heads, G * T, mask.shape[-1])                    # heads h = kv*G + g
-        if self._fused_cpu():
-            return torch.zeros((), dtype=dtype, device=mf.device).masked_fill(~mf, float("-inf"))  # as SDPA does
         return mf
 
     def _attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, B: int, T: int) -> Tensor:
@@ -186,10 +176,6 @@ class CachedAttention(nn.Module):
             return self.wo(out.transpose(1, 2).reshape(B, T, H * hd))
         # fold: query rows (g, t) of KV head kv
         qf = q.view(B, T, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, G * T, hd)
-        if self._fused_cpu():
-            out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qf, k_cache, v_cache, 0.0, False, attn_mask=mask)[0]
-        else:
-            out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mask)   # [B, KV, G*T, hd]
+        out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mask)   # [B, KV, G*T, hd]
         out = out.view(B, KV, G, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, H * hd)
         return self.wo(out)

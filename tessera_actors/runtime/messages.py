@@ -197,8 +197,11 @@ class StepDone:
     holding the logits (empty elsewhere), with its log probability in
     ``logprobs``.  ``spans`` (when traced): ``[what, start, end]`` in wall-clock
     seconds (``time.time()``) for each run of kernels, transfer wait and
-    sampling, in order.  ``top_logprobs``: when an entry's record asked for
-    them, per entry ``[[id, logprob], ...]`` of the most likely ids."""
+    sampling, in order.  ``replays`` / ``eager_runs`` / ``capture_failures``:
+    this device's runs of kernels in the step replayed as CUDA graphs, run
+    eagerly (a first run, a CPU, graphs off, or a capture that failed), and
+    captures that failed.  ``top_logprobs``: when an entry's record asked
+    for them, per entry ``[[id, logprob], ...]`` of the most likely ids."""
     plan_id: str
     step: int
     device: int
@@ -209,6 +212,9 @@ class StepDone:
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     spans: list = dataclasses.field(default_factory=list)
+    replays: int = 0
+    eager_runs: int = 0
+    capture_failures: int = 0
     top_logprobs: list = dataclasses.field(default_factory=list)
 
 

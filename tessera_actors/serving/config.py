@@ -63,6 +63,10 @@ class EngineConfig:
     # where the model is built before its values move to host memory (a GPU generates a real-size
     # random-weight model in seconds, a CPU in minutes)
     build_device: str = "cpu"
+    # how buckets are captured: auto (inductor when every device is a GPU, else aten), aten, inductor
+    capture: str = "auto"
+    regions: str = "auto"   # inductor: per repeated block (auto, blocks) or the whole model as one graph
+    gqa: str = "auto"       # attention's GQA form: auto (enable_gqa on GPUs: cuDNN's kernel), fold, enable_gqa
 
     def __post_init__(self) -> None:
         def bad(why: str) -> ValueError:
@@ -98,6 +102,10 @@ class EngineConfig:
                 raise bad(f"{name} must be positive, got {getattr(self, name)}")
         if not isinstance(self.planner_options, dict):
             raise bad(f"planner_options must be a dict, got {self.planner_options!r}")
+        for name, allowed in (("capture", ("auto", "aten", "inductor")), ("regions", ("auto", "whole", "blocks")),
+                              ("gqa", ("auto", "fold", "enable_gqa"))):
+            if getattr(self, name) not in allowed:
+                raise bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         kv_budget(self.kv_cache_memory)   # a bad value fails here, before anything is built
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -37,8 +37,8 @@ from tessera_actors.capture import capture_module
 from tessera_actors.capture.aten import storage_bytes
 from tessera_actors.graph import KernelGraph
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.params import EngineError
 from tessera_actors.serving.memory import fit_kv_cache, state_bytes
+from tessera_actors.serving.params import EngineError
 
 
 @dataclass(frozen=True)
@@ -117,11 +117,10 @@ def bucket_inputs(bucket: Bucket, device: str | torch.device = "meta") -> dict[s
 
 
 @contextlib.contextmanager
-def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
+def shaped(model: torch.nn.Module, bucket: Bucket):
     """Capture-time constants of a bucket on the attention modules: the first
-    KV row of a decode group (``row_base``), the window (``kv_window``) and,
-    for a deployment on CPU devices only, the fused CPU attention kernel
-    (``cpu_fused``); on the decoder, ``pool`` for an embedding bucket."""
+    KV row of a decode group (``row_base``) and the window (``kv_window``);
+    on the decoder, ``pool`` for an embedding bucket."""
     pools = [m for m in model.modules() if hasattr(m, "pool")]
     if bucket.kind == "embed":
         if not pools:
@@ -129,7 +128,7 @@ def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
         for m in pools:
             m.pool = True
     try:
-        with _attention_shaped(model, bucket, cpu_only):
+        with _attention_shaped(model, bucket):
             yield
     finally:
         for m in pools:
@@ -137,37 +136,22 @@ def shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool = False):
 
 
 @contextlib.contextmanager
-def _attention_shaped(model: torch.nn.Module, bucket: Bucket, cpu_only: bool):
+def _attention_shaped(model: torch.nn.Module, bucket: Bucket):
     mods = [m for m in model.modules() if hasattr(m, "row_base")]
     if bucket.window and any(not hasattr(m, "kv_window") for m in mods):
         raise EngineError("this model's attention has no kv_window; serve it with kv_windows=()")
-    old = [(m.row_base, getattr(m, "kv_window", 0), getattr(m, "cpu_fused", None)) for m in mods]
+    old = [(m.row_base, getattr(m, "kv_window", 0)) for m in mods]
     for m in mods:
         m.row_base = bucket.base
         if hasattr(m, "kv_window"):
             m.kv_window = bucket.window
-        if hasattr(m, "cpu_fused"):
-            m.cpu_fused = cpu_only
     try:
         yield
     finally:
-        for m, (b, w, f) in zip(mods, old):
+        for m, (b, w) in zip(mods, old):
             m.row_base = b
             if hasattr(m, "kv_window"):
                 m.kv_window = w
-            if f is not None:
-                m.cpu_fused = f
-
-
-def cpu_only(cfg: EngineConfig) -> bool:
-    """Whether every device of the deployment is a CPU (devices, or the
-    node processes' devices); anything unparsable counts as not."""
-    from tessera_actors.devices import parse_devices
-    try:
-        specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
-    except Exception:   # noqa: BLE001 - an unusual device string only loses the fused CPU kernel
-        return False
-    return bool(specs) and all(s.kind == "cpu" for s in specs)
 
 
 def core_buckets(cfg: EngineConfig, buckets: dict[str, Bucket]) -> set[str]:
@@ -189,78 +173,91 @@ def core_buckets(cfg: EngineConfig, buckets: dict[str, Bucket]) -> set[str]:
 
 
 class ServedModel:
-    """The real model (its weights), its tokenizer/template metadata and its
-    bucket graphs.  ``cfg``: the configuration served (``max_seqs`` fitted
-    to the KV-cache budget).
+    """The real model (its weights; its state dropped), its tokenizer/template
+    metadata and its bucket graphs.  ``cfg``: the configuration served
+    (``max_seqs`` fitted to the KV-cache budget).
 
-    ``buckets`` is every bucket the engine may run; a bucket's graph is
-    captured on first use: :meth:`graph` captures it (blocking, about a
+    ``buckets`` is every bucket the engine may run; an aten bucket's graph
+    is captured on first use: :meth:`graph` captures it (blocking, about a
     second; one capture at a time, from any thread: the meta model's
     attention modules are reshaped for it), so a server need not capture
-    the buckets it places in the background before it serves.  ``graphs``
-    and ``values`` (weight bytes by buffer id) hold the buckets captured so
-    far; ``weights`` holds the weight bytes by buffer name, for any bucket
-    (every bucket names its weights as the model does)."""
+    the buckets it places in the background before it serves (inductor
+    captures are all made at load).  ``graphs``, ``values`` (weight bytes by
+    buffer id) and ``captures`` (``inductor`` | ``aten``, or ``aten
+    (inductor failed: ...)``) hold the buckets captured so far; ``weights``
+    holds the weight bytes by buffer name, for any bucket (every bucket
+    names its weights as the model does)."""
 
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module, meta: torch.nn.Module, vocab_size: int,
-                 buckets: dict[str, Bucket], gguf_meta: dict | None, cpu_fused: bool) -> None:
+                 buckets: dict[str, Bucket], gguf_meta: dict | None) -> None:
         self.cfg, self.name, self.model, self.vocab_size = cfg, cfg.model, model, vocab_size
         self.buckets, self.gguf_meta = buckets, gguf_meta
-        self._meta, self._fused = meta, cpu_fused
+        self._meta = meta
         self._state = set(model.state_names())
         named = dict(model.named_parameters())
         named.update(dict(model.named_buffers()))
-        self.weights = {n: storage_bytes(t) for n, t in named.items() if n not in self._state}
-        self.weight_bytes = sum({t.data_ptr(): t.numel() for t in self.weights.values()}.values())   # tied: once
+        self.weights = {n: t for n, t in named.items() if n not in self._state}
+        self.weight_bytes = sum({t.data_ptr(): t.numel() * t.element_size()
+                                 for t in self.weights.values()}.values())   # tied weights once
         self.kv_bytes = state_bytes(meta)   # the KV cache over all devices
         self.graphs: dict[str, KernelGraph] = {}
         self.values: dict[str, dict[int, torch.Tensor]] = {}
+        self.captures: dict[str, str] = {}
         self._lock = threading.Lock()
 
+    def add(self, bucket: str, graph: KernelGraph, how: str, captured: dict | None = None) -> None:
+        """Keep a captured graph of ``bucket`` with its weight values."""
+        self.values[bucket] = weight_values(bucket, graph, self.weights, self._state, captured)
+        self.graphs[bucket], self.captures[bucket] = graph, how
+
     def graph(self, bucket: str) -> KernelGraph:
-        """The bucket's graph, captured now if it is not yet (``KeyError``
-        for a bucket the engine does not run)."""
+        """The bucket's graph, captured now (as aten ops) if it is not yet
+        (``KeyError`` for a bucket the engine does not run)."""
         g = self.graphs.get(bucket)
         if g is not None:
             return g
         b = self.buckets[bucket]
         with self._lock:
             if bucket not in self.graphs:
-                with shaped(self._meta, b, self._fused):
-                    cap = capture_module(self._meta, bucket_inputs(b))
-                self.values[bucket] = self._weight_values(b, cap.graph)
-                self.graphs[bucket] = cap.graph
+                self.add(bucket, capture_aten(self._meta, b), "aten")
         return self.graphs[bucket]
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Weight bytes by buffer name (flat views of the model's storages,
+        no copy): what the scheduler loads a bucket captured after start
+        from.  The same dict each call, emptied by :meth:`release_weights`."""
+        if not hasattr(self, "_named_bytes"):
+            self._named_bytes = {n: storage_bytes(t) for n, t in self.weights.items()}
+        return self._named_bytes
 
     def release_weights(self) -> None:
         """Drop this process's copy of the weights (in place: a reader of
-        ``weights``, the scheduler, sees none from now on); the bytes go
-        back once no other engine of the process holds the same model.
-        Buckets not captured yet can no longer be (``EngineError``)."""
+        :meth:`named_weights`, the scheduler, sees none from now on); the
+        bytes go back once no other engine of the process holds the same
+        model.  Buckets not captured yet are no longer served."""
+        self.named_weights().clear()
         self.weights.clear()
         self.values.clear()
         self.model = None
         _build.cache_clear()
-        missing = set(self.buckets) - set(self.graphs)
-        self.buckets = {n: b for n, b in self.buckets.items() if n not in missing}
+        self.buckets = {n: b for n, b in self.buckets.items() if n in self.graphs}
 
     def capture_all(self) -> None:
         """Capture every bucket (blocking)."""
         for name in self.buckets:
             self.graph(name)
 
-    def _weight_values(self, b: Bucket, graph: KernelGraph) -> dict[int, torch.Tensor]:
-        vals = {}
-        for buf in graph.buffers.values():
-            if buf.role == "weight":
-                t = self.weights.get(buf.name)
-                if t is None:
-                    raise EngineError(f"bucket {b.name}: weight buffer {buf.id} ({buf.name!r}) has no tensor "
-                                      "of that name in the model")
-                vals[buf.id] = t
-            elif buf.role == "state" and buf.name not in self._state:
-                raise EngineError(f"bucket {b.name}: {buf.name!r} is written but is not a state buffer")
-        return vals
+
+def drop_state(model: torch.nn.Module) -> None:
+    """Replace the model's state buffers (its KV cache: ``max_seqs`` x
+    ``max_model_len`` slots) by empty tensors: the cache starts as zeros on
+    the devices and is never shipped, so the host keeps only the weights."""
+    for name in getattr(model, "state_names", lambda: [])():
+        path, _, buf = name.rpartition(".")
+        mod = model.get_submodule(path) if path else model
+        t = mod._buffers.get(buf)
+        if t is not None and t.numel():
+            mod._buffers[buf] = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 @functools.lru_cache(maxsize=2)
@@ -268,9 +265,10 @@ def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, buil
            ) -> torch.nn.Module:
     """The real model, built once per configuration in a process (engines of
     one benchmark share its weights: they are only ever read); generated on
-    ``build_device`` and kept in host memory."""
+    ``build_device`` and kept in host memory, without its state."""
     from tessera_actors import models
     m = models.get(model, size, dtype=dtype, seed=seed, device=build_device, **dict(kw))
+    drop_state(m)
     if build_device != "cpu":
         m = m.to("cpu")
         if torch.cuda.is_available():
@@ -278,80 +276,154 @@ def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, buil
     return m
 
 
-def without_state(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with its state buffers (the KV cache) moved to the meta
-    device, in place: the served model's own cache is never used - every
-    device holds its own, zeros at install - so its bytes go back to the
-    system (1.5 GB for SmolLM2 at 16 x 2048 in float32)."""
-    names = set(model.state_names())
-    for prefix, module in model.named_modules():
-        for key, buf in list(module._buffers.items()):
-            if buf is not None and (f"{prefix}.{key}" if prefix else key) in names:
-                module._buffers[key] = torch.empty_like(buf, device="meta")
-    return model
-
-
-def _build_model(cfg: EngineConfig, device: str) -> torch.nn.Module:
-    """The model of ``cfg`` on ``device``: "meta" (shapes only, for capture)
-    or "cpu" (its real weights; a reference model's random ones generated on
-    ``cfg.build_device``)."""
-    from tessera_actors import models
-    dtype = _dtype(cfg.dtype)
-    if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
-        from tessera_actors.models import hf
-        extra = {"device": "meta"} if device == "meta" else {}
-        return hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
-                               **extra, **cfg.overrides)
-    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
-    if device == "meta":
-        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
-    key = tuple(sorted(kw.items()))
-    try:
-        hash(key)
-    except TypeError:   # an unhashable override (a dict): build it afresh
-        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
-    return _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
-
-
 def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_served_model(cfg: EngineConfig, core_only: bool = False) -> ServedModel:
+def _meta_model(cfg: EngineConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of ``cfg`` on the meta device (shapes only)."""
+    from tessera_actors import models
+    try:
+        if cfg.model.startswith("hf:"):
+            from tessera_actors.models import hf
+            return hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   device="meta", **cfg.overrides)
+        kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
+        raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
+
+
+def fitted(cfg: EngineConfig) -> tuple[EngineConfig, torch.nn.Module]:
+    """(``cfg`` with ``max_seqs`` lowered to what ``kv_cache_memory`` holds,
+    its meta model): the row size comes from the meta model's state."""
+    dtype = _dtype(cfg.dtype)
+    if cfg.model.startswith("hf:"):
+        cfg.kv_windows = (cfg.max_model_len,)   # a transformers model's attention reads the whole cache
+    meta = _meta_model(cfg, dtype)
+    fit = fit_kv_cache(cfg, state_bytes(meta) // cfg.max_seqs)
+    return (fit, _meta_model(fit, dtype)) if fit is not cfg else (cfg, meta)
+
+
+def _models(cfg: EngineConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the real model in host memory, the same model on the meta device)."""
+    from tessera_actors import models
+    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+    try:
+        if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
+            from tessera_actors.models import hf
+            cfg.kv_windows = (cfg.max_model_len,)   # its attention reads the whole cache
+            real = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   **cfg.overrides)
+            drop_state(real)
+            meta = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   device="meta", **cfg.overrides)
+            return real, meta
+        key = tuple(sorted(kw.items()))
+        try:
+            hash(key)
+        except TypeError:   # an unhashable override (a dict): build it afresh
+            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
+            drop_state(real)
+        else:
+            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
+        return real, models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
+        raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
+
+
+def weight_values(name: str, graph: KernelGraph, named: dict[str, torch.Tensor], state: set[str],
+                  captured: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+    """The initial bytes of a bucket graph's weights, by buffer id: the real
+    model's tensor of the buffer's name (flat bytes of its storage, no copy),
+    or for an unnamed constant the bytes the capture recorded."""
+    vals = {}
+    for buf in graph.buffers.values():
+        if buf.role == "weight":
+            t = named.get(buf.name)
+            if t is None and captured is not None and not buf.name and buf.id in captured:
+                vals[buf.id] = captured[buf.id].cpu()
+                continue
+            if t is None:
+                raise EngineError(f"bucket {name}: weight buffer {buf.id} ({buf.name!r}) has no tensor "
+                                  "of that name in the model")
+            vals[buf.id] = storage_bytes(t)
+        elif buf.role == "state" and buf.name not in state:
+            raise EngineError(f"bucket {name}: {buf.name!r} is written but is not a state buffer")
+    return vals
+
+
+def load_served_model(cfg: EngineConfig, core_only: bool = False, progress=None) -> ServedModel:
     """Build the model (real weights for ``smollm2``) with as many KV rows as
     ``cfg.kv_cache_memory`` holds (``ServedModel.cfg``: the configuration
-    served, ``max_seqs`` lowered to fit), check it takes the serving inputs,
-    and capture its buckets (``core_only``: the :func:`core_buckets`; the
-    others are captured when first used).  Blocking (call in a thread)."""
+    served), check it takes the serving inputs, and capture its buckets:
+    with inductor (Triton kernels, PTX access sets; every bucket now) when
+    every device is a GPU of this process's kind, else on the meta device
+    as aten ops (:func:`capture_kind`; ``core_only``: only the
+    :func:`core_buckets` now, the others on first use).  ``progress(done,
+    total, bucket)`` is called after each bucket captured here.  Blocking
+    (call in a thread)."""
     if cfg.model == "smollm2":
         limit = 8192   # SmolLM2-135M-Instruct's own context (GGUF llama.context_length)
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
-    if cfg.model.startswith("hf:"):
-        cfg.kv_windows = (cfg.max_model_len,)   # a transformers model's attention reads the whole cache
-    try:
-        meta = _build_model(cfg, "meta")
-        fitted = fit_kv_cache(cfg, state_bytes(meta) // cfg.max_seqs)
-        if fitted is not cfg:
-            cfg, meta = fitted, _build_model(fitted, "meta")
-        real = _build_model(cfg, "cpu")
-    except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
-        raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
-    without_state(real)
+    cfg, _ = fitted(cfg)
+    real, meta = _models(cfg, _dtype(cfg.dtype))
     params = inspect.signature(real.forward).parameters
     if not {"input_ids", "positions", "rows", "last"} <= set(params):
         raise EngineError(f"model {cfg.model!r} cannot be served: its forward takes {list(params)}, the engine "
                           "needs input_ids, positions, rows and last (a Llama-family decoder)")
-    served_buckets = {b.name: b for b in buckets_for(cfg)}
+    buckets = {b.name: b for b in buckets_for(cfg)}
     if any(hasattr(m, "pool") for m in meta.modules()) and cfg.prefill_buckets:   # embeddings, a chunk at a time
         embed = Bucket("embed", max(cfg.prefill_buckets))
-        served_buckets[embed.name] = embed
+        buckets[embed.name] = embed
     meta_gguf = None
     if cfg.model in ("smollm2", "hf:smollm2"):
         from tessera_actors.models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
-    served = ServedModel(cfg, real, meta, vocab, served_buckets, meta_gguf, cpu_only(cfg))
-    for name in core_buckets(cfg, served_buckets) if core_only else served_buckets:
+    served = ServedModel(cfg, real, meta, vocab, buckets, meta_gguf)
+    if capture_kind(cfg) == "inductor":
+        from tessera_actors.serving.gpu_capture import capture_on_gpu
+        # (the embedding bucket is captured as aten ops when first used)
+        graphs, captured, captures = capture_on_gpu(cfg, real, meta,
+                                                    [b for b in buckets.values() if b.kind != "embed"], progress)
+        for name, graph in graphs.items():
+            served.add(name, graph, captures[name], captured.get(name))
+        return served
+    from tessera_actors.serving.gpu_capture import attention_form, set_attention_form
+    set_attention_form(meta, attention_form(cfg, gpu=all_cuda(cfg)))
+    now = [n for n in buckets if n in core_buckets(cfg, buckets)] if core_only else list(buckets)
+    for i, name in enumerate(now):
         served.graph(name)
+        if progress is not None:
+            progress(i + 1, len(now), name)
     return served
+
+
+def capture_aten(meta: torch.nn.Module, bucket: Bucket) -> KernelGraph:
+    """The bucket's graph captured as aten ops on the meta device (no
+    arithmetic: well under a second for a real-size model); attention is
+    one kernel that each device runs as its own (:mod:`~tessera_actors.capture.fused`)."""
+    with shaped(meta, bucket):
+        graph = capture_module(meta, bucket_inputs(bucket)).graph
+    graph.meta["capture"] = "aten"
+    return graph
+
+
+def capture_kind(cfg: EngineConfig) -> str:
+    """``cfg.capture``, or for ``auto``: ``inductor`` when every device of the
+    deployment (in-process, or of every node) is a CUDA device and this
+    process sees one (it compiles there), else ``aten``."""
+    if cfg.capture != "auto":
+        return cfg.capture
+    if not all_cuda(cfg) or cfg.model.startswith("hf:"):
+        return "aten"
+    return "inductor" if torch.cuda.is_available() else "aten"
+
+
+def all_cuda(cfg: EngineConfig) -> bool:
+    """Whether every device of the deployment (in-process, or of every node) is a GPU."""
+    from tessera_actors.devices import parse_devices
+    specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
+    return bool(specs) and all(s.kind == "cuda" for s in specs)

@@ -74,6 +74,10 @@ class StepResult:
     top_logprobs: list = field(default_factory=list)   # per sampled entry, when asked: [[id, logprob], ...]
     outputs: list = field(default_factory=list)        # step(outputs=True): [buffer, start, end, bytes] of each
 
+    def top(self, i: int) -> list | None:
+        """Sampled entry ``i``'s top log probabilities (None: not asked)."""
+        return self.top_logprobs[i] if i < len(self.top_logprobs) else None
+
 
 def _feeding_device(graph, plan: Plan) -> int | None:
     """The plan device that reads ``input_ids`` and holds the logits (the
@@ -151,7 +155,7 @@ class Deployment:
         if hasattr(planner, "expect"):   # the offload planner keeps room in the GPU budget for the other buckets
             await asyncio.to_thread(self.served.capture_all)
             planner.expect([g for name, g in self.served.graphs.items() if name != self.reference_bucket()])
-        await self.system.spawn(SchedulerActor(planner, named_values=self.served.weights,
+        await self.system.spawn(SchedulerActor(planner, self.served.values, named_values=self.served.named_weights(),
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
         if cfg.nodes:

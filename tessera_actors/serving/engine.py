@@ -47,9 +47,8 @@ from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.deploy import bucket_name, decode_sizes, load_served_model, window_for
 from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from tessera_actors.serving.deployment import Deployment, StepFailed
-from tessera_actors.serving.json_mode import JsonGrammar, token_texts
 from tessera_actors.serving.memory import memory_report
-from tessera_actors.serving.records import RowRecord
+from tessera_actors.serving.records import Records
 from tessera_actors.serving.text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
 
 log = logging.getLogger("tessera_actors.serving")
@@ -109,7 +108,6 @@ class AsyncEngine:
         self.tokenizer = None
         self.template = None
         self.slots = SlotAllocator(config.group_bounds(self.groups))
-        self._grammar = None   # JSON mode's masks over this model's vocabulary, built on first use
         self._slot_freed = asyncio.Event()   # a KV slot was given back (embeddings wait for one)
         self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
         self._outbox: list[tuple] = []   # stream pieces, delivered after the next steps are sent (_emit)
@@ -152,6 +150,7 @@ class AsyncEngine:
             tpl = served.gguf_meta.get("tokenizer.chat_template")
             if tpl:
                 self.template = ChatTemplate(tpl, self.tokenizer.bos_token, self.tokenizer.eos_token)
+        self._records = Records(self.tokenizer, served.vocab_size)
         self.trace = None
         if self.cfg.trace_dir:
             from tessera_actors.serving.trace import StepTrace
@@ -235,7 +234,7 @@ class AsyncEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(rid, ids, params, seed, arrival=time.monotonic(), context=list(ids))
         if params.shapes_logits:
-            seq.record = self._record(params, ids)
+            seq.record = self._records.make(params, ids)
         detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         req = _Request(seq, detok)
         self._requests[rid] = req
@@ -254,15 +253,6 @@ class AsyncEngine:
         finally:
             if req.finished is None:
                 self._abort(req)
-
-    def _record(self, params: SamplingParams, ids: list[int]) -> RowRecord:
-        """The sampling record of a request whose parameters shape the logits."""
-        grammar = decode = None
-        if params.json and self.tokenizer is not None:
-            if self._grammar is None:   # built once per engine: every token's text
-                self._grammar = JsonGrammar(token_texts(self.tokenizer), self.tokenizer.eos_id)
-            grammar, decode = self._grammar, self.tokenizer.decode
-        return RowRecord(params, ids, self.served.vocab_size, grammar, decode)
 
     async def embed(self, prompt) -> tuple[list[float], int]:
         """(the mean-pooled final hidden state of ``prompt``, its token
@@ -485,12 +475,12 @@ class AsyncEngine:
             self._prefill.remove(req)
             self._catchup.discard(req.seq.rid)
             req.seq.phase = "decode"
-            self._accept(req, result.tokens[0], result.logprobs[0], _top(result, 0))
+            self._accept(req, result.tokens[0], result.logprobs[0], result.top(0))
             return
         for i, (req, tok, lp) in enumerate(zip(reqs, result.tokens, result.logprobs)):
             if req.finished is None:
                 req.seq.exec_s += result.seconds
-                self._accept(req, tok, lp, _top(result, i))
+                self._accept(req, tok, lp, result.top(i))
             else:   # it ended (end of text, a stop string, an abort) while this step was in flight
                 self.counters["discarded_tokens"] += 1
 
@@ -624,11 +614,6 @@ class AsyncEngine:
         return {"ok": ok, "status": "ok" if ok else ("starting" if starting else "unhealthy"),
                 "lost": sorted(self.deployment.lost) if self.deployment else [], "error": self._dead,
                 **self._progress}
-
-
-def _top(result, i: int) -> list | None:
-    """Entry ``i``'s top log probabilities in a step's result (None: not asked)."""
-    return result.top_logprobs[i] if i < len(result.top_logprobs) else None
 
 
 def _is_id_list(prompt) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from tessera_actors.serving.json_mode import JsonGrammar
+from tessera_actors.serving.json_mode import JsonGrammar, token_texts
 from tessera_actors.serving.params import InvalidRequest, SamplingParams
 
 
@@ -49,3 +49,20 @@ class RowRecord:
         if self.params.json:
             rec["allow"] = self.grammar.mask(self.decode(list(seq.generated)))
         return rec
+
+
+class Records:
+    """Makes the records of one engine's requests (JSON mode's grammar over
+    its vocabulary built once, on first use)."""
+
+    def __init__(self, tokenizer, vocab: int) -> None:
+        self.tokenizer, self.vocab = tokenizer, vocab
+        self._grammar: JsonGrammar | None = None
+
+    def make(self, params: SamplingParams, prompt: Sequence[int]) -> RowRecord:
+        grammar = decode = None
+        if params.json and self.tokenizer is not None:
+            if self._grammar is None:   # every token's text, once
+                self._grammar = JsonGrammar(token_texts(self.tokenizer), self.tokenizer.eos_id)
+            grammar, decode = self._grammar, self.tokenizer.decode
+        return RowRecord(params, prompt, self.vocab, grammar, decode)

@@ -1,0 +1,106 @@
+"""The buckets of a GPU deployment, captured with inductor.
+
+On a deployment whose every device is a GPU, each bucket is compiled by
+inductor (``torch.compile``'s kernels: fused Triton kernels, cuBLAS GEMMs,
+cuDNN attention) and recorded as a kernel program whose access sets come
+from the kernels' PTX (:func:`~tessera_actors.capture.inductor.capture_inductor`):
+the PTX-derived kernel DAG the graph actor holds, placed by the planner and
+replayed as CUDA graphs by the device actors.  Repeated blocks (decoder
+layers) are compiled once (``regions="auto"``/``"blocks"``); ``"whole"``
+compiles the whole model as one graph, as ``torch.compile`` of the model
+does.
+
+The model is put on the GPU once for all buckets: the host model's weights
+copied into a GPU-built twin (its KV cache on the GPU too, the size the
+devices will allocate), every bucket captured on it with ``fresh_state``
+(no snapshot of the weights or the cache), then the twin is dropped, so the
+GPU holds one copy of the weights and one cache again when the devices
+install.  A bucket inductor cannot compile or record is captured as aten
+ops instead (``ServedModel.captures`` says so) - served, never lost.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+import torch
+
+from tessera_actors.serving.config import EngineConfig
+
+log = logging.getLogger("tessera_actors.serving")
+
+
+def attention_form(cfg: EngineConfig, gpu: bool) -> str:
+    """The GQA form of the attention modules: ``enable_gqa`` (cuDNN's kernel
+    reads each KV head once) on GPU-only deployments, ``fold`` elsewhere."""
+    if cfg.gqa != "auto":
+        return cfg.gqa
+    return "enable_gqa" if gpu else "fold"
+
+
+def set_attention_form(model: torch.nn.Module, form: str) -> None:
+    from tessera_actors.models.attention import CachedAttention
+    for mod in model.modules():
+        if isinstance(mod, CachedAttention):
+            mod.gqa = form
+
+
+def gpu_twin(cfg: EngineConfig, real: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model built on ``device`` (its state there, zeros) with the host
+    model's weights copied in by name (ties kept: the twin is built by the
+    model's own constructor)."""
+    from tessera_actors import models
+    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+    dtype = next(real.parameters()).dtype
+    twin = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device=device, **kw)
+    state = set(twin.state_names())
+    host = dict(real.named_parameters(remove_duplicate=False))
+    host.update(real.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for name, t in list(twin.named_parameters()) + list(twin.named_buffers()):
+            if name in state:
+                t.zero_()
+            elif name in host:
+                t.copy_(host[name])
+            else:
+                raise ValueError(f"the GPU twin has {name!r}, the host model has no tensor of that name")
+    return twin.eval()
+
+
+def capture_on_gpu(cfg: EngineConfig, real: torch.nn.Module, meta: torch.nn.Module, buckets, progress=None):
+    """(graphs, captured unnamed values, capture kind) per bucket name."""
+    from tessera_actors.capture.errors import CaptureError
+    from tessera_actors.capture.inductor import capture_inductor
+    from tessera_actors.serving.deploy import bucket_inputs, capture_aten, shaped
+    import torch._dynamo as dynamo
+    device = torch.device("cuda", torch.cuda.current_device())
+    form = attention_form(cfg, gpu=True)
+    set_attention_form(meta, form)
+    twin = gpu_twin(cfg, real, device)
+    set_attention_form(twin, form)
+    graphs, captured, kinds = {}, {}, {}
+    try:
+        for i, b in enumerate(buckets):
+            try:
+                with shaped(twin, b):
+                    res = capture_inductor(twin, bucket_inputs(b, device), meta={"bucket": b.name},
+                                           regions=cfg.regions, fresh_state=True)
+                res.graph.meta["capture"] = "inductor"
+                graphs[b.name], captured[b.name], kinds[b.name] = res.graph, res.values, "inductor"
+            except (CaptureError, RuntimeError, ValueError) as e:
+                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+                log.warning("bucket %s: inductor capture failed (%s); captured as aten ops", b.name, why)
+                graphs[b.name] = capture_aten(meta, b)
+                graphs[b.name].meta["capture_fallback"] = why
+                kinds[b.name] = f"aten (inductor failed: {why})"
+            if progress is not None:
+                progress(i + 1, len(buckets), b.name)
+    finally:
+        del twin
+        dynamo.reset()   # the compiled frames hold the twin's tensors; the Triton kernels stay loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+    return graphs, captured, kinds
+
+
+__all__ = ["attention_form", "capture_on_gpu", "gpu_twin", "set_attention_form"]
