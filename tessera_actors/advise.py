@@ -299,9 +299,25 @@ def format_table(res: dict[str, Any]) -> str:
         if v is None:
             lines.append(f"{pol:<22}{'-':>12}{'-':>12}{'':>7}  does not apply or does not fit")
             continue
-        lines.append(f"{pol:<22}{v['tokens_per_s']:>12.0f}{v['tokens_per_dollar']:>12.4g}{v['price_per_h']:>7.2f}"
+        lines.append(f"{pol:<22}{v['tokens_per_s']:>12,.0f}{v['tokens_per_dollar']:>12,.0f}{v['price_per_h']:>7.2f}"
                      f"  {v['note']}" + (f"  (Tessera x{tess / v['tokens_per_s']:.2f})" if tess and pol != "Tessera" else ""))
     return "\n".join(lines)
+
+
+def describe(model: str, workload: Workload, data: str | None = None) -> str:
+    """What was predicted: the model's size and the workload, one line each."""
+    kind, bucket = next(iter(buckets_of(model).items()))
+    g = load_graph(model, bucket, data)
+    weights = g.summary()["bytes_by_role"].get("weight", 0)
+    what = (f"model {model}: {g.meta.get('size', '?')} size, {g.meta.get('dtype', '?')}, "
+            f"{weights / 1e9:.1f} GB of weights")
+    if model == "dit":
+        work = (f"workload: images of {workload.denoise_steps} denoising steps at a batch of 16, "
+                f"{workload.image_tokens} latent tokens each")
+    else:
+        work = (f"workload: {workload.prompt}-token prompts, {workload.out_tokens} output tokens per request, "
+                f"decode at a batch of {workload.batch} with a {workload.cache}-token KV cache")
+    return f"{what}\n{work}"
 
 
 def plot(res: dict[str, Any], path: str) -> bool:
@@ -355,13 +371,14 @@ def main(args) -> int:
             doc["recommendation"] = rec
         print(json.dumps(doc))
     else:
+        print(describe(args.model, WORKLOADS[args.workload], args.data))
         print(format_table(res))
         if args.budget is not None:
             if rec is None:
                 print(f"budget ${args.budget:.2f}/h: no mix of {', '.join(gpus)} fits")
             else:
                 print(f"budget ${args.budget:.2f}/h: rent {rec['mix']} with {rec['policy']} "
-                      f"({rec['tokens_per_dollar']:.4g} tokens/$, {rec['tokens_per_s']:.0f} tokens/s at "
+                      f"({rec['tokens_per_dollar']:,.0f} tokens/$, {rec['tokens_per_s']:,.0f} tokens/s at "
                       f"${rec['price_per_h']:.2f}/h; {rec['replicas']} cop{'y' if rec['replicas'] == 1 else 'ies'} "
                       f"fit the budget: {rec['total_tokens_per_s']:.0f} tokens/s)")
         print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)

@@ -354,3 +354,22 @@ async def test_a_plan_switch_under_load_happens_while_decode_steps_go_ahead():
         stats = eng.stats()
     assert stats["plan_switches"] >= 1 and stats["lookahead_steps"] > 0
     assert got == [t for t, _, _ in want]
+
+
+async def test_the_kv_cache_is_sized_from_its_memory_budget():
+    """A budget for 2.5 rows gives 2 KV slots (not the 4 asked for): a third
+    request waits for a slot, every request is served, and the memory report
+    says what the cache holds."""
+    import torch
+    from tessera_actors import models
+    from tessera_actors.serving.memory import state_bytes
+    meta = models.get("llama", "tiny", dtype=torch.float32, device="meta", max_batch=4, max_seq=64)
+    row = state_bytes(meta) // 4
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu", max_seqs=4, max_model_len=64,
+                           prefill_buckets=(8,), kv_cache_memory=int(2.5 * row)) as eng:
+        assert eng.stats()["slots_total"] == 2 and eng.cfg.max_seqs == 2
+        got = await asyncio.gather(*(_tokens(eng, [i + 1] * 5, SamplingParams(max_tokens=6)) for i in range(3)))
+        mem = eng.stats()["memory"]
+    assert all(len(t) == 6 for t, _, _ in got)
+    assert mem["kv_cache_bytes"] == 2 * row and mem["kv_rows"] == 2 and mem["kv_cache_budget_bytes"] == int(2.5 * row)
+    assert mem["rss_bytes"] > mem["weight_bytes"] > 0

@@ -16,9 +16,10 @@ class EngineConfig:
     or ``"512MiB"``) or a fraction in (0, 1] of the devices' memory (as
     vLLM's ``gpu_memory_utilization``, but for the KV cache alone: a
     ``mem=`` budget where a device has one, else a GPU's memory or this
-    machine's RAM for its CPUs); ``None``: no limit.  When ``max_seqs``
-    rows do not fit, the engine keeps as many as do (at least one, else
-    an error) and says so.  Decode runs at ``decode_buckets`` batch
+    machine's RAM for its CPUs); ``"auto"`` (``tessera serve``'s default):
+    ``AUTO_CPU_KV`` when every device is a CPU, else no limit; ``None``: no
+    limit.  When ``max_seqs`` rows do not fit, the engine keeps as many as
+    do (at least one, else an error) and says so.  Decode runs at ``decode_buckets`` batch
     sizes (rows padded up), prompts are prefilled in chunks of
     ``prefill_buckets`` tokens.  ``mode``: ``latency`` (one decode step of
     all rows at a time), ``throughput`` (the rows in ``groups`` micro-batch
@@ -41,7 +42,7 @@ class EngineConfig:
     max_seqs: int = 16
     max_model_len: int = 2048
     max_queue: int = 256
-    kv_cache_memory: int | float | str | None = "512MiB"
+    kv_cache_memory: int | float | str | None = None
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
@@ -110,15 +111,26 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
+    def device_specs(self) -> list:
+        """Every device of the deployment: the in-process ones, or every node's."""
+        from tessera_actors.devices import parse_devices
+        return [s for n in self.nodes for s in parse_devices(n)] if self.nodes else parse_devices(self.devices)
+
     def group_bounds(self, groups: int) -> list[tuple[int, int]]:
         """KV rows ``[lo, hi)`` of each of ``groups`` micro-batch groups."""
         size = -(-self.max_seqs // groups)
         return [(lo, min(lo + size, self.max_seqs)) for lo in range(0, self.max_seqs, size)]
 
 
-def kv_budget(value: int | float | str | None) -> tuple[str, float] | None:
+AUTO_CPU_KV = "512MiB"   # "auto" on CPUs: SmolLM2 in float32 then holds 5 sequences of 2048 tokens
+
+
+def kv_budget(value: int | float | str | None, cpu_only: bool = True) -> tuple[str, float] | None:
     """``kv_cache_memory`` read: ("bytes", n) or ("fraction", f), None for
-    no limit; ``ValueError`` naming the field otherwise."""
+    no limit (``"auto"``: :data:`AUTO_CPU_KV` on a ``cpu_only``
+    deployment); ``ValueError`` naming the field otherwise."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        value = AUTO_CPU_KV if cpu_only else None
     if value is None:
         return None
     if isinstance(value, str):

@@ -424,6 +424,5 @@ def capture_kind(cfg: EngineConfig) -> str:
 
 def all_cuda(cfg: EngineConfig) -> bool:
     """Whether every device of the deployment (in-process, or of every node) is a GPU."""
-    from tessera_actors.devices import parse_devices
-    specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
+    specs = cfg.device_specs()
     return bool(specs) and all(s.kind == "cuda" for s in specs)

@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ from tessera_actors.serving.memory import give_back_freed_memory
 from tessera_actors.serving.params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
+
+BUSY_WINDOW_S = 10.0   # the busy fraction the chat page and /metrics show: over the last 10 s
 
 
 class StepFailed(RuntimeError):
@@ -137,6 +140,7 @@ class Deployment:
         self._watchers: list[asyncio.Task] = []
         self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
         self.since = time.monotonic()          # when the current placement started
+        self._busy_log: deque = deque()        # (time, busy_s copy) after steps: busy fractions over a window
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -251,6 +255,7 @@ class Deployment:
         self._unplaceable = set()
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
         self.since = time.monotonic()
+        self._busy_log.clear()
         if eager:
             core = self.core_buckets()
             later = sorted((name for name in self.served.buckets if name != ref_name and name not in core),
@@ -437,6 +442,7 @@ class Deployment:
                             [r.spans for r in results])
         for d, r in enumerate(results):
             self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
+        self._note_busy()
         holder = next((r for r in results if r.tokens), None)
         tokens = holder.tokens if holder else []
         if sample and len(tokens) != len(sample):
@@ -444,6 +450,25 @@ class Deployment:
         return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
                           [r.busy_s for r in results], top_logprobs=holder.top_logprobs if holder else [],
                           outputs=[[*rng, data] for r in results for rng, data in zip(r.ranges, r.data)])
+
+    def _note_busy(self) -> None:
+        now = time.monotonic()
+        self._busy_log.append((now, dict(self.busy_s)))
+        while len(self._busy_log) > 1 and self._busy_log[1][0] <= now - BUSY_WINDOW_S:
+            self._busy_log.popleft()   # keep the last entry at or before the window's start
+
+    def busy_fractions(self, window_s: float = BUSY_WINDOW_S) -> dict[int, float]:
+        """Each plan device's fraction of the last ``window_s`` seconds (of
+        the placement, when it is younger) spent on steps."""
+        now = time.monotonic()
+        start = max(now - window_s, self.since)
+        before = {}
+        for t, busy in self._busy_log:
+            if t > start:
+                break
+            before = busy
+        span = max(now - start, 1e-9)
+        return {d: min(1.0, max(0.0, (b - before.get(d, 0.0)) / span)) for d, b in self.busy_s.items()}
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:

@@ -576,8 +576,9 @@ class AsyncEngine:
                          "kernels_per_device": ref.plan.kernels_per_device(),
                          "bytes_per_step": ref.plan.bytes_per_step()}
             elapsed = max(time.monotonic() - rt.since, 1e-9)
+            recent = rt.busy_fractions()   # over the last 10 s: what the chat page and /metrics show
             devices = [{"name": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
-                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed)}
+                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed), "busy_recent": recent.get(d, 0.0)}
                        for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
                 "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,

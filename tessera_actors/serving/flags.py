@@ -31,6 +31,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
         field = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=None, metavar=field.upper() if kind is str else "N",
                        help=f"{what} (default: {getattr(d, field)})")
+    p.add_argument("--kv-cache-memory", default="auto", metavar="SIZE|FRACTION",
+                   help="memory for the KV cache: a size (512MiB, 2GiB), a fraction of the devices' memory (0.1), "
+                        "'none' (no limit) or 'auto': 512MiB when every device is a CPU, else no limit; "
+                        "--max-seqs is lowered to what fits (default: auto)")
     p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming, "
                         "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
@@ -65,9 +69,23 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
             kw[name] = getattr(a, name)
     if a.engine_seed is not None:
         kw["seed"] = a.engine_seed
+    if getattr(a, "kv_cache_memory", None) is not None:
+        kw["kv_cache_memory"] = kv_cache_memory(a.kv_cache_memory)
     if getattr(a, "planner_option", None):
         kw["planner_options"] = planner_options(a.planner_option)
     return kw
+
+
+def kv_cache_memory(text: str) -> str | float | None:
+    """``--kv-cache-memory``: 'none', a fraction ('0.25') or a size ('2GiB', bytes)."""
+    if text.strip().lower() == "none":
+        return None
+    if "." in text:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    return text
 
 
 def planner_options(items: list[str]) -> dict[str, Any]:

@@ -32,10 +32,8 @@ def devices_memory(cfg: EngineConfig) -> int:
     """Bytes the deployment's devices have: each device's ``mem=`` budget,
     else a GPU's memory, and this machine's RAM once for its CPU devices
     (they share it)."""
-    from tessera_actors.devices import parse_devices
-    specs = [s for n in cfg.nodes for s in parse_devices(n)] if cfg.nodes else parse_devices(cfg.devices)
     total, host = 0, False
-    for spec in specs:
+    for spec in cfg.device_specs():
         if spec.mem is not None:
             total += spec.mem
         elif spec.kind == "cuda":
@@ -49,7 +47,7 @@ def devices_memory(cfg: EngineConfig) -> int:
 
 def kv_budget_bytes(cfg: EngineConfig) -> int | None:
     """``kv_cache_memory`` in bytes (a fraction of :func:`devices_memory`); None: no limit."""
-    budget = kv_budget(cfg.kv_cache_memory)
+    budget = kv_budget(cfg.kv_cache_memory, all(s.kind == "cpu" for s in cfg.device_specs()))
     if budget is None:
         return None
     kind, value = budget

@@ -64,15 +64,21 @@ class _EngineCollector:
         c.add_metric([], float(s.get("steps") or 0))
         yield c
         place = s.get("placement") or {}
-        busy = GaugeMetricFamily("tessera_device_busy_fraction", "fraction of time a device computed",
+        busy = GaugeMetricFamily("tessera_device_busy_fraction", "fraction of the last 10 s a device computed",
                                  labels=["index", "device"])
+        busy_s = CounterMetricFamily("tessera_device_busy_seconds", "seconds a device spent on steps",
+                                     labels=["index", "device"])
         kern = GaugeMetricFamily("tessera_device_kernels", "kernels placed on a device", labels=["index", "device"])
         for i, d in enumerate(device_rows(s)):
             labels = [str(i), str(d["name"])]
-            if d.get("busy_fraction") is not None:
-                busy.add_metric(labels, float(d["busy_fraction"]))
+            frac = d.get("busy_recent", d.get("busy_fraction"))
+            if frac is not None:
+                busy.add_metric(labels, float(frac))
+            if d.get("busy_s") is not None:
+                busy_s.add_metric(labels, float(d["busy_s"]))
             kern.add_metric(labels, float(d.get("kernels") or 0))
         yield busy
+        yield busy_s
         yield kern
         yield gauge("tessera_bytes_moved_per_step", "bytes moved between devices per engine step",
                     s.get("bytes_moved_per_step", place.get("bytes_per_step")))

@@ -189,6 +189,10 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
+async def favicon(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "favicon.svg", headers={"Content-Type": "image/svg+xml"})
+
+
 def make_app(engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
              max_body: int = DEFAULT_MAX_BODY) -> web.Application:
     """The aiohttp application over a started engine (the caller owns the engine)."""
@@ -204,6 +208,7 @@ def make_app(engine: Any, *, api_key: str | None = None, served_model_name: str 
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     r.add_get("/", index)
+    r.add_get("/favicon.ico", favicon)
     r.add_static("/static/", STATIC)
     return app
 
