@@ -411,7 +411,8 @@ class DeviceActor(Actor):
         self.steps_run += 1
         self.busy_s += run.busy
         fut.set_result(StepDone(msg.plan_id, msg.step, run.step.device, out.outputs, out.data, run.busy,
-                                run.waited, out.tokens, out.logprobs, out.spans, **run.counts))
+                                run.waited, out.tokens, out.logprobs, out.spans, **run.counts,
+                                top_logprobs=out.top_logprobs))
 
     def _waiter(self) -> ThreadPoolExecutor:
         """The thread that waits for launched steps to land (the worker stays

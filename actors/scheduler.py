@@ -4,7 +4,8 @@ and sends them out as placement messages.
 * Nodes ``Register`` (reply ``Registered``) and heartbeat to the
   scheduler's ``LeaseActor`` (``actors/lease.py``); a node silent for
   ``heartbeat_timeout`` seconds is considered lost (reported in ``Stats``;
-  plans that used it must be re-placed).  A node registering under the
+  plans that used it must be re-placed); devices registered at the
+  scheduler's own address (in-process devices) hold no lease.  A node registering under the
   name of a lost one (restarted) takes its place: same devices, same
   inventory slots; a name held by a live node (one that still answers
   ``Describe`` at its endpoint within 1 s) is refused.
@@ -27,6 +28,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import msgpack
 
@@ -54,15 +56,23 @@ class _Node:
 
 class SchedulerActor(Actor):
     def __init__(self, planner: Planner, values: dict | None = None,
-                 graph_actor: str = "graph", heartbeat_timeout: float = 5.0, install_timeout: float = 60.0) -> None:
+                 graph_actor: str = "graph", heartbeat_timeout: float = 5.0, install_timeout: float = 60.0,
+                 named_values: Mapping[str, Any] | None = None) -> None:
         """``values``: initial bytes of weight/state buffers by buffer id (one
-        graph), or by graph name then buffer id (several graphs)."""
+        graph), or by graph name then buffer id (several graphs; the mapping
+        is read at each deployment, not copied);
+        ``named_values``: bytes by buffer name, for the buffers of a graph
+        that ``values`` does not cover (a served model's buckets captured
+        after start name their weights as the model does); read at each
+        deployment, not copied: its owner may empty it (a served model
+        gives its copy of the weights back once every bucket is placed)."""
         self.planner = planner
-        values = values or {}
+        values = values if values is not None else {}
         if values and all(isinstance(k, str) for k in values):
-            self.values_by_graph = dict(values)
+            self.values_by_graph = values   # read, not copied: as named_values
         else:
             self.values_by_graph = {"": values}
+        self.named_values = named_values if named_values is not None else {}
         self.graph_actor = graph_actor
         self.heartbeat_timeout = heartbeat_timeout
         self.install_timeout = install_timeout
@@ -122,8 +132,15 @@ class SchedulerActor(Actor):
         return getattr(info, "pid", None) != new_pid
 
     def lost_nodes(self) -> list[str]:
+        """Nodes reported lost, or silent past ``heartbeat_timeout``.  A node
+        registered at this scheduler's own address hosts devices in this
+        very process: they live as long as the scheduler, so they hold no
+        lease (a placement that kept this event loop busy for longer than
+        the timeout must not count them lost)."""
+        here = self.system.address if self.system is not None else None
         return [n.name for n in self.nodes.values()
-                if n.name in self.reported_lost or self.leases.age(n.name) > self.heartbeat_timeout]
+                if n.name in self.reported_lost
+                or (n.endpoint != here and self.leases.age(n.name) > self.heartbeat_timeout)]
 
     @handler(ReportLost)
     async def report_lost(self, msg: ReportLost) -> Ok:
@@ -160,7 +177,8 @@ class SchedulerActor(Actor):
 
     @handler(Place)
     async def place(self, msg: Place) -> Placed:
-        blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph))
+        # the graph actor may capture the graph first (a served bucket on first use): seconds, not a round trip
+        blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph), timeout=self.install_timeout)
         graph = graph_from_bytes(blob.data)
         lost = set(self.lost_nodes())
         live = [d for d, (node, _, _) in enumerate(self.inventory) if node not in lost]
@@ -193,7 +211,10 @@ class SchedulerActor(Actor):
         for node in {self.inventory[d][0] for d in devs}:
             ref = await self._ref(self.nodes[node].endpoint, "transfer")
             await ref.ask(Routes(plan_id, routes, list(plan.devices)))
-        values = self._values(graph_name)
+        values = dict(self._values(graph_name))
+        for b, buf in graph.buffers.items():
+            if b not in values and buf.role == "weight" and buf.name in self.named_values:
+                values[b] = self.named_values[buf.name]
         for i, ref in enumerate(refs):
             need = set(installed[i].need) if share else set(plan.resident[i])
             held = [b for b in plan.resident[i] if b in values and b in need]

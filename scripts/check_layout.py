@@ -51,7 +51,8 @@ LAYERS = (
 # names that other code calls without naming them (protocols of torch, asyncio, argparse, pytest)
 CALLED_BY_NAME = {"ignore_compile_internals", "__torch_dispatch__", "__torch_function__", "on_start", "on_stop",
                   "setUp", "tearDown", "pytest_configure",
-                  "get_seq_length"}   # transformers' Cache protocol
+                  "get_seq_length",   # transformers' Cache protocol
+                  "_get_help_string"}   # argparse's HelpFormatter protocol
 
 
 def modules(root: Path, tops) -> dict[str, Path]:

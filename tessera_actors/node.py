@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -28,8 +29,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from actors.device import DeviceActor
-from actors.transfer import DATA_PLANES, TransferActor, TransferConfig
+from actors.transfer_config import DATA_PLANES, TransferConfig
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec, parse_bytes, parse_devices
 from tessera_actors.launch.env import LAUNCHERS, LaunchEnvError, job_place
@@ -142,6 +142,9 @@ async def serve(cfg: NodeConfig, ready=None, stop: asyncio.Event | None = None) 
     if cfg.insecure:
         log.warning("node %s runs with --insecure: authentication is off, any local process can control it",
                     cfg.name)
+    # the device and transfer actors import torch: only once a node runs (its flags parse without it)
+    from actors.device import DeviceActor
+    from actors.transfer import TransferActor
     async with ActorSystem(cfg.name, keys=cfg.keys, insecure=cfg.insecure) as system:
         await system.spawn(TransferActor(cfg.transfer), TransferActor.NAME)
         for i, spec in enumerate(cfg.devices):
@@ -256,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     try:
         import uvloop
-        return uvloop.run(serve(cfg))
+        status = uvloop.run(serve(cfg))
     except ImportError:
-        return asyncio.run(serve(cfg))
+        status = asyncio.run(serve(cfg))
+    # everything is closed: spare the exit the interpreter's final garbage collection over every object
+    # torch and the installed plans made (seconds on a busy CPU; SIGTERM should exit at once)
+    gc.freeze()
+    return status
 
 
 if __name__ == "__main__":

@@ -100,6 +100,21 @@ def test_cli_capture_of_a_config_file(tmp_path, capsys):
     assert out.exists() and "kernels" in capsys.readouterr().out
 
 
+def test_cli_capture_with_profile_of_a_model_taking_a_constant(tmp_path, capsys):
+    """hf models take use_cache=False (a constant of the bucket): --profile times every kernel anyway."""
+    import json
+    out = tmp_path / "g.tgraph"
+    assert cli_main(["capture", "--model", "hf:tiny-llama", "--bucket", "decode:2", "--out", str(out),
+                     "--profile", "cpu,cpu?threads=1"]) == 0
+    assert "use_cache" in capsys.readouterr().out
+    costs = json.loads((tmp_path / "g.costs.json").read_text())
+    assert costs["devices"] == ["cpu", "cpu?threads=1"]
+    from tessera_actors.graph import KernelGraph
+    times = costs["times"]   # one row per kernel, a time per device
+    assert len(times) == len(KernelGraph.load(str(out)).kernels)
+    assert all(len(row) == 2 and all(t > 0 for t in row) for row in times)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 def test_default_transformers_model_captured_by_inductor_with_default_regions(arch):

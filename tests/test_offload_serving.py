@@ -13,7 +13,7 @@ from tessera_actors.capture import capture_module
 from tessera_actors.runtime.messages import GetStats
 
 CFG = dict(model="llama", size="tiny", max_seqs=4, max_model_len=64, decode_buckets=(1, 4), prefill_buckets=(8, 16),
-           kv_windows=(), mode="latency")
+           kv_windows=(), mode="latency", embeddings=False)   # the buckets of generation only
 # rates under which the tiny model's plans use all three homes (the planning tests' rates)
 OPTIONS = dict(pcie_bps=1e8, cpu_bps=1e8, switch_s=1e-5)
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21]]

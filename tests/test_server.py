@@ -178,8 +178,15 @@ BAD = [  # (name, method, path, raw body, expected status, expected param or Non
     ("stop of numbers", "POST", CHAT, _with(stop=[1, 2]), 400, "stop"),
     ("stream not a bool", "POST", CHAT, _with(stream="yes"), 400, "stream"),
     ("seed a float", "POST", CHAT, _with(seed=1.5), 400, "seed"),
-    ("n=2", "POST", CHAT, _with(n=2), 400, "n"),
-    ("unknown field", "POST", CHAT, _with(frobnicate=True), 400, "frobnicate"),
+    ("n beyond 16", "POST", CHAT, _with(n=17), 400, "n"),
+    ("best_of above n", "POST", COMP, json.dumps({"model": MODEL, "prompt": "a", "best_of": 3}).encode(), 400,
+     "best_of"),
+    ("a JSON schema", "POST", CHAT, _with(response_format={"type": "json_schema", "json_schema": {}}), 400,
+     "response_format"),
+    ("top_logprobs without logprobs", "POST", CHAT, _with(top_logprobs=2), 400, "top_logprobs"),
+    ("frequency_penalty beyond 2", "POST", CHAT, _with(frequency_penalty=3), 400, "frequency_penalty"),
+    ("logit_bias of a word", "POST", CHAT, _with(logit_bias={"hello": 1}), 400, "logit_bias"),
+    ("tools", "POST", CHAT, _with(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("prompt too long", "POST", COMP, json.dumps({"model": MODEL, "prompt": "hello " * 4000}).encode(), 400,
      "prompt"),
     ("prompt of mixed types", "POST", COMP, json.dumps({"model": MODEL, "prompt": [1, "a"]}).encode(), 400, "prompt"),
@@ -306,7 +313,8 @@ def test_metrics_and_placement(server, client):
     assert len(place["devices"]) == 2 and len(place["kernels_per_device"]) == 2
     assert sum(place["kernels_per_device"]) > 0
     health = json.loads(request(server, "GET", "/health", auth=False)[2])
-    assert health == {"status": "ok", "lost": []}
+    assert health["status"] == "ok" and health["lost"] == []
+    assert 2 <= health["buckets_placed"] <= health["buckets"] == stats["engine"]["buckets"]
 
 
 def test_bench_serve_against_the_server(server, tmp_path, capsys):

@@ -83,3 +83,27 @@ def test_chat_page_streams_a_conversation(server, browser, tmp_path):
     shot = tmp_path / "chat.png"
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
+
+
+def test_the_page_of_a_server_with_an_api_key_asks_for_it_then_chats(browser):
+    """A server started with --api-key: the page says it needs the key (not
+    "connecting..."), the empty chat shows its hint, the favicon is served;
+    once the key is entered the model appears and a reply streams."""
+    with ServerProcess(*SERVE_ARGS, "--max-seqs", "1", "--api-key", "sesame") as srv:
+        browser.get(srv.url + "/")
+        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "model").text == "API key needed")
+        assert browser.find_element(By.ID, "key-row").is_displayed()
+        assert browser.find_element(By.ID, "health").text == "locked"
+        hint = browser.execute_script(
+            "return getComputedStyle(document.getElementById('messages'), '::before').content")
+        assert "Type a message" in hint
+        key = browser.find_element(By.ID, "api-key")
+        key.send_keys("sesame")
+        key.send_keys(Keys.ENTER)
+        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "model").text == "smollm2")
+        WebDriverWait(browser, 60).until(lambda d: d.find_element(By.ID, "health").text == "healthy")
+        assert not browser.find_element(By.ID, "key-row").is_displayed()
+        assert ask(browser, "Hi!", 1)
+        icon = browser.execute_script("return fetch('/favicon.ico').then(r => r.status + ' ' + "
+                                      "r.headers.get('content-type'))")
+        assert icon == "200 image/svg+xml"

@@ -203,6 +203,7 @@ async def test_attention_windows_give_the_tokens_of_the_whole_cache():
     async with AsyncEngine(kv_windows=(), **cfg) as whole:
         want = await asyncio.gather(*(_tokens(whole, p, greedy) for p in prompts))
     async with AsyncEngine(kv_windows=(16, 32, 64), **cfg) as windowed:
+        await windowed.wait_placed()   # the windowed buckets themselves, not their stand-ins
         got = await asyncio.gather(*(_tokens(windowed, p, greedy) for p in prompts))
         used = set(windowed.stats()["step_s"])
     assert [t for t, _, _ in got] == [t for t, _, _ in want]
@@ -247,25 +248,35 @@ async def test_the_detector_tells_a_refused_port_from_a_listening_one():
     assert not await _refused("ipc:///tmp/no-such-socket")
 
 
-async def test_prompt_chunks_between_the_shortest_and_longest_are_placed_in_the_background():
-    """In-process devices: the engine serves once its decode buckets and its
-    shortest and longest prompt chunks are placed; a prompt that arrives
-    before its own chunk size is placed runs in a longer one, with the
-    tokens it gets once every bucket is in place."""
+async def test_the_engine_serves_once_its_largest_buckets_are_placed_the_rest_follow_in_the_background():
+    """In-process devices: the engine serves once the reference decode bucket
+    and the longest prompt chunk are captured and placed; a request that
+    arrives before its own buckets are placed runs padded in those, with the
+    tokens it gets once every bucket is in place; /health's progress counts
+    the placements."""
     cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=128,
                decode_buckets=(1, 2), prefill_buckets=(8, 16, 24, 32, 48))
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     prompt = list(range(1, 21))                     # 20 tokens: a 24-token chunk once it is placed
-    async with AsyncEngine(**cfg) as eng:
-        core = eng.deployment.core_buckets()
-        assert {"prefill:8", "prefill:48"} <= core and "prefill:24" not in core
-        assert core <= set(eng.deployment.placed)
+    seen = []
+    eng = AsyncEngine(**cfg)
+    assert eng.health()["status"] != "ok"
+    await eng.start(lambda phase, done, total: seen.append((phase, done, total)))
+    try:
+        assert eng.deployment.core_buckets() == {"decode:2@0", "prefill:48"}
+        assert seen[0] == ("loading", 0, 1) and seen[1][:2] == ("placing", 1)
+        assert eng.health()["status"] == "ok"
         early, _, _ = await _tokens(eng, prompt, greedy)
         await eng.wait_placed()
-        assert eng.stats()["buckets_placed"] == eng.stats()["buckets"] == len(eng.served.graphs)
+        h = eng.health()
+        assert h["buckets_placed"] == h["buckets"] == len(eng.served.buckets) == len(eng.served.graphs)
+        assert seen[-1] == ("placing", h["buckets"], h["buckets"])
         late, _, _ = await _tokens(eng, prompt, greedy)
         assert "prefill:24" in eng.stats()["step_s"]
+    finally:
+        await eng.stop()
     assert early == late and len(late) == 6
+    assert eng.health()["status"] == "unhealthy"
 
 
 async def test_decode_steps_sent_ahead_of_their_tokens_stream_what_waiting_for_them_does():
@@ -327,6 +338,7 @@ async def test_a_plan_switch_under_load_happens_while_decode_steps_go_ahead():
     async with AsyncEngine(mode="latency", **cfg) as fixed:
         want = await asyncio.gather(*(_tokens(fixed, p, greedy) for p in prompts))
     async with AsyncEngine(mode="auto", **cfg) as eng:
+        await eng.wait_placed()   # the groups' buckets too (their placement would outlast the monitor's window)
         gens = [eng.generate(p, greedy) for p in prompts]
         got = [list((await g.__anext__()).token_ids) for g in gens]   # every row decoding, steps going ahead
         assert eng.plan_in_use() == "latency"
@@ -342,3 +354,22 @@ async def test_a_plan_switch_under_load_happens_while_decode_steps_go_ahead():
         stats = eng.stats()
     assert stats["plan_switches"] >= 1 and stats["lookahead_steps"] > 0
     assert got == [t for t, _, _ in want]
+
+
+async def test_the_kv_cache_is_sized_from_its_memory_budget():
+    """A budget for 2.5 rows gives 2 KV slots (not the 4 asked for): a third
+    request waits for a slot, every request is served, and the memory report
+    says what the cache holds."""
+    import torch
+    from tessera_actors import models
+    from tessera_actors.serving.memory import state_bytes
+    meta = models.get("llama", "tiny", dtype=torch.float32, device="meta", max_batch=4, max_seq=64)
+    row = state_bytes(meta) // 4
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu", max_seqs=4, max_model_len=64,
+                           prefill_buckets=(8,), kv_cache_memory=int(2.5 * row)) as eng:
+        assert eng.stats()["slots_total"] == 2 and eng.cfg.max_seqs == 2
+        got = await asyncio.gather(*(_tokens(eng, [i + 1] * 5, SamplingParams(max_tokens=6)) for i in range(3)))
+        mem = eng.stats()["memory"]
+    assert all(len(t) == 6 for t, _, _ in got)
+    assert mem["kv_cache_bytes"] == 2 * row and mem["kv_rows"] == 2 and mem["kv_cache_budget_bytes"] == int(2.5 * row)
+    assert mem["rss_bytes"] > mem["weight_bytes"] > 0

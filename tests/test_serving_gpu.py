@@ -32,3 +32,17 @@ async def test_split_over_two_partitions_gives_the_single_gpu_tokens():
         assert min(two.stats()["placement"]["kernels_per_device"]) > 0
     assert got == ref
     assert got_s == ref_s
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_a_gpu_deployment_serves_inductor_captures_replayed_as_cuda_graphs_with_the_aten_tokens():
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    async with AsyncEngine(devices="cuda:0", capture="aten", **CFG) as aten:
+        ref = await _run(aten, greedy)
+    async with AsyncEngine(devices="cuda:0", **CFG) as ind:   # capture="auto": inductor on a GPU
+        got = await _run(ind, greedy)
+        stats = ind.stats()["bucket_stats"]
+    assert got == ref
+    ran = {name: s for name, s in stats.items() if s.get("replays", 0) + s.get("eager_runs", 0)}
+    assert ran and all(s["capture"] == "inductor" for s in stats.values()), stats
+    assert any(s["replays"] > 0 for s in ran.values()) and all(s["capture_failures"] == 0 for s in ran.values())

@@ -167,7 +167,7 @@ async def test_a_failed_placement_is_tried_again_by_the_next_step_that_needs_it(
     from tessera_actors.serving.deployment import Deployment
     rt = Deployment.__new__(Deployment)
     rt.placed, rt._placing, rt.generation, rt.pins, rt.weights = {}, {}, 0, {}, {}
-    rt.served = types.SimpleNamespace(graphs={"prefill:32": object()})
+    rt.served, rt.progress = types.SimpleNamespace(buckets={"prefill:32": object()}), None
     calls = []
 
     async def place(bucket, pins, weights):
@@ -209,3 +209,22 @@ def test_a_prompts_first_chunk_reads_only_its_own_length_of_the_cache():
     assert window_for(cfg, 289) == 512           # decode steps: the configured windows only
     plain = EngineConfig(max_model_len=512, prefill_buckets=(32, 320))   # no window below the cache
     assert window_for(plain, 100, 320) == 0 and "prefill:320~320" not in {b.name for b in buckets_for(plain)}
+
+
+def test_the_kv_cache_budget_is_validated_and_lowers_the_rows_to_what_fits():
+    from tessera_actors.serving.memory import fit_kv_cache, kv_budget_bytes
+    from tessera_actors.serving.params import EngineError
+    for bad in ("lots", -1, 0, 1.5, True, [1]):
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            EngineConfig(kv_cache_memory=bad)
+    cfg = EngineConfig(max_seqs=16, max_model_len=2048, kv_cache_memory="100MiB")
+    fitted = fit_kv_cache(cfg, 30 << 20)                     # 30 MiB a row: 3 rows fit
+    assert fitted.max_seqs == 3 and fitted.decode_buckets[-1] == 3 and cfg.max_seqs == 16
+    assert fit_kv_cache(cfg, 6 << 20) is cfg                 # 16 rows of 6 MiB fit
+    with pytest.raises(EngineError, match="holds no sequence"):
+        fit_kv_cache(cfg, 200 << 20)
+    assert kv_budget_bytes(EngineConfig(kv_cache_memory="auto", devices="cpu,cpu")) == 512 << 20
+    assert kv_budget_bytes(EngineConfig(kv_cache_memory="auto", devices="cuda:0")) is None
+    assert kv_budget_bytes(EngineConfig(kv_cache_memory=None)) is None
+    half = kv_budget_bytes(EngineConfig(kv_cache_memory=0.5, devices="cpu?mem=2GiB,cpu?mem=2GiB"))
+    assert half == 2 << 30                                   # half of the two budgets

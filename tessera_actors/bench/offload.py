@@ -121,7 +121,7 @@ def engine_fields(cfg: OffloadConfig) -> dict:
     return dict(model=cfg.model, size=cfg.size, dtype=cfg.dtype, seed=cfg.seed, max_seqs=max(cfg.batches),
                 max_model_len=max_len, decode_buckets=tuple(cfg.batches), prefill_buckets=chunks, kv_windows=(),
                 mode="latency", overrides={"n_layers": cfg.layers} if cfg.layers else {},
-                build_device=cfg.build_device)
+                build_device=cfg.build_device, embeddings=False)
 
 
 def budget_bytes(cfg: OffloadConfig, graph) -> int:
@@ -503,28 +503,6 @@ def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict
     return doc
 
 
-def add_arguments(b) -> None:
-    b.add_argument("--model", default="llama")
-    b.add_argument("--size", default="real")
-    b.add_argument("--gpu-budget", default="8GiB", help="bytes (8GiB) or a fraction of weights + KV (0.5)")
-    b.add_argument("--batch", default="1,8", help="decode batch sizes")
-    b.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
-    b.add_argument("--devices", default="", help="GPU,CPU (default cuda:0,cpu?threads=12; CPU-only: cpu?threads=1,cpu)")
-    b.add_argument("--steps", type=int, default=32)
-    b.add_argument("--prefill-steps", type=int, default=3)
-    b.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    b.add_argument("--reserve", default="320MiB", help="GPU bytes kept for transient op results")
-    b.add_argument("--switch-us", type=float, default=200.0,
-                   help="planned cost of one CPU<->GPU hand-off with --no-measure")
-    b.add_argument("--no-measure", action="store_true",
-                   help="DESIGN.md rates and --switch-us instead of measuring them")
-    b.add_argument("--layers", type=int, default=0, help="only this many layers (a quick real-size check)")
-    b.add_argument("--ring", default="slots",
-                   help="staging ring: slots (one weight a slot) or bytes (packed); a list (slots,bytes) runs "
-                        "Tessera once more per further mode, as tessera_ring_<mode>")
-    b.add_argument("--out", default="benchmarks/results/offload")
-
-
 def rings_of(text: str) -> tuple[str, ...]:
     from tessera_actors.planning.offload.staging import RING_MODES
     rings = tuple(r.strip() for r in text.split(",") if r.strip())
@@ -544,4 +522,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["OffloadConfig", "add_arguments", "main", "measure_rates", "run_offload_bench", "table"]
+__all__ = ["OffloadConfig", "main", "measure_rates", "run_offload_bench", "table"]

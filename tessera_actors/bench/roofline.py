@@ -259,20 +259,6 @@ def _git_commit() -> str:
     return provenance()["git_commit"] or "unknown"
 
 
-def add_arguments(b) -> None:
-    d = RooflineConfig()
-    b.add_argument("--models", default=",".join(d.models))
-    for name in ("layers", "batch", "cache", "prompt", "steps"):
-        b.add_argument(f"--{name}", type=int, default=getattr(d, name))
-    b.add_argument("--dtype", default=d.dtype)
-    b.add_argument("--device", default=d.device)
-    b.add_argument("--out", default=d.out)
-    b.add_argument("--gqa", default=d.gqa, choices=["fold", "enable_gqa"], help="attention's GQA form")
-    b.add_argument("--regions", default=d.regions, choices=["auto", "whole", "blocks"],
-                   help="the served inductor capture's regions (auto/blocks: each repeated block compiled once; "
-                        "whole: the model as one graph, as the baseline compiles it)")
-
-
 def main(args) -> int:
     run_roofline(RooflineConfig(tuple(args.models.split(",")), args.layers, args.batch, args.cache, args.prompt,
                                 args.dtype, args.steps, args.device, args.out, args.gqa, args.regions))

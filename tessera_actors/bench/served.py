@@ -53,7 +53,7 @@ def engine_for(case: ServedCase, kind: str):
     return AsyncEngine(model=case.model, size=case.size, devices=case.device, dtype=case.dtype, max_seqs=seqs,
                        max_model_len=case.cache, decode_buckets=(seqs,), prefill_buckets=(chunk,), kv_windows=(),
                        mode="latency", overrides=overrides, capture=case.capture, regions=case.regions,
-                       gqa=case.gqa)
+                       gqa=case.gqa, embeddings=False)
 
 
 async def served_decode(case: ServedCase) -> dict[str, Any]:
@@ -95,7 +95,7 @@ async def served_decode(case: ServedCase) -> dict[str, Any]:
         step_s = (te - ts) / steps
         return {"bucket": bucket, "served_step_s": step_s, "window_steps": steps, "served_tok_s": case.batch / step_s,
                 "trace_tok_s": sum(made) / wall, "start_s": started, "capture": eng.served.captures.get(bucket),
-                "bucket_stats": eng.stats()["buckets"].get(bucket, {}), "graph": eng.served.graphs[bucket]}
+                "bucket_stats": eng.stats()["bucket_stats"].get(bucket, {}), "graph": eng.served.graphs[bucket]}
     finally:
         await eng.stop()
 
@@ -121,7 +121,7 @@ async def served_prefill(case: ServedCase) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
         step_s = statistics.median(times[3:])
         return {"bucket": bucket, "served_step_s": step_s, "served_tok_s": case.prompt / step_s, "start_s": started,
-                "capture": eng.served.captures.get(bucket), "bucket_stats": eng.stats()["buckets"].get(bucket, {}),
+                "capture": eng.served.captures.get(bucket), "bucket_stats": eng.stats()["bucket_stats"].get(bucket, {}),
                 "graph": eng.served.graphs[bucket]}
     finally:
         await eng.stop()

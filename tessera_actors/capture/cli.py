@@ -128,13 +128,15 @@ def profile_to_costs(res, inputs, devices: list[str], graph_path: str) -> str:
     from tessera_actors.execution.backends import backend_for
     from tessera_actors.planning.costs import CostTable, costs_path_for
     from tessera_actors.execution.profile import measured_links, profile_kernels
+    from tessera_actors.capture.pytree import flatten_inputs
     backends = [backend_for(d) for d in devices]
+    tensors = flatten_inputs(inputs)[0]   # the step's tensors; constants (use_cache=False) stay in the graph
     program_cls = None
     if any(k.kind == "ptx" for k in res.graph.kernels):
         from tessera_actors.execution.triton import TritonProgram as program_cls
     else:
         from tessera_actors.execution.program import AtenProgram as program_cls
-    profiles = [profile_kernels(res.graph, res.values, {k: v.to(be.device) for k, v in inputs.items()}, be,
+    profiles = [profile_kernels(res.graph, res.values, {k: v.to(be.device) for k, v in tensors.items()}, be,
                                 program_cls=program_cls) for be in backends]
     costs = CostTable.from_profiles(res.graph, devices, profiles, measured_links(backends))
     path = costs_path_for(graph_path)

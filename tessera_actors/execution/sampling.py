@@ -13,7 +13,9 @@ the same tokens whatever else shares its batch and whichever device
 samples.  :func:`sample_with_logprobs` also gives each drawn token's log
 probability under the unmodified distribution (``log_softmax`` of the
 logits), the number a client can compare bitwise across placements.  One
-host read for the whole batch.
+host read for the whole batch.  An entry may carry an eighth element, the
+record of :mod:`tessera_actors.execution.sampling_extras` (penalties, logit bias, a token mask,
+top log probabilities), applied to that row's logits before the draw.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Sequence
 import torch
 
 from tessera_actors.execution.inputs import to_device
+from tessera_actors.execution.sampling_extras import apply_records, pack, top_count, top_logprobs, unpack
 
 _MASK64 = (1 << 64) - 1
 
@@ -61,24 +64,29 @@ def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Sequence]) -> tupl
     """(token ids, their log probabilities), one per entry of ``rows``."""
     if not rows:
         return [], []
-    return to_host(*sample_on_device(logits, rows))
+    return to_host(*sample_on_device(logits, rows))[:2]
 
 
-def to_host(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """The lists of :func:`sample_with_logprobs` from the device tensors of
-    :func:`sample_on_device`, in one host read."""
-    both = torch.stack([ids.to(torch.float64), logprobs.to(torch.float64)]).cpu()
-    return [int(t) for t in both[0].tolist()], both[1].tolist()
+def to_host(ids: torch.Tensor, logprobs: torch.Tensor, top: torch.Tensor | None = None
+            ) -> tuple[list[int], list[float], list]:
+    """(token ids, their log probabilities, each entry's top log
+    probabilities ``[[id, logprob], ...]`` or ``[]`` when none was asked)
+    from the device tensors of :func:`sample_on_device`, in one host read."""
+    return unpack(pack(ids, logprobs, top).cpu())
 
 
-def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids [n] int64, their log probabilities [n] float32) on the
-    logits' device, one per entry of ``rows`` (non-empty); no host read."""
+def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(token ids [n] int64, their log probabilities [n] float32, the top
+    log probabilities ``[n, 2, k]`` of :func:`tessera_actors.execution.sampling_extras.top_logprobs`
+    or None) on the logits' device, one per entry of ``rows`` (non-empty);
+    no host read."""
     if logits.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
     index = to_device(torch.tensor([[int(r[0]) for r in rows], [int(r[1]) for r in rows]], dtype=torch.int64),
                       logits.device)
-    x = logits[index[0], index[1]].float()                          # [n, V]
+    raw = logits[index[0], index[1]].float()                        # [n, V]
+    x = apply_records(raw, rows)
     greedy = [float(r[2]) <= 0.0 for r in rows]
     if all(greedy):
         ids = x.argmax(dim=-1)
@@ -87,5 +95,6 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[to
         ids = torch.stack([best[i] if g else _draw(x[i], float(r[2]), float(r[3]), int(r[4]),
                                                    uniform(int(r[5]), int(r[6])))
                            for i, (g, r) in enumerate(zip(greedy, rows))])
-    chosen = torch.log_softmax(x, dim=-1).gather(1, ids.view(-1, 1)).view(-1)
-    return ids, chosen
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
+    return ids, chosen, top_logprobs(logprobs, top_count(rows))

@@ -55,12 +55,14 @@ class Progress:
 @dataclass
 class Landed:
     """The device's answer to a step: sampled tokens and their log
-    probabilities, output byte ranges and their bytes, trace spans."""
+    probabilities, output byte ranges and their bytes, trace spans, and each
+    sampled entry's top log probabilities when its record asked for them."""
     tokens: list
     logprobs: list
     outputs: list
     data: list
     spans: list
+    top_logprobs: list = field(default_factory=list)
 
 
 class DeviceStep:
@@ -206,9 +208,10 @@ class StepRun:
         if st.samples(msg):
             s0 = time.time()
             from tessera_actors.execution.sampling import sample_on_device
-            ids, lps = sample_on_device(st.prog.view(st.logits), msg.sample)
+            from tessera_actors.execution.sampling_extras import pack
+            ids, lps, top = sample_on_device(st.prog.view(st.logits), msg.sample)
             st.sampled = (msg.step, ids)
-            both = torch.stack([ids.to(torch.float64), lps.to(torch.float64)])
+            both = pack(ids, lps, top)   # one host copy: ids, log probabilities, top log probabilities
             self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
             self.host.copy_(both, non_blocking=both.is_cuda)
             if self.spans is not None:
@@ -219,12 +222,10 @@ class StepRun:
 
     def landed(self) -> Landed:
         """The answer, once ``landing`` completed (the host copy is settled)."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        if self.host is not None:
-            tokens, logprobs = [int(t) for t in self.host[0].tolist()], self.host[1].tolist()
+        from tessera_actors.execution.sampling_extras import unpack
+        tokens, logprobs, top = unpack(self.host) if self.host is not None else ([], [], [])
         outs = [[b, s, e] for b, s, e, _ in self.step.outputs] if self.msg.outputs else []
-        return Landed(tokens, logprobs, outs, self.data, self.spans or [])
+        return Landed(tokens, logprobs, outs, self.data, self.spans or [], top)
 
     def _inputs_writer(self) -> Callable[[], None] | None:
         """The worker-side writing of the step's inputs (None: this device

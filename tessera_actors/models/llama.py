@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from tessera_actors.models.attention import CachedAttention
@@ -103,7 +104,10 @@ class LlamaBlock(nn.Module):
 class LlamaDecoder(nn.Module):
     """The decoder stack on embeddings: ``forward(h [B,T,D], positions [B,T])
     -> logits [B,T,V]``. Used by ``Llama`` and by the VLM (which feeds image
-    tokens as embeddings)."""
+    tokens as embeddings).  With ``pool`` set (a capture-time constant, as
+    the serving engine's embedding buckets set it) it returns instead the
+    final-norm hidden states summed over the tokens up to ``last`` [B, 1, D]
+    (the engine divides by their count: a mean-pooled embedding)."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -117,6 +121,7 @@ class LlamaDecoder(nn.Module):
         cos, sin = rope_tables(cfg.max_seq, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.pool = False
 
     def forward(self, h: Tensor, positions: Tensor, rows: Tensor | None = None,
                 last: Tensor | None = None) -> Tensor:
@@ -124,6 +129,9 @@ class LlamaDecoder(nn.Module):
         masks: dict = {}   # the attention mask of this step, built by the first layer, read by all
         for layer in self.layers:
             h = layer(h, cos, sin, positions, rows, masks)
+        if self.pool:
+            real = torch.arange(h.shape[1], device=h.device)[None, :] <= last.view(-1, 1)
+            return (self.norm(h) * real[..., None].to(h.dtype)).sum(dim=1, keepdim=True)
         if last is not None:
             B, _, D = h.shape
             h = h.gather(1, last.view(B, 1, 1).expand(B, 1, D))

@@ -3,6 +3,8 @@ and, for the throughput plan, with the LP bound on any placement."""
 from __future__ import annotations
 
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -72,6 +74,16 @@ def summary_lines(graph: KernelGraph, plan: Plan, costs: CostTable,
     return lines
 
 
+@contextmanager
+def _phase(what: str):
+    """One stderr line per phase of ``tessera plan`` with its time (the MILP
+    also shows a progress bar on a terminal): a large graph takes minutes."""
+    print(f"tessera plan: {what} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    yield
+    print(f"tessera plan: {what}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def bound_line(graph: KernelGraph, costs: CostTable, plan: Plan) -> str:
     """The LP bound on any placement of ``graph`` (``planning/bound.py``) and
     the plan's share of it."""
@@ -91,22 +103,24 @@ def plan_command(graph_path: str, devices: list[str], mode: str, out_png: str | 
     try:
         specs = parse_devices(devices)
         names = [s.name for s in specs]
-        graph = KernelGraph.load(graph_path)
-        costs = load_costs(graph, graph_path, names, costs_path)
+        with _phase(f"loading {graph_path}"):
+            graph = KernelGraph.load(graph_path)
+            costs = load_costs(graph, graph_path, names, costs_path)
     except (OSError, GraphError, DeviceSpecError, PlanError) as e:
         print(f"tessera plan: {e}", file=sys.stderr)
         return 2
     if mode not in ("latency", "throughput"):
         print(f"tessera plan: unknown mode {mode!r} (latency | throughput)", file=sys.stderr)
         return 2
-    print(f"planning {len(graph.kernels)} kernels on {len(names)} devices ({mode})...", file=sys.stderr)
     try:
-        config = config or PlannerConfig(progress=sys.stderr.isatty())
-        plan = MilpPlanner(costs, config).plan(graph, names, mode)
+        with _phase(f"placing {len(graph.kernels)} kernels on {len(names)} devices ({mode}, MILP)"):
+            config = config or PlannerConfig(progress=sys.stderr.isatty())
+            plan = MilpPlanner(costs, config).plan(graph, names, mode)
     except PlanError as e:
         print(f"tessera plan: {e}", file=sys.stderr)
         return 1
-    baselines = single_graph_baselines(graph, names, costs)
+    with _phase("scoring the baselines"):
+        baselines = single_graph_baselines(graph, names, costs)
     print("\n".join(summary_lines(graph, plan, costs, baselines)))
     if mode == "throughput":
         print(bound_line(graph, costs, plan))

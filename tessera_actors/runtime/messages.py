@@ -168,8 +168,11 @@ class RunStep:
     ``sample`` (serving): rows of the first output (logits ``[B, T, V]``) to
     sample on the device that holds them, each ``[row, col, temperature,
     top_p, top_k, seed, index]`` (``index``: the position of the token in
-    the request's output, so a seed gives the same draw in any batch); that
-    device answers with ``tokens``.  ``outputs=False``: no output bytes in
+    the request's output, so a seed gives the same draw in any batch),
+    optionally with an eighth element, the record of penalties, logit bias,
+    token mask and top log probabilities of
+    ``tessera_actors.execution.sampling_extras``; that device answers with
+    ``tokens``.  ``outputs=False``: no output bytes in
     the reply (the engine needs only the tokens).  ``trace``: answer with
     ``StepDone.spans`` (what the device did when, for a trace file).
     ``token_rows`` (serving, to the device that reads ``input_ids`` and
@@ -197,7 +200,8 @@ class StepDone:
     sampling, in order.  ``replays`` / ``eager_runs`` / ``capture_failures``:
     this device's runs of kernels in the step replayed as CUDA graphs, run
     eagerly (a first run, a CPU, graphs off, or a capture that failed), and
-    captures that failed."""
+    captures that failed.  ``top_logprobs``: when an entry's record asked
+    for them, per entry ``[[id, logprob], ...]`` of the most likely ids."""
     plan_id: str
     step: int
     device: int
@@ -211,6 +215,7 @@ class StepDone:
     replays: int = 0
     eager_runs: int = 0
     capture_failures: int = 0
+    top_logprobs: list = dataclasses.field(default_factory=list)
 
 
 @message

@@ -37,13 +37,16 @@ class Sequence:
     exec_s: float = 0.0
     steps: int = 0
     pending: int = 0                   # tokens of decode steps in flight, not yet produced
+    record: object = None              # records.RowRecord: penalties, bias, JSON mask, top logprobs
 
     def sample_entry(self, row: int, col: int) -> list:
         """The sampling entry of the next token (its index in the output
-        counts the tokens still in flight)."""
+        counts the tokens still in flight), with the request's sampling
+        record (``sampling_extras``) when it has one."""
         p = self.params
-        return [row, col, float(p.temperature), float(p.top_p), int(p.top_k), int(self.seed),
-                len(self.generated) + self.pending]
+        entry = [row, col, float(p.temperature), float(p.top_p), int(p.top_k), int(self.seed),
+                 len(self.generated) + self.pending]
+        return entry + [self.record(self)] if self.record is not None else entry
 
     @property
     def position(self) -> int:

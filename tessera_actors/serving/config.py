@@ -16,7 +16,14 @@ class EngineConfig:
     torchrun) register at ``listen`` (``launch/env.py``).
 
     KV cache: ``max_seqs`` rows (sequences in flight) of ``max_model_len``
-    positions (prompt + output).  Decode runs at ``decode_buckets`` batch
+    positions (prompt + output), within ``kv_cache_memory``: bytes (an int
+    or ``"512MiB"``) or a fraction in (0, 1] of the devices' memory (as
+    vLLM's ``gpu_memory_utilization``, but for the KV cache alone: a
+    ``mem=`` budget where a device has one, else a GPU's memory or this
+    machine's RAM for its CPUs); ``"auto"`` (``tessera serve``'s default):
+    ``AUTO_CPU_KV`` when every device is a CPU, else no limit; ``None``: no
+    limit.  When ``max_seqs`` rows do not fit, the engine keeps as many as
+    do (at least one, else an error) and says so.  Decode runs at ``decode_buckets`` batch
     sizes (rows padded up), prompts are prefilled in chunks of
     ``prefill_buckets`` tokens.  ``mode``: ``latency`` (one decode step of
     all rows at a time), ``throughput`` (the rows in ``groups`` micro-batch
@@ -38,10 +45,12 @@ class EngineConfig:
     ray: object = ""            # "" | "auto" | a Ray address | launch.ray.RayNodes
     expect_nodes: int = 0
     listen: str = ""            # where the engine's actor system listens (expect_nodes: the nodes' scheduler)
+    launched: tuple = ()        # set by the engine: the device strings of the nodes its launcher started
     dtype: str = "float32"
     max_seqs: int = 16
     max_model_len: int = 2048
     max_queue: int = 256
+    kv_cache_memory: int | float | str | None = None
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
@@ -65,6 +74,7 @@ class EngineConfig:
     build_device: str = "cpu"
     # how buckets are captured: auto (inductor when every device is a GPU, else aten), aten, inductor
     capture: str = "auto"
+    embeddings: bool = True   # an embed bucket for /v1/embeddings (placed last, in the background)
     regions: str = "auto"   # inductor: per repeated block (auto, blocks) or the whole model as one graph
     gqa: str = "auto"       # attention's GQA form: auto (enable_gqa on GPUs: cuDNN's kernel), fold, enable_gqa
 
@@ -108,6 +118,7 @@ class EngineConfig:
                               ("gqa", ("auto", "fold", "enable_gqa"))):
             if getattr(self, name) not in allowed:
                 raise bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        kv_budget(self.kv_cache_memory)   # a bad value fails here, before anything is built
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -128,7 +139,49 @@ class EngineConfig:
         if self.listen and not self.expect_nodes:
             raise bad("listen is for nodes that register by themselves (expect_nodes)")
 
+    def device_specs(self) -> list:
+        """Every device of the deployment: the in-process ones, or every
+        node's (``launched``: the devices of the nodes a launcher started,
+        set by the engine; nodes that register by themselves or that Ray
+        has not started yet are not known: none)."""
+        from tessera_actors.devices import parse_devices
+        if self.launched:
+            return [s for n in self.launched for s in parse_devices(n)]
+        if self.expect_nodes or self.ray:
+            return []
+        return [s for n in self.nodes for s in parse_devices(n)] if self.nodes else parse_devices(self.devices)
+
     def group_bounds(self, groups: int) -> list[tuple[int, int]]:
         """KV rows ``[lo, hi)`` of each of ``groups`` micro-batch groups."""
         size = -(-self.max_seqs // groups)
         return [(lo, min(lo + size, self.max_seqs)) for lo in range(0, self.max_seqs, size)]
+
+
+AUTO_CPU_KV = "512MiB"   # "auto" on CPUs: SmolLM2 in float32 then holds 5 sequences of 2048 tokens
+
+
+def kv_budget(value: int | float | str | None, cpu_only: bool = True) -> tuple[str, float] | None:
+    """``kv_cache_memory`` read: ("bytes", n) or ("fraction", f), None for
+    no limit (``"auto"``: :data:`AUTO_CPU_KV` on a ``cpu_only``
+    deployment); ``ValueError`` naming the field otherwise."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        value = AUTO_CPU_KV if cpu_only else None
+    if value is None:
+        return None
+    if isinstance(value, str):
+        from tessera_actors.devices import DeviceSpecError, parse_bytes
+        try:
+            value = parse_bytes(value)
+        except DeviceSpecError as e:
+            raise ValueError(f"EngineConfig: kv_cache_memory: {e}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"EngineConfig: kv_cache_memory must be bytes, a size such as '512MiB' or a fraction "
+                         f"in (0, 1], got {value!r}")
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"EngineConfig: kv_cache_memory as a fraction must be in (0, 1], got {value!r} "
+                             "(bytes are an integer or a size such as '2GiB')")
+        return ("fraction", value)
+    if value <= 1:
+        raise ValueError(f"EngineConfig: kv_cache_memory must be positive bytes or a fraction in (0, 1], got {value!r}")
+    return ("bytes", float(int(value)))

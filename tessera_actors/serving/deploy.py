@@ -8,6 +8,10 @@ A *bucket* is one captured shape of the model's forward:
   own KV row (inputs ``input_ids`` [1, C], ``positions`` [1, C], ``rows``
   [1], ``last`` [1]: only the logits of the chunk's last real token are
   computed);
+* ``embed:C`` - a chunk of ``C`` tokens as ``prefill:C`` takes them,
+  giving the final hidden states summed over its real tokens (``/v1/embeddings``:
+  the engine adds the chunks up and divides by the token count), for a
+  model that pools (``LlamaDecoder.pool``);
 * either with ``~W``: attention reads only the first ``W`` cache slots
   (``kv_windows``; the engine picks the smallest window above the step's
   positions), so short contexts cost short attentions.
@@ -24,7 +28,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +37,7 @@ from tessera_actors.capture import capture_module
 from tessera_actors.capture.aten import storage_bytes
 from tessera_actors.graph import KernelGraph
 from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.memory import fit_kv_cache, state_bytes
 from tessera_actors.serving.params import EngineError
 
 
@@ -48,7 +54,7 @@ class Bucket:
 
 
 def bucket_name(kind: str, size: int, base: int = 0, window: int = 0) -> str:
-    name = f"decode:{size}@{base}" if kind == "decode" else f"prefill:{size}"
+    name = f"decode:{size}@{base}" if kind == "decode" else f"{kind}:{size}"
     return f"{name}~{window}" if window else name
 
 
@@ -113,7 +119,24 @@ def bucket_inputs(bucket: Bucket, device: str | torch.device = "meta") -> dict[s
 @contextlib.contextmanager
 def shaped(model: torch.nn.Module, bucket: Bucket):
     """Capture-time constants of a bucket on the attention modules: the first
-    KV row of a decode group (``row_base``) and the window (``kv_window``)."""
+    KV row of a decode group (``row_base``) and the window (``kv_window``);
+    on the decoder, ``pool`` for an embedding bucket."""
+    pools = [m for m in model.modules() if hasattr(m, "pool")]
+    if bucket.kind == "embed":
+        if not pools:
+            raise EngineError("this model cannot give embeddings (its decoder does not pool)")
+        for m in pools:
+            m.pool = True
+    try:
+        with _attention_shaped(model, bucket):
+            yield
+    finally:
+        for m in pools:
+            m.pool = False
+
+
+@contextlib.contextmanager
+def _attention_shaped(model: torch.nn.Module, bucket: Bucket):
     mods = [m for m in model.modules() if hasattr(m, "row_base")]
     if bucket.window and any(not hasattr(m, "kv_window") for m in mods):
         raise EngineError("this model's attention has no kv_window; serve it with kv_windows=()")
@@ -131,21 +154,98 @@ def shaped(model: torch.nn.Module, bucket: Bucket):
                 m.kv_window = w
 
 
-@dataclass
-class ServedModel:
-    """The real model (values; its state dropped), its tokenizer/template
-    metadata, the captured bucket graphs with their values by buffer id, and
-    how each bucket was captured (``captures``: ``inductor`` | ``aten``, or
-    ``aten (inductor failed: ...)``)."""
+def core_buckets(cfg: EngineConfig, buckets: dict[str, Bucket]) -> set[str]:
+    """Buckets placed before the engine serves: the reference decode bucket
+    (every row, the whole cache) and the longest prompt chunk over the whole
+    cache, which can stand in for every decode step and every prompt chunk
+    (:meth:`~tessera_actors.serving.deployment.Deployment.runnable`: padded, in a larger bucket) while the others
+    are captured and placed in the background, the most used first.  With
+    node processes every bucket is core: a placement waits on its devices'
+    answers, and one under way when a node dies would hold up the
+    scheduler, and so the recovery, until its asks time out."""
+    if cfg.nodes:
+        return set(buckets)
+    core = {f"decode:{cfg.max_seqs}@0"}
+    chunks = [b for b in buckets.values() if b.kind == "prefill" and not b.window]
+    if chunks:
+        core.add(max(chunks, key=lambda b: b.size).name)
+    return core & set(buckets)
 
-    name: str
-    model: torch.nn.Module
-    vocab_size: int
-    graphs: dict[str, KernelGraph]
-    values: dict[str, dict[int, torch.Tensor]]
-    buckets: dict[str, Bucket]
-    gguf_meta: dict | None
-    captures: dict[str, str] = field(default_factory=dict)
+
+class ServedModel:
+    """The real model (its weights; its state dropped), its tokenizer/template
+    metadata and its bucket graphs.  ``cfg``: the configuration served
+    (``max_seqs`` fitted to the KV-cache budget).
+
+    ``buckets`` is every bucket the engine may run; an aten bucket's graph
+    is captured on first use: :meth:`graph` captures it (blocking, about a
+    second; one capture at a time, from any thread: the meta model's
+    attention modules are reshaped for it), so a server need not capture
+    the buckets it places in the background before it serves (inductor
+    captures are all made at load).  ``graphs``, ``values`` (weight bytes by
+    buffer id) and ``captures`` (``inductor`` | ``aten``, or ``aten
+    (inductor failed: ...)``) hold the buckets captured so far; ``weights``
+    holds the weight bytes by buffer name, for any bucket (every bucket
+    names its weights as the model does)."""
+
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module, meta: torch.nn.Module, vocab_size: int,
+                 buckets: dict[str, Bucket], gguf_meta: dict | None) -> None:
+        self.cfg, self.name, self.model, self.vocab_size = cfg, cfg.model, model, vocab_size
+        self.buckets, self.gguf_meta = buckets, gguf_meta
+        self._meta = meta
+        self._state = set(model.state_names())
+        named = dict(model.named_parameters())
+        named.update(dict(model.named_buffers()))
+        self.weights = {n: t for n, t in named.items() if n not in self._state}
+        self.weight_bytes = sum({t.data_ptr(): t.numel() * t.element_size()
+                                 for t in self.weights.values()}.values())   # tied weights once
+        self.kv_bytes = state_bytes(meta)   # the KV cache over all devices
+        self.graphs: dict[str, KernelGraph] = {}
+        self.values: dict[str, dict[int, torch.Tensor]] = {}
+        self.captures: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def add(self, bucket: str, graph: KernelGraph, how: str, captured: dict | None = None) -> None:
+        """Keep a captured graph of ``bucket`` with its weight values."""
+        self.values[bucket] = weight_values(bucket, graph, self.weights, self._state, captured)
+        self.graphs[bucket], self.captures[bucket] = graph, how
+
+    def graph(self, bucket: str) -> KernelGraph:
+        """The bucket's graph, captured now (as aten ops) if it is not yet
+        (``KeyError`` for a bucket the engine does not run)."""
+        g = self.graphs.get(bucket)
+        if g is not None:
+            return g
+        b = self.buckets[bucket]
+        with self._lock:
+            if bucket not in self.graphs:
+                self.add(bucket, capture_aten(self._meta, b), "aten")
+        return self.graphs[bucket]
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Weight bytes by buffer name (flat views of the model's storages,
+        no copy): what the scheduler loads a bucket captured after start
+        from.  The same dict each call, emptied by :meth:`release_weights`."""
+        if not hasattr(self, "_named_bytes"):
+            self._named_bytes = {n: storage_bytes(t) for n, t in self.weights.items()}
+        return self._named_bytes
+
+    def release_weights(self) -> None:
+        """Drop this process's copy of the weights (in place: a reader of
+        :meth:`named_weights`, the scheduler, sees none from now on); the
+        bytes go back once no other engine of the process holds the same
+        model.  Buckets not captured yet are no longer served."""
+        self.named_weights().clear()
+        self.weights.clear()
+        self.values.clear()
+        self.model = None
+        _build.cache_clear()
+        self.buckets = {n: b for n, b in self.buckets.items() if n in self.graphs}
+
+    def capture_all(self) -> None:
+        """Capture every bucket (blocking)."""
+        for name in self.buckets:
+            self.graph(name)
 
 
 def drop_state(model: torch.nn.Module) -> None:
@@ -180,6 +280,31 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _meta_model(cfg: EngineConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of ``cfg`` on the meta device (shapes only)."""
+    from tessera_actors import models
+    try:
+        if cfg.model.startswith("hf:"):
+            from tessera_actors.models import hf
+            return hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
+                                   device="meta", **cfg.overrides)
+        kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+    except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
+        raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
+
+
+def fitted(cfg: EngineConfig) -> tuple[EngineConfig, torch.nn.Module]:
+    """(``cfg`` with ``max_seqs`` lowered to what ``kv_cache_memory`` holds,
+    its meta model): the row size comes from the meta model's state."""
+    dtype = _dtype(cfg.dtype)
+    if cfg.model.startswith("hf:"):
+        cfg.kv_windows = (cfg.max_model_len,)   # a transformers model's attention reads the whole cache
+    meta = _meta_model(cfg, dtype)
+    fit = fit_kv_cache(cfg, state_bytes(meta) // cfg.max_seqs)
+    return (fit, _meta_model(fit, dtype)) if fit is not cfg else (cfg, meta)
+
+
 def _models(cfg: EngineConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the real model in host memory, the same model on the meta device)."""
     from tessera_actors import models
@@ -190,6 +315,7 @@ def _models(cfg: EngineConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, tor
             cfg.kv_windows = (cfg.max_model_len,)   # its attention reads the whole cache
             real = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
                                    **cfg.overrides)
+            drop_state(real)
             meta = hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
                                    device="meta", **cfg.overrides)
             return real, meta
@@ -227,47 +353,52 @@ def weight_values(name: str, graph: KernelGraph, named: dict[str, torch.Tensor],
     return vals
 
 
-def load_served_model(cfg: EngineConfig, node_devices: list[str] | None = None, progress=None) -> ServedModel:
-    """Build the model (real weights for ``smollm2``), check it takes the
-    serving inputs, capture every bucket: with inductor (Triton kernels,
-    PTX access sets) when every device is a GPU of this process's kind, else
-    on the meta device as aten ops (:func:`capture_kind`; ``node_devices``:
-    the device strings of the nodes a launcher started).  ``progress(done,
-    total, bucket)`` is called after each bucket.  Blocking (call in a
-    thread)."""
-    dtype = _dtype(cfg.dtype)
+def load_served_model(cfg: EngineConfig, core_only: bool = False, progress=None) -> ServedModel:
+    """Build the model (real weights for ``smollm2``) with as many KV rows as
+    ``cfg.kv_cache_memory`` holds (``ServedModel.cfg``: the configuration
+    served), check it takes the serving inputs, and capture its buckets:
+    with inductor (Triton kernels, PTX access sets; every bucket now) when
+    every device is a GPU of this process's kind, else on the meta device
+    as aten ops (:func:`capture_kind`; ``core_only``: only the
+    :func:`core_buckets` now, the others on first use).  ``progress(done,
+    total, bucket)`` is called after each bucket captured here.  Blocking
+    (call in a thread)."""
     if cfg.model == "smollm2":
         limit = 8192   # SmolLM2-135M-Instruct's own context (GGUF llama.context_length)
         if cfg.max_model_len > limit:
             raise EngineError(f"max_model_len {cfg.max_model_len} exceeds SmolLM2's context of {limit}")
-    real, meta = _models(cfg, dtype)
+    cfg, _ = fitted(cfg)
+    real, meta = _models(cfg, _dtype(cfg.dtype))
     params = inspect.signature(real.forward).parameters
     if not {"input_ids", "positions", "rows", "last"} <= set(params):
         raise EngineError(f"model {cfg.model!r} cannot be served: its forward takes {list(params)}, the engine "
                           "needs input_ids, positions, rows and last (a Llama-family decoder)")
-    named = {n: t for n, t in real.named_parameters()}
-    named.update(dict(real.named_buffers()))
-    state = set(real.state_names())
-    buckets = buckets_for(cfg)
-    kind = capture_kind(cfg, node_devices)
-    if kind == "inductor":
-        from tessera_actors.serving.gpu_capture import capture_on_gpu
-        graphs, captured, captures = capture_on_gpu(cfg, real, meta, buckets, progress)
-    else:
-        from tessera_actors.serving.gpu_capture import attention_form, set_attention_form
-        set_attention_form(meta, attention_form(cfg, gpu=all_cuda(cfg, node_devices)))
-        graphs, captured, captures = {}, {}, {}
-        for i, b in enumerate(buckets):
-            graphs[b.name], captures[b.name] = capture_aten(meta, b), "aten"
-            if progress is not None:
-                progress(i + 1, len(buckets), b.name)
-    values = {b.name: weight_values(b.name, graphs[b.name], named, state, captured.get(b.name)) for b in buckets}
+    buckets = {b.name: b for b in buckets_for(cfg)}
+    if cfg.embeddings and any(hasattr(m, "pool") for m in meta.modules()) and cfg.prefill_buckets:   # embeddings, a chunk at a time
+        embed = Bucket("embed", max(cfg.prefill_buckets))
+        buckets[embed.name] = embed
     meta_gguf = None
     if cfg.model in ("smollm2", "hf:smollm2"):
         from tessera_actors.models.smollm2 import _reader
         meta_gguf = _reader().metadata
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
-    return ServedModel(cfg.model, real, vocab, graphs, values, {b.name: b for b in buckets}, meta_gguf, captures)
+    served = ServedModel(cfg, real, meta, vocab, buckets, meta_gguf)
+    if capture_kind(cfg) == "inductor":
+        from tessera_actors.serving.gpu_capture import capture_on_gpu
+        # (the embedding bucket is captured as aten ops when first used)
+        graphs, captured, captures = capture_on_gpu(cfg, real, meta,
+                                                    [b for b in buckets.values() if b.kind != "embed"], progress)
+        for name, graph in graphs.items():
+            served.add(name, graph, captures[name], captured.get(name))
+        return served
+    from tessera_actors.serving.gpu_capture import attention_form, set_attention_form
+    set_attention_form(meta, attention_form(cfg, gpu=all_cuda(cfg)))
+    now = [n for n in buckets if n in core_buckets(cfg, buckets)] if core_only else list(buckets)
+    for i, name in enumerate(now):
+        served.graph(name)
+        if progress is not None:
+            progress(i + 1, len(now), name)
+    return served
 
 
 def capture_aten(meta: torch.nn.Module, bucket: Bucket) -> KernelGraph:
@@ -280,25 +411,18 @@ def capture_aten(meta: torch.nn.Module, bucket: Bucket) -> KernelGraph:
     return graph
 
 
-def capture_kind(cfg: EngineConfig, node_devices: list[str] | None = None) -> str:
+def capture_kind(cfg: EngineConfig) -> str:
     """``cfg.capture``, or for ``auto``: ``inductor`` when every device of the
     deployment (in-process, or of every node) is a CUDA device and this
     process sees one (it compiles there), else ``aten``."""
     if cfg.capture != "auto":
         return cfg.capture
-    if not all_cuda(cfg, node_devices) or cfg.model.startswith("hf:"):
+    if not all_cuda(cfg) or cfg.model.startswith("hf:"):
         return "aten"
     return "inductor" if torch.cuda.is_available() else "aten"
 
 
-def all_cuda(cfg: EngineConfig, node_devices: list[str] | None = None) -> bool:
-    """Whether every device of the deployment (in-process, or of every node:
-    ``node_devices``, a launcher's, else ``cfg.nodes``) is a GPU; nodes that
-    register by themselves (``expect_nodes``, Ray before it started them)
-    are not known, so not."""
-    from tessera_actors.devices import parse_devices
-    nodes = cfg.nodes if node_devices is None else node_devices
-    if (cfg.expect_nodes or cfg.ray) and node_devices is None:
-        return False
-    specs = [s for n in nodes for s in parse_devices(n)] if nodes else parse_devices(cfg.devices)
+def all_cuda(cfg: EngineConfig) -> bool:
+    """Whether every device of the deployment (in-process, or of every node) is a GPU."""
+    specs = cfg.device_specs()
     return bool(specs) and all(s.kind == "cuda" for s in specs)

@@ -24,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,17 +40,20 @@ from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.devices import parse_devices
 from tessera_actors.launch import registry
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import (Heartbeat, Ping, Place, Register, ReportLost, RunStep,
+from tessera_actors.runtime.messages import (Ping, Place, Register, ReportLost, RunStep,
                                              Uninstall)
 from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
 from transport.system import ActorSystem
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.deploy import ServedModel
+from tessera_actors.serving.deploy import Bucket, ServedModel, core_buckets
+from tessera_actors.serving.memory import give_back_freed_memory
 from tessera_actors.serving.params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
+
+BUSY_WINDOW_S = 10.0   # the busy fraction the chat page and /metrics show: over the last 10 s
 
 
 RUN_COUNTS = ("replays", "eager_runs", "capture_failures")   # a step's runs of kernels, over its devices
@@ -77,6 +81,12 @@ class StepResult:
     logprobs: list[float] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     spans: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)   # per sampled entry, when asked: [[id, logprob], ...]
+    outputs: list = field(default_factory=list)        # step(outputs=True): [buffer, start, end, bytes] of each
+
+    def top(self, i: int) -> list | None:
+        """Sampled entry ``i``'s top log probabilities (None: not asked)."""
+        return self.top_logprobs[i] if i < len(self.top_logprobs) else None
 
 
 def _feeding_device(graph, plan: Plan) -> int | None:
@@ -110,16 +120,28 @@ async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
     return False
 
 
+def _background_order(b: Bucket) -> tuple:
+    """Which buckets to place first after the core ones: decode before
+    prompt chunks, short attention windows before the whole cache, the
+    first group's rows and small sizes first (what a lightly loaded server
+    runs most)."""
+    return (b.kind == "embed", b.kind != "decode", not b.window, b.window, b.base, b.size)
+
+
 class Deployment:
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
-                 trace=None, launcher=None, on_back: Callable[[str], None] | None = None) -> None:
+                 trace=None, launcher=None, on_back: Callable[[str], None] | None = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         """``trace``: a :class:`~tessera_actors.serving.trace.StepTrace` that
         records every step (None: no tracing); ``launcher``: who starts the
         nodes (``tessera_actors.launch``; None: in-process devices);
-        ``on_back(endpoint)``: a node the launcher restarted is registered again."""
+        ``on_back(endpoint)``: a node the launcher restarted is registered
+        again; ``progress(placed, total)`` is called whenever a bucket of this
+        placement generation is placed."""
         self.cfg, self.served, self.on_lost, self.on_back = cfg, served, on_lost, on_back
         self.launcher = launcher
         self.trace = trace
+        self.progress = progress
         self.generation = 0
         self.placed: dict[str, PlacedBucket] = {}
         self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
@@ -131,6 +153,7 @@ class Deployment:
         self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
         self.bucket_counts: dict[str, dict[str, int]] = {}   # bucket -> RUN_COUNTS over its steps
         self.since = time.monotonic()          # when the current placement started
+        self._busy_log: deque = deque()        # (time, busy_s copy) after steps: busy fractions over a window
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -138,7 +161,8 @@ class Deployment:
         self.system = ActorSystem("engine")
         launcher = self.launcher
         address = await self.system.listen(launcher.listen if launcher else "tcp://127.0.0.1:0")
-        await self.system.spawn(GraphActor(self.served.graphs), "graph")
+        # buckets not captured yet are captured when first placed (the graph actor asks the model)
+        await self.system.spawn(GraphActor(self.served.graphs, source=self.served.graph), "graph")
         costs = {}
         if cfg.profile and launcher is None:
             costs = await asyncio.to_thread(self.profile_reference)
@@ -147,8 +171,9 @@ class Deployment:
         except TypeError as e:
             raise ValueError(f"planner {cfg.planner!r}: bad planner_options {cfg.planner_options}: {e}") from None
         if hasattr(planner, "expect"):   # the offload planner keeps room in the GPU budget for the other buckets
+            await asyncio.to_thread(self.served.capture_all)
             planner.expect([g for name, g in self.served.graphs.items() if name != self.reference_bucket()])
-        await self.system.spawn(SchedulerActor(planner, self.served.values,
+        await self.system.spawn(SchedulerActor(planner, self.served.values, named_values=self.served.named_weights(),
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
         if launcher is not None:
@@ -158,9 +183,8 @@ class Deployment:
             await self.system.spawn(TransferActor(), "transfer")
             for i, spec in enumerate(specs):
                 await self.system.spawn(DeviceActor(spec), f"device{i}")
+            # registered at the scheduler's own address: in-process devices hold no lease
             await sched.ask(Register("local", address, [s.name for s in specs]))
-            # in-process devices live as long as this process: keep their registration fresh
-            self._watchers.append(asyncio.get_running_loop().create_task(self._beat_local(sched)))
         await self.place_all()
         self._watchers.append(asyncio.get_running_loop().create_task(self._ping_loop()))
 
@@ -228,21 +252,18 @@ class Deployment:
                                     weights=weights or {}), timeout=600)
         plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
-        return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graphs[bucket], plan))
+        return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graph(bucket), plan))
 
     def core_buckets(self) -> set[str]:
-        """Buckets placed before the engine serves: every decode bucket and
-        the shortest and the longest prompt chunk (any window).  The prompt
-        chunks between them follow in the background; until one is placed a
-        longer one stands in for it (:meth:`runnable`).  With node processes
-        every bucket is core: a placement waits on its devices' answers, and
-        one under way when a node dies would hold up the scheduler, and so
-        the recovery, until its asks time out."""
+        """Buckets placed before the engine serves (:func:`core_buckets`;
+        with nodes from a launcher, every bucket)."""
         if self.launcher is not None:
             return set(self.served.buckets)
-        prefill = sorted({b.size for b in self.served.buckets.values() if b.kind == "prefill"})
-        ends = {prefill[0], prefill[-1]} if prefill else set()
-        return {name for name, b in self.served.buckets.items() if b.kind != "prefill" or b.size in ends}
+        return core_buckets(self.cfg, self.served.buckets)
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(len(self.placed), len(self.served.buckets))
 
     async def place_all(self, eager: bool = True) -> None:
         """Place the reference bucket, then (``eager``) the other core
@@ -262,20 +283,24 @@ class Deployment:
             # decode computes on the CPU - pinning weights to the reference's devices would undo that
             self.weights = {}
         self.placed = {ref_name: ref}
+        self._report()
         self._placing = {}
         self._unplaceable = set()
         self.busy_s = {d: 0.0 for d in range(len(ref.plan.devices))}
         self.since = time.monotonic()
+        self._busy_log.clear()
         if eager:
             core = self.core_buckets()
-            later = [name for name in self.served.graphs if name != ref_name and name not in core]
-            for name in self.served.graphs:
+            later = sorted((name for name in self.served.buckets if name != ref_name and name not in core),
+                           key=lambda name: _background_order(self.served.buckets[name]))
+            for name in self.served.buckets:
                 if name != ref_name and name in core:
                     self.placed[name] = await self._place(name, self.pins, self.weights)
+                    self._report()
             after = None
             for name in later:   # one at a time: a heartbeat queues behind at most one placement
                 after = self._place_soon(name, after)
-        log.info("placed %d buckets (generation %d): %s", len(self.placed), self.generation, ref.plan.name)
+        log.debug("placed %d buckets (generation %d): %s", len(self.placed), self.generation, ref.plan.name)
 
     async def wait_placed(self) -> None:
         """Return once no bucket is being placed (the background placements
@@ -293,7 +318,7 @@ class Deployment:
         p = self.placed.get(bucket)
         if p is not None:
             return p
-        if bucket not in self.served.graphs:
+        if bucket not in self.served.buckets:
             raise StepFailed(f"no bucket {bucket!r}")
         generation = self.generation
         task = self._placing.get(bucket)
@@ -307,7 +332,20 @@ class Deployment:
             raise
         if generation == self.generation:
             self.placed[bucket] = p
+            self._report()
         return p
+
+    async def release_weights(self) -> bool:
+        """Once every bucket is placed, give back the engine's copy of the
+        weights when nothing can read it again: in-process devices (never
+        lost, so never re-placed) under a planner that places buckets one
+        at a time.  Returns whether it did."""
+        await self.wait_placed()
+        if self.cfg.nodes or self.cfg.planner == "offload" or len(self.placed) < len(self.served.buckets):
+            return False
+        self.served.release_weights()
+        give_back_freed_memory()
+        return True
 
     def runnable(self, want: str, bounds: tuple[int, int] | None = None) -> str:
         """The bucket a step shaped for ``want`` runs on now: ``want`` when
@@ -365,6 +403,7 @@ class Deployment:
                     self._placing.pop(bucket)
                 return
             self.placed.setdefault(bucket, t.result())
+            self._report()
         task.add_done_callback(done)
         return task
 
@@ -387,7 +426,7 @@ class Deployment:
         self.placed = {}
         await self.place_all(eager=False)
         for name in dict.fromkeys(first):
-            if name in self.served.graphs:
+            if name in self.served.buckets:
                 await self._placed(name)
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
@@ -408,11 +447,13 @@ class Deployment:
         return p.steps - 1
 
     async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = (),
-                   number: int | None = None, token_rows: list = (), tokens_from: int = -1) -> StepResult:
+                   number: int | None = None, token_rows: list = (), tokens_from: int = -1,
+                   outputs: bool = False) -> StepResult:
         """Run one step of ``bucket``; ``number``: a step number from
         :meth:`reserve`; ``token_rows``: ``[row, entry]`` pairs whose
         ``input_ids`` are the tokens step ``tokens_from`` (of this bucket's
-        plan) sampled for ``entry`` (``RunStep.token_rows``)."""
+        plan) sampled for ``entry`` (``RunStep.token_rows``); ``outputs``:
+        the graph's output bytes come back too (``StepResult.outputs``)."""
         try:
             p = await self._placed(bucket)
         except ActorError as e:
@@ -427,7 +468,7 @@ class Deployment:
         t0 = time.perf_counter()
         wall = time.time()
         traced = self.trace is not None
-        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, False, traced,
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced,
                                 list(token_rows) if d == p.feeds else [], tokens_from),
                         timeout=self.cfg.step_timeout)
                 for d, ref in enumerate(p.refs)]
@@ -444,12 +485,33 @@ class Deployment:
             self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
             for k in RUN_COUNTS:
                 counts[k] += getattr(r, k, 0)
+        self._note_busy()
         holder = next((r for r in results if r.tokens), None)
         tokens = holder.tokens if holder else []
         if sample and len(tokens) != len(sample):
             raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {len(sample)} sampled rows")
         return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
-                          [r.busy_s for r in results])
+                          [r.busy_s for r in results], top_logprobs=holder.top_logprobs if holder else [],
+                          outputs=[[*rng, data] for r in results for rng, data in zip(r.ranges, r.data)])
+
+    def _note_busy(self) -> None:
+        now = time.monotonic()
+        self._busy_log.append((now, dict(self.busy_s)))
+        while len(self._busy_log) > 1 and self._busy_log[1][0] <= now - BUSY_WINDOW_S:
+            self._busy_log.popleft()   # keep the last entry at or before the window's start
+
+    def busy_fractions(self, window_s: float = BUSY_WINDOW_S) -> dict[int, float]:
+        """Each plan device's fraction of the last ``window_s`` seconds (of
+        the placement, when it is younger) spent on steps."""
+        now = time.monotonic()
+        start = max(now - window_s, self.since)
+        before = {}
+        for t, busy in self._busy_log:
+            if t > start:
+                break
+            before = busy
+        span = max(now - start, 1e-9)
+        return {d: min(1.0, max(0.0, (b - before.get(d, 0.0)) / span)) for d, b in self.busy_s.items()}
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:
@@ -485,10 +547,4 @@ class Deployment:
             if dead:
                 self.on_lost(dead)
 
-    async def _beat_local(self, sched: ActorRef) -> None:
-        seq = 0
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat_s)
-            seq += 1
-            await sched.tell(Heartbeat("local", seq))
 

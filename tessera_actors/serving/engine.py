@@ -39,7 +39,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
@@ -48,6 +48,8 @@ from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.deploy import bucket_name, decode_sizes, load_served_model, window_for
 from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from tessera_actors.serving.deployment import Deployment, StepFailed
+from tessera_actors.serving.memory import memory_report
+from tessera_actors.serving.records import Records
 from tessera_actors.serving.text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
 
 log = logging.getLogger("tessera_actors.serving")
@@ -109,9 +111,12 @@ class AsyncEngine:
                                initial="throughput" if config.mode == "throughput" else "latency")
         self.tokenizer = None
         self.template = None
+        self.slots = SlotAllocator(config.group_bounds(self.groups))
+        self._slot_freed = asyncio.Event()   # a KV slot was given back (embeddings wait for one)
         self.step_time: dict[str, list[float]] = {}   # bucket -> [steps, seconds]
         self._outbox: list[tuple] = []   # stream pieces, delivered after the next steps are sent (_emit)
         self._switching = False          # a plan switch waits for the decode steps in flight
+        self._progress = {"phase": "stopped", "buckets_placed": 0, "buckets": 0}   # start(): what is done
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -121,27 +126,48 @@ class AsyncEngine:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    async def start(self) -> None:
+    async def start(self, progress: Callable[[str, int, int], None] | None = None) -> None:
+        """Build the model, capture and place the core buckets, start the
+        loop; the other buckets are captured and placed in the background.
+        ``progress(phase, done, total)`` reports "loading" (the model, once)
+        and "placing" (buckets placed of all), also after start returns."""
+        self._progress = {"phase": "loading", "buckets_placed": 0, "buckets": 0}
+        try:
+            await self._start(progress)
+        finally:
+            if self._loop_task is None:   # it failed
+                self._progress["phase"] = "stopped"
+
+    async def _start(self, progress: Callable[[str, int, int], None] | None) -> None:
+        def placing(done: int, total: int) -> None:
+            self._progress.update(phase="placing" if done < total else "placed", buckets_placed=done, buckets=total)
+            if progress is not None:
+                progress("placing", done, total)
+        if progress is not None:
+            progress("loading", 0, 1)
         launcher = launcher_for(self.cfg)
         try:
-            node_devices = await launcher.prepare() if launcher is not None else None
-            served = await asyncio.to_thread(load_served_model, self.cfg, node_devices)
+            if launcher is not None:
+                self.cfg.launched = tuple(await launcher.prepare() or ())
+            served = await asyncio.to_thread(load_served_model, self.cfg, True)
         except BaseException:
             if launcher is not None:
                 await launcher.stop()
             raise
-        self.served = served
+        self.served, self.cfg = served, served.cfg   # max_seqs fitted to the KV-cache budget
+        self.groups = min(self.groups, self.cfg.max_seqs)
+        self.slots = SlotAllocator(self.cfg.group_bounds(self.groups))
         if served.gguf_meta is not None:
             self.tokenizer = gguf_tokenizer(served.gguf_meta)
             tpl = served.gguf_meta.get("tokenizer.chat_template")
             if tpl:
                 self.template = ChatTemplate(tpl, self.tokenizer.bos_token, self.tokenizer.eos_token)
-        self.slots = SlotAllocator(self.cfg.group_bounds(self.groups))
+        self._records = Records(self.tokenizer, served.vocab_size)
         self.trace = None
         if self.cfg.trace_dir:
             from tessera_actors.serving.trace import StepTrace
             self.trace = StepTrace()
-        self.deployment = Deployment(self.cfg, served, self._on_lost, self.trace, launcher, self._on_back)
+        self.deployment = Deployment(self.cfg, served, self._on_lost, self.trace, launcher, self._on_back, placing)
         try:
             await self.deployment.start()
         except BaseException:
@@ -150,6 +176,7 @@ class AsyncEngine:
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
+        self._progress["phase"] = "stopped"
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -218,6 +245,8 @@ class AsyncEngine:
             raise EngineBusy(f"{len(self._waiting)} requests already wait for a KV slot")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         seq = Sequence(rid, ids, params, seed, arrival=time.monotonic(), context=list(ids))
+        if params.shapes_logits:
+            seq.record = self._records.make(params, ids)
         detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         req = _Request(seq, detok)
         self._requests[rid] = req
@@ -236,6 +265,12 @@ class AsyncEngine:
         finally:
             if req.finished is None:
                 self._abort(req)
+
+    async def embed(self, prompt) -> tuple[list[float], int]:
+        """(the mean-pooled final hidden state of ``prompt``, its token
+        count): :mod:`.embeddings`."""
+        from tessera_actors.serving.embeddings import embed
+        return await embed(self, prompt)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request (its stream ends with finish_reason "abort");
@@ -272,6 +307,7 @@ class AsyncEngine:
         if seq.slot >= 0 and not req.in_step:
             self.slots.release(seq.slot)
             seq.slot = -1
+            self._slot_freed.set()
         self._wake.set()
 
     def _landed(self, step: _Step) -> None:
@@ -284,6 +320,7 @@ class AsyncEngine:
             if req.finished is not None and req.seq.slot >= 0 and not req.in_step:
                 self.slots.release(req.seq.slot)
                 req.seq.slot = -1
+                self._slot_freed.set()
                 self._wake.set()
 
     # -- the loop -------------------------------------------------------------------
@@ -330,19 +367,20 @@ class AsyncEngine:
             self._requests.clear()
 
     def _emit(self, req: _Request, token: int, logprob: float, reason: str | None, text: str | None,
-              final: bool, eos: bool, generated: int) -> None:
+              final: bool, eos: bool, generated: int, top: list | None = None) -> None:
         """Queue a stream piece; ``text`` None: detokenize when delivered."""
-        self._outbox.append((req, token, logprob, reason, text, final, eos, generated))
+        self._outbox.append((req, token, logprob, reason, text, final, eos, generated, top))
 
     def _deliver(self) -> None:
         """Detokenize and hand out the queued pieces (after the next steps
         were sent: this host work overlaps the devices' work)."""
         box, self._outbox = self._outbox, []
-        for req, token, logprob, reason, text, final, eos, generated in box:
+        for req, token, logprob, reason, text, final, eos, generated, top in box:
             if text is None:
                 text = req.detok.push([] if eos else [token], final=final) if req.detok is not None else ""
             req.out.put_nowait(RequestOutput(req.seq.rid, text, [token], reason,
-                                             Usage(len(req.seq.prompt), generated), [logprob]))
+                                             Usage(len(req.seq.prompt), generated), [logprob],
+                                             [top[:req.seq.params.top_logprobs]] if top else []))
 
     def _admit(self) -> None:
         while self._waiting and self.slots.free():
@@ -390,8 +428,10 @@ class AsyncEngine:
         reqs = [r for r in rows if r.finished is None and r.seq.may_decode(self.max_model_len)]
         if not reqs or self._switching:
             return None   # a plan switch waits for every decode step in flight to land: none starts meanwhile
-        if prev is not None and (prev.number is None or prev.generation != self.deployment.generation or self._prefill):
-            return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device)
+        if prev is not None and (prev.number is None or prev.generation != self.deployment.generation or self._prefill
+                                 or any(r.seq.record is not None and r.seq.record.needs_tokens for r in reqs)):
+            return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device;
+            #              penalties and JSON masks are computed from the tokens so far)
         lo, hi = self.slots.bounds[g]
         sizes = decode_sizes(self.cfg, hi - lo)
         size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
@@ -453,12 +493,12 @@ class AsyncEngine:
             self._prefill.remove(req)
             self._catchup.discard(req.seq.rid)
             req.seq.phase = "decode"
-            self._accept(req, result.tokens[0], result.logprobs[0])
+            self._accept(req, result.tokens[0], result.logprobs[0], result.top(0))
             return
-        for req, tok, lp in zip(reqs, result.tokens, result.logprobs):
+        for i, (req, tok, lp) in enumerate(zip(reqs, result.tokens, result.logprobs)):
             if req.finished is None:
                 req.seq.exec_s += result.seconds
-                self._accept(req, tok, lp)
+                self._accept(req, tok, lp, result.top(i))
             else:   # it ended (end of text, a stop string, an abort) while this step was in flight
                 self.counters["discarded_tokens"] += 1
 
@@ -472,7 +512,7 @@ class AsyncEngine:
         self._retire(req)
         req.out.put_nowait(err)
 
-    def _accept(self, req: _Request, token: int, logprob: float) -> None:
+    def _accept(self, req: _Request, token: int, logprob: float, top: list | None = None) -> None:
         """A new token of ``req``: stream it, and finish the request when done."""
         seq, p = req.seq, req.seq.params
         if seq.first_token_at is None:
@@ -489,7 +529,7 @@ class AsyncEngine:
         stopped = req.detok is not None and req.detok.stopped
         reason = "stop" if (is_eos or stopped) else ("length" if length else None)
         token = int(token)
-        self._emit(req, token, logprob, reason, text, final, is_eos, len(seq.generated))
+        self._emit(req, token, logprob, reason, text, final, is_eos, len(seq.generated), top)
         if reason is None:
             return
         req.finished = reason
@@ -559,16 +599,18 @@ class AsyncEngine:
                          "kernels_per_device": ref.plan.kernels_per_device(),
                          "bytes_per_step": ref.plan.bytes_per_step()}
             elapsed = max(time.monotonic() - rt.since, 1e-9)
+            recent = rt.busy_fractions()   # over the last 10 s: what the chat page and /metrics show
             devices = [{"name": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
-                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed)}
+                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed), "busy_recent": recent.get(d, 0.0)}
                        for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
                 "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
                 "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
                 "lost": sorted(rt.lost) if rt else [],
-                "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.graphs) if rt else 0,
+                "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.buckets) if rt else 0,
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},
-                "buckets": self._bucket_stats(), **self.counters}
+                "memory": memory_report(self.served if rt else None, self.cfg),
+                "bucket_stats": self._bucket_stats(), **self.counters}
 
     def _bucket_stats(self) -> dict[str, dict]:
         """Per bucket: how it was captured (``inductor`` | ``aten``, or why
@@ -588,9 +630,25 @@ class AsyncEngine:
         if self.deployment is not None:
             await self.deployment.wait_placed()
 
+    async def release_weights(self) -> bool:
+        """Give back this process's copy of the weights once every bucket is
+        placed, where nothing reads it again (in-process devices hold their
+        own and are never re-placed; node deployments keep it to re-place
+        after a lost node).  ``tessera serve`` calls it; True when done."""
+        return self.deployment is not None and await self.deployment.release_weights()
+
     def health(self) -> dict:
-        ok = self._dead is None and not self._lost and self.deployment is not None and bool(self.deployment.placed)
-        return {"ok": ok, "lost": sorted(self.deployment.lost) if self.deployment else [], "error": self._dead}
+        """``ok``: serving; ``status``: "ok", "starting" (being started:
+        ``phase`` loading the model or placing the core buckets) or
+        "unhealthy" (a node lost and not yet re-placed, stopped, or dead);
+        ``buckets_placed`` of ``buckets``: the placement's progress (it goes
+        on in the background after start)."""
+        serving = self._loop_task is not None and not self._loop_task.done()
+        ok = self._dead is None and not self._lost and serving and bool(self.deployment.placed)
+        starting = not serving and self._dead is None and self._progress["phase"] in ("loading", "placing", "placed")
+        return {"ok": ok, "status": "ok" if ok else ("starting" if starting else "unhealthy"),
+                "lost": sorted(self.deployment.lost) if self.deployment else [], "error": self._dead,
+                **self._progress}
 
 
 def _is_id_list(prompt) -> bool:

@@ -9,12 +9,19 @@ from typing import Any
 from tessera_actors.launch.env import LAUNCHERS, job_place
 
 
+DEFAULT_MAX_BODY = 4 * 1024 * 1024   # bytes of a request body; larger bodies get 413
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
-    """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``)."""
-    p.add_argument("--model", default="smollm2", help="model name (default smollm2)")
-    p.add_argument("--size", default=None, help="model size, e.g. tiny | real (engine default: real)")
+    """Flags that build the AsyncEngine (shared by ``tessera serve`` and ``tessera bench serve``).
+    A flag left out keeps ``EngineConfig``'s default, which its help shows."""
+    from tessera_actors.serving.config import EngineConfig
+    d = EngineConfig()
+    p.add_argument("--model", default="smollm2", help="model: smollm2, llama (random weights) or hf:<dir | "
+                   "config.json | file.gguf>")
+    p.add_argument("--size", default=None, help=f"model size, e.g. tiny | real (default: {d.size})")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--devices", default=None, help="in-process devices, e.g. cpu,cpu")
+    where.add_argument("--devices", default=None, help=f"in-process devices (default: {d.devices})")
     where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
     where.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                        help="node daemons as Ray actors on this Ray cluster: one per GPU (see --ray-cpu)")
@@ -26,17 +33,37 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                         "'cpu' on a cluster without GPUs)")
     p.add_argument("--ray-gpus", type=int, default=None, help="with --ray: GPU daemons (default: every GPU)")
     for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
-                             ("--max-model-len", int, "context length"),
+                             ("--max-model-len", int, "context length (prompt + output tokens)"),
                              ("--max-queue", int, "waiting requests before 429"),
-                             ("--planner", str, "placement planner"),
+                             ("--planner", str, "placement planner: contiguous | milp | offload"),
                              ("--mode", str, "latency | throughput | auto (plan switching under load)"),
                              ("--dtype", str, "float32 | bfloat16 | float16"),
                              ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
-        p.add_argument(flag, type=kind, default=None, help=what + " (engine default)")
+        field = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=kind, default=None, metavar=field.upper() if kind is str else "N",
+                       help=f"{what} (default: {getattr(d, field)})")
+    p.add_argument("--kv-cache-memory", default="auto", metavar="SIZE|FRACTION",
+                   help="memory for the KV cache: a size (512MiB, 2GiB), a fraction of the devices' memory (0.1), "
+                        "'none' (no limit) or 'auto': 512MiB when every device is a CPU, else no limit; "
+                        "--max-seqs is lowered to what fits (default: auto)")
     p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming, "
                         "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
-    p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, help="engine seed (engine default)")
+    p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, metavar="N",
+                   help=f"engine seed: random weights and unseeded sampling (default: {d.seed})")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``tessera serve``'s flags: the engine's, then the HTTP server's."""
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed in the "
+                                                          "ready line)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write a trace-event JSON of served steps to DIR")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
+                   help="largest request body in bytes, 413 above (default: 4 MiB)")
 
 
 def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
@@ -59,9 +86,23 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
             kw[name] = getattr(a, name)
     if a.engine_seed is not None:
         kw["seed"] = a.engine_seed
+    if getattr(a, "kv_cache_memory", None) is not None:
+        kw["kv_cache_memory"] = kv_cache_memory(a.kv_cache_memory)
     if getattr(a, "planner_option", None):
         kw["planner_options"] = planner_options(a.planner_option)
     return kw
+
+
+def kv_cache_memory(text: str) -> str | float | None:
+    """``--kv-cache-memory``: 'none', a fraction ('0.25') or a size ('2GiB', bytes)."""
+    if text.strip().lower() == "none":
+        return None
+    if "." in text:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    return text
 
 
 def planner_options(items: list[str]) -> dict[str, Any]:

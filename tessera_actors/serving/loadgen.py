@@ -1,7 +1,7 @@
 """``tessera bench serve``: replay a fixed request trace and report what clients saw.
 
-    tessera bench serve [--url http://127.0.0.1:8000] --trace poisson|conversation
-                        --rate R --requests N [--seed S] [--compare]
+    tessera bench serve [--url http://127.0.0.1:8000 | --launch 'SERVE FLAGS' [--launch-from DIR]]
+                        --trace poisson|conversation|burst --rate R --requests N [--seed S] [--compare]
 
 - ``poisson`` (the serving-engine issue's trace): N requests, exponential
   inter-arrival times at R requests/s, prompts of 50-400 tokens, outputs of
@@ -9,6 +9,14 @@
 - ``conversation``: N turns in conversations of ``--turns`` turns that start
   at R conversations/s; each turn resends the whole chat so far (the real
   replies) plus a new user message of 20-100 tokens, after a think time.
+- ``burst``: N requests all at once (``--prompt-tokens 40-40`` gives the
+  16-concurrent, 40-token-prompt trace of the start-up issue).
+
+``--launch 'FLAGS'`` starts ``tessera serve FLAGS`` itself (from ``--launch-from
+DIR``, another checkout, when given), times it from the command to its first
+``/health`` 200 and to every bucket placed, reads its resident memory, runs
+the trace through it once every bucket is placed, and times its exit after
+SIGINT (:mod:`tessera_actors.serving.launch`).
 
 With ``--url`` the trace goes through the OpenAI HTTP API of a running
 ``tessera serve``; without it, through an in-process ``AsyncEngine`` built
@@ -259,7 +267,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline-requests", type=int, default=0,
                    help="the baseline replays only the first N requests of the trace (0: all); a one-at-a-time "
                         "server's throughput does not depend on how many wait, and it serves 64 slowly")
-    p.add_argument("--trace", default="poisson", choices=["poisson", "conversation"])
+    p.add_argument("--launch", default=None, metavar="'SERVE FLAGS'",
+                   help="start `tessera serve FLAGS` here and time its start, memory and exit (e.g. "
+                        "'--model smollm2')")
+    p.add_argument("--launch-from", default=None, metavar="DIR",
+                   help="with --launch: the checkout whose code serves (e.g. an older commit's tree)")
+    p.add_argument("--trace", default="poisson", choices=["poisson", "conversation", "burst"],
+                   help="Poisson arrivals, multi-turn conversations, or every request at once")
     p.add_argument("--rate", type=float, default=2.0, help="requests/s (conversation: conversations/s)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--turns", type=int, default=4, help="conversation trace: turns per conversation")
@@ -276,16 +290,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, seed_flag="--engine-seed")
 
 
+def burst_trace(n: int, seed: int, prompt=(40, 40), output=(32, 128)) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    return [TraceRequest(i, 0.0, rng.randint(*prompt), rng.randint(*output)) for i in range(n)]
+
+
+async def _launched(a: argparse.Namespace, session, trace: list[TraceRequest]) -> tuple[dict, dict]:
+    """The trace through a ``tessera serve`` this benchmark starts (``--launch``)."""
+    from dataclasses import asdict
+    from tessera_actors.serving.launch import LaunchedServer
+    server = LaunchedServer(a.launch, a.launch_from)
+    try:
+        url = await server.start(session)
+        client = await HttpClient.connect(session, url, None)
+        prompts = await build_prompts(trace, client, a.seed)
+        await warm_up(client, prompts, a.warmup)
+        records = {"http": await replay(trace, prompts, client)}
+    finally:
+        report = server.stop()
+    return records, {"launch": asdict(report), "model": client.model}
+
+
 async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
     import aiohttp
     if a.trace == "poisson":
         trace = poisson_trace(a.requests, a.rate, a.seed, a.prompt_tokens or (50, 400), a.output_tokens)
+    elif a.trace == "burst":
+        trace = burst_trace(a.requests, a.seed, a.prompt_tokens or (40, 40), a.output_tokens)
     else:
         trace = conversation_trace(a.requests, a.rate, a.seed, a.turns, a.prompt_tokens or (20, 100),
                                    a.output_tokens)
     records: dict[str, list[Record]] = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        if a.launch:
+            return await _launched(a, session, trace)
         if a.url:
             client = await HttpClient.connect(session, a.url, a.api_key)
             prompts = await build_prompts(trace, client, a.seed)
@@ -324,21 +363,36 @@ async def _run(a: argparse.Namespace) -> tuple[dict, dict]:
         return records, {"engine": kw, "ignore_eos": client.has_ignore_eos}
 
 
+def launch_line(r: dict) -> str:
+    """One line of what ``--launch`` measured."""
+    mb = {k: f"{v / 2**20:.0f}" for k, v in r["rss"].items()}
+    def s(v):
+        return "-" if v is None else f"{v:.1f} s"
+    return (f"start-up ({(r['commit'] or '?')[:7]}): first /health ok {s(r['health_ok_s'])}, every bucket placed "
+            f"{s(r['all_placed_s'])}; RSS MB ready {mb.get('ready', '-')}, placed {mb.get('placed', '-')}, after "
+            f"the trace {mb.get('after_trace', '-')}; SIGINT to exit {s(r['exit_s'])} (status {r['exit_code']})")
+
+
 def run_command(a: argparse.Namespace) -> int:
     """``tessera bench serve``: replay, print the table, write JSON (+ PNG)."""
     if a.requests < 1 or a.rate <= 0:
         raise ValueError("--requests must be >= 1 and --rate > 0")
-    if (a.compare or a.baseline) and a.url:
-        raise ValueError("--compare and --baseline run in-process engines; leave out --url")
+    if (a.compare or a.baseline) and (a.url or a.launch):
+        raise ValueError("--compare and --baseline run in-process engines; leave out --url and --launch")
+    if a.url and a.launch:
+        raise ValueError("--url serves a running server, --launch starts one: give one of them")
     records, where = asyncio.run(_run(a))
     slo_tpot, slo_ttft = a.slo_tpot_ms / 1000, a.slo_ttft_ms / 1000
     summaries = {k: summarize(v, slo_tpot, slo_ttft) for k, v in records.items()}
     mode = "+".join(records)
     print(f"tessera bench serve: trace {a.trace}, {a.requests} requests at {a.rate:g}/s, seed {a.seed}, via {mode}")
     print(table(summaries))
+    if "launch" in where:
+        print(launch_line(where["launch"]))
     stem = a.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"serve_{a.trace}_{mode}").strip("_")
     out = Path(a.out)
-    config = {"trace": a.trace, "requests": a.requests, "rate": a.rate, "seed": a.seed, "turns": a.turns,
+    config = {"trace": a.trace, "launch_flags": a.launch, "requests": a.requests, "rate": a.rate, "seed": a.seed,
+              "turns": a.turns,
               "prompt_tokens": a.prompt_tokens, "output_tokens": a.output_tokens,
               "baseline": a.baseline, "baseline_requests": a.baseline_requests or None, **where}
     write_json(out / f"{stem}.json", config, summaries, records)

@@ -4,7 +4,7 @@ Two kinds: what the HTTP layer observes per request (counters of requests by
 endpoint and status, prompt and generated tokens, TTFT / TPOT / end-to-end
 latency histograms) is recorded as it happens; what the engine knows (queue
 depth, KV slots, plan in use and switches, per-device busy fraction, bytes
-moved between devices, node health) is read from ``engine.stats()`` and
+moved between devices, node health, memory) is read from ``engine.stats()`` and
 ``engine.health()`` at scrape time by a collector, so it is never stale.
 
 Each server gets its own ``CollectorRegistry``: several servers (tests) in
@@ -64,20 +64,36 @@ class _EngineCollector:
         c.add_metric([], float(s.get("steps") or 0))
         yield c
         place = s.get("placement") or {}
-        busy = GaugeMetricFamily("tessera_device_busy_fraction", "fraction of time a device computed",
+        busy = GaugeMetricFamily("tessera_device_busy_fraction", "fraction of the last 10 s a device computed",
                                  labels=["index", "device"])
+        busy_s = CounterMetricFamily("tessera_device_busy_seconds", "seconds a device spent on steps",
+                                     labels=["index", "device"])
         kern = GaugeMetricFamily("tessera_device_kernels", "kernels placed on a device", labels=["index", "device"])
         for i, d in enumerate(device_rows(s)):
             labels = [str(i), str(d["name"])]
-            if d.get("busy_fraction") is not None:
-                busy.add_metric(labels, float(d["busy_fraction"]))
+            frac = d.get("busy_recent", d.get("busy_fraction"))
+            if frac is not None:
+                busy.add_metric(labels, float(frac))
+            if d.get("busy_s") is not None:
+                busy_s.add_metric(labels, float(d["busy_s"]))
             kern.add_metric(labels, float(d.get("kernels") or 0))
         yield busy
+        yield busy_s
         yield kern
         yield gauge("tessera_bytes_moved_per_step", "bytes moved between devices per engine step",
                     s.get("bytes_moved_per_step", place.get("bytes_per_step")))
         yield gauge("tessera_healthy", "1 while every node is up (or re-placed)", 1 if h.get("ok", True) else 0)
         yield gauge("tessera_nodes_lost", "nodes lost and not yet re-placed", len(h.get("lost") or []))
+        mem = s.get("memory") or {}
+        yield gauge("tessera_process_resident_bytes", "resident memory of the server process", mem.get("rss_bytes"))
+        yield gauge("tessera_kv_cache_bytes", "KV cache over all devices (kv rows x max_model_len)",
+                    mem.get("kv_cache_bytes"))
+        yield gauge("tessera_kv_cache_rows", "sequences the KV cache holds at once", mem.get("kv_rows"))
+        yield gauge("tessera_kv_cache_budget_bytes", "the KV cache's memory budget (0: none)",
+                    mem.get("kv_cache_budget_bytes"))
+        yield gauge("tessera_weight_bytes", "bytes of the model's weights (one copy)", mem.get("weight_bytes"))
+        yield gauge("tessera_buckets_placed", "bucket graphs placed (the rest are placed in the background)",
+                    s.get("buckets_placed"))
 
 
 class ServerMetrics:
@@ -89,6 +105,8 @@ class ServerMetrics:
                             ["endpoint", "status"], registry=r)
         self.finished = Counter("tessera_requests_finished", "generation requests by finish reason",
                                 ["finish_reason"], registry=r)
+        self.ignored_fields = Counter("tessera_ignored_request_fields", "unrecognized request fields accepted "
+                                      "and ignored, by name", ["field"], registry=r)
         self.prompt_tokens = Counter("tessera_prompt_tokens", "prompt tokens of served requests", registry=r)
         self.generated_tokens = Counter("tessera_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("tessera_time_to_first_token_seconds", "arrival to first token", buckets=_TTFT,

@@ -7,14 +7,19 @@ the body, calls :func:`parse_chat` / :func:`parse_completion`, and turns an
 its HTTP status.  Everything a client can get wrong is caught here, before
 the engine sees the request and before any byte of a reply is sent.
 
-Supported fields: ``model``, ``messages`` (chat) / ``prompt`` (completions),
-``max_tokens`` (chat also ``max_completion_tokens``), ``temperature``,
-``top_p``, ``seed``, ``stop``, ``stream``, ``stream_options``
-(``include_usage``; and vLLM's ``continuous_usage_stats``: usage in every
-chunk), ``n`` (1 only), a token-id ``prompt``, and the vLLM extensions ``top_k`` and ``ignore_eos``.
-Fields that change nothing at their neutral value (``user``,
-``presence_penalty: 0``, ``logprobs: false`` ...) are accepted; anything else
-is refused with 400 naming the field, rather than silently ignored.
+Supported fields: ``model``, ``messages`` (chat) / ``prompt`` (completions:
+a string, token ids, or a list of either - one choice each), ``max_tokens``
+(chat also ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``,
+``stop``, ``stream``, ``stream_options`` (``include_usage``; and vLLM's
+``continuous_usage_stats``: usage in every chunk), ``n`` (choices per
+prompt), ``logprobs`` / ``top_logprobs``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, ``response_format`` (``text`` or
+``json_object``: constrained sampling), and the vLLM extensions ``top_k``,
+``repetition_penalty`` and ``ignore_eos``.  What this server cannot do as
+asked (``echo``, a ``suffix``, ``tools``, ``best_of`` above ``n``, a JSON
+schema) is refused with 400 naming the field; a field it does not know is
+accepted and ignored, as vLLM does, and named in ``ApiRequest.ignored``
+(the server answers with a ``Warning`` header and counts it).
 """
 from __future__ import annotations
 
@@ -29,11 +34,13 @@ MAX_STOP = 4                       # OpenAI's limit on stop sequences
 MAX_SEED = 2 ** 63 - 1
 ROLES = {"system", "user", "assistant", "developer"}
 
+MAX_N = 16                         # choices per prompt
+MAX_PROMPTS = 32                   # prompts in one /v1/completions request
+
 # fields accepted only at the value that makes them a no-op here
-_NEUTRAL = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logprobs": (False,), "echo": (False,),
-            "top_logprobs": (0,), "logit_bias": ({},), "best_of": (1,), "parallel_tool_calls": (True, False),
-            "suffix": ("",)}
-_IGNORED = {"user", "metadata", "store", "service_tier"}
+_NEUTRAL = {"echo": (False,), "parallel_tool_calls": (True, False), "suffix": ("",), "tools": ([],),
+            "tool_choice": ("none",), "functions": ([],), "function_call": ("none",)}
+_IGNORED = {"user", "metadata", "store", "service_tier"}   # known to change nothing here: no warning
 
 
 class ApiError(Exception):
@@ -76,6 +83,16 @@ class ApiRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     ignore_eos: bool = False
+    n: int = 1
+    prompts: list = field(default_factory=list)   # completions: every prompt (``prompt`` is the first)
+    logprobs: bool = False                         # report each token's log probability
+    top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict = field(default_factory=dict)  # token id -> bias
+    json: bool = False                             # response_format json_object
+    ignored: list = field(default_factory=list)    # unknown fields, accepted and ignored
 
 
 def load_object(body: bytes) -> dict:
@@ -151,7 +168,10 @@ def _stop(data: dict) -> list[str]:
     return v
 
 
-def _check_fields(data: dict, known: set[str]) -> None:
+def _check_fields(data: dict, known: set[str]) -> list[str]:
+    """The unknown fields of ``data`` (accepted, ignored); 400 for a known
+    one this server cannot honour at the value given."""
+    unknown = []
     for name, value in data.items():
         if name in known or name in _IGNORED:
             continue
@@ -159,18 +179,24 @@ def _check_fields(data: dict, known: set[str]) -> None:
             if value is not None and value not in _NEUTRAL[name]:
                 raise bad(f"'{name}'={value!r} is not supported by this server", name, "unsupported_parameter")
             continue
-        raise bad(f"unrecognized request argument supplied: {name}", name, "unrecognized_argument")
+        unknown.append(name)
+    return unknown
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-           "ignore_eos"}
+           "ignore_eos", "best_of", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "logit_bias", "response_format"}
 
 
 def _common(data: dict, kind: str, prompt: str | list[dict], max_tokens: int | None) -> ApiRequest:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required and must be a string", "model")
-    _int(data, "n", 1, 1)                      # one choice per request
+    n = _int(data, "n", 1, MAX_N) or 1
+    best_of = _int(data, "best_of", 1)
+    if best_of is not None and best_of != n:
+        raise bad(f"'best_of'={best_of} is not supported: this server returns every sequence it draws (n={n})",
+                  "best_of", "unsupported_parameter")
     opts = data.get("stream_options")
     stream = _bool(data, "stream")
     if opts is not None:
@@ -190,7 +216,43 @@ def _common(data: dict, kind: str, prompt: str | list[dict], max_tokens: int | N
                       stop=_stop(data), stream=stream,
                       include_usage=_bool(opts, "include_usage") or _bool(opts, "continuous_usage_stats"),
                       continuous_usage=_bool(opts, "continuous_usage_stats"),
-                      ignore_eos=_bool(data, "ignore_eos"))
+                      ignore_eos=_bool(data, "ignore_eos"), n=n, **_logits_options(data, kind))
+
+
+def _logits_options(data: dict, kind: str) -> dict:
+    """The fields that shape the logits or report log probabilities."""
+    out: dict[str, Any] = {
+        "presence_penalty": _number(data, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _number(data, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _number(data, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True)}
+    if kind == "chat":               # logprobs: a boolean; top_logprobs 0..20 with it
+        out["logprobs"] = _bool(data, "logprobs")
+        out["top_logprobs"] = _int(data, "top_logprobs", 0, 20) or 0
+        if out["top_logprobs"] and not out["logprobs"]:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    else:                            # logprobs: how many of the most likely tokens to report (0..20)
+        k = _int(data, "logprobs", 0, 20)
+        out["logprobs"], out["top_logprobs"] = k is not None, k or 0
+    bias = data.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > 300:
+            raise bad("'logit_bias' must be an object of at most 300 token ids", "logit_bias")
+        parsed = {}
+        for key, value in bias.items():
+            if not str(key).isdigit():
+                raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")
+            parsed[int(key)] = float(value)
+        out["logit_bias"] = parsed
+    fmt = data.get("response_format")
+    if fmt is not None:
+        kind_of = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind_of not in ("text", "json_object"):
+            raise bad("'response_format' must be {'type': 'text'} or {'type': 'json_object'} (JSON schemas are "
+                      "not supported)", "response_format", "unsupported_parameter")
+        out["json"] = kind_of == "json_object"
+    return out
 
 
 def _content(v: Any, where: str) -> str:
@@ -209,7 +271,7 @@ def _content(v: Any, where: str) -> str:
 
 def parse_chat(data: dict) -> ApiRequest:
     """Validate a ``/v1/chat/completions`` body (already a dict)."""
-    _check_fields(data, _COMMON | {"messages", "max_completion_tokens"})
+    ignored = _check_fields(data, _COMMON | {"messages", "max_completion_tokens"})
     msgs = data.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty array of {'role', 'content'} objects", "messages")
@@ -227,7 +289,9 @@ def parse_chat(data: dict) -> ApiRequest:
     n = _int(data, "max_completion_tokens", 1)
     if n is None:
         n = _int(data, "max_tokens", 1)
-    return _common(data, "chat", prompt, n)
+    req = _common(data, "chat", prompt, n)
+    req.prompts, req.ignored = [prompt], ignored
+    return req
 
 
 def is_token_ids(p: Any) -> bool:
@@ -235,20 +299,57 @@ def is_token_ids(p: Any) -> bool:
 
 
 def parse_completion(data: dict) -> ApiRequest:
-    """Validate a ``/v1/completions`` body. ``prompt`` is a string or an
-    array of token ids (or an array holding one of those); batches of
-    several prompts are refused."""
-    _check_fields(data, _COMMON | {"prompt"})
+    """Validate a ``/v1/completions`` body. ``prompt`` is a string, an array
+    of token ids, or an array of strings or of token-id arrays (a batch:
+    ``n`` choices for each, indexed prompt by prompt)."""
+    ignored = _check_fields(data, _COMMON | {"prompt"})
     p = data.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or is_token_ids(p[0])):
-        p = p[0]
-    if isinstance(p, list) and not is_token_ids(p):
-        raise bad("'prompt' must be a string or an array of token ids (one prompt per request)", "prompt")
-    if not isinstance(p, (str, list)):
-        raise bad("'prompt' is required and must be a string or an array of token ids", "prompt")
-    if not p:
+    if isinstance(p, str) or is_token_ids(p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) or is_token_ids(x) for x in p):
+        prompts = list(p)
+    else:
+        raise bad("'prompt' is required: a string, an array of token ids, or an array of those", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"'prompt' holds at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
+    if any(not x for x in prompts):
         raise bad("'prompt' must not be empty", "prompt")
-    return _common(data, "completion", p, _int(data, "max_tokens", 1) or 16)
+    req = _common(data, "completion", prompts[0], _int(data, "max_tokens", 1) or 16)
+    req.prompts, req.ignored = prompts, ignored
+    return req
+
+
+@dataclass
+class EmbeddingRequest:
+    model: str
+    inputs: list                       # strings or token-id lists
+    encoding_format: str = "float"     # float | base64 (little-endian float32)
+    ignored: list = field(default_factory=list)
+
+
+def parse_embeddings(data: dict) -> EmbeddingRequest:
+    """Validate a ``/v1/embeddings`` body: ``input`` a string, token ids, or
+    an array of either (one embedding each)."""
+    ignored = _check_fields(data, {"model", "input", "encoding_format", "dimensions"})
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required and must be a string", "model")
+    x = data.get("input")
+    if isinstance(x, str) or is_token_ids(x):
+        inputs = [x]
+    elif isinstance(x, list) and x and all(isinstance(i, str) or is_token_ids(i) for i in x):
+        inputs = list(x)
+    else:
+        raise bad("'input' is required: a string, an array of token ids, or an array of those", "input")
+    if len(inputs) > MAX_PROMPTS or any(not i for i in inputs):
+        raise bad(f"'input' holds 1 to {MAX_PROMPTS} non-empty inputs", "input")
+    fmt = data.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise bad("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    if data.get("dimensions") is not None:
+        raise bad("'dimensions' is not supported: embeddings have the model's hidden size", "dimensions",
+                  "unsupported_parameter")
+    return EmbeddingRequest(model, inputs, fmt, ignored)
 
 
 # ---------------------------------------------------------------- replies
@@ -262,29 +363,66 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def reply(req: ApiRequest, rid: str, created: int, text: str, finish: str | None, use: dict) -> dict:
+@dataclass
+class TokenLogprob:
+    """One generated token for a ``logprobs`` reply: its text, its log
+    probability, and the most likely alternatives ``[(text, logprob)]``."""
+    text: str
+    logprob: float
+    top: list = field(default_factory=list)
+
+
+def logprobs_payload(req: ApiRequest, tokens: list[TokenLogprob], offset: int = 0) -> dict | None:
+    """A choice's ``logprobs`` object in the request's shape (chat:
+    ``{"content": [...]}``; completions: tokens, token_logprobs,
+    top_logprobs, text_offset from ``offset``); None unless asked."""
+    if not req.logprobs:
+        return None
+    if req.kind == "chat":
+        def one(text: str, lp: float) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"content": [dict(one(t.text, t.logprob), top_logprobs=[one(x, y) for x, y in t.top])
+                            for t in tokens]}
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [dict(t.top) for t in tokens] if req.top_logprobs else None, "text_offset": offsets}
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    finish: str | None
+    logprobs: dict | None = None
+
+
+def reply(req: ApiRequest, rid: str, created: int, choices: list[Choice], use: dict) -> dict:
     """The whole (non-streamed) reply object."""
     if req.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        body = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": c.logprobs,
+                 "finish_reason": c.finish} for c in choices]
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        body = [{"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish}
+                for c in choices]
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice], "usage": use}
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": body, "usage": use}
 
 
 def chunk(req: ApiRequest, rid: str, created: int, text: str | None, finish: str | None,
-          use: dict | None = None, first: bool = False) -> dict:
-    """One stream chunk. ``text=None`` gives a chunk with no choices (the
-    closing usage chunk of ``include_usage``)."""
+          use: dict | None = None, first: bool = False, index: int = 0, logprobs: dict | None = None) -> dict:
+    """One stream chunk of choice ``index``. ``text=None`` gives a chunk with
+    no choices (the closing usage chunk of ``include_usage``)."""
     if req.kind == "chat":
         obj = "chat.completion.chunk"
         delta: dict = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
     else:
         obj = "text_completion"
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
     out = {"id": rid, "object": obj, "created": created, "model": req.model,
            "choices": [] if text is None and finish is None and not first else choices}
     if use is not None:

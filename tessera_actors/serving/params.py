@@ -38,7 +38,17 @@ class SamplingParams:
     """``temperature`` 0 is greedy; ``top_k`` 0 keeps every token; ``seed``
     None draws a fresh seed per request; ``stop``: strings that end the
     reply (not included in it); ``ignore_eos`` keeps generating past the
-    end-of-sequence token (benchmarks that need exact output lengths)."""
+    end-of-sequence token (benchmarks that need exact output lengths).
+
+    Applied to the logits on the device that samples, before the draw
+    (``sampling_extras``): ``presence_penalty`` and ``frequency_penalty``
+    (OpenAI's, in [-2, 2], over the tokens generated so far),
+    ``repetition_penalty`` (> 0; 1 is none: CTRL's, over the prompt and
+    the tokens so far), ``logit_bias`` (token id -> value in [-100, 100])
+    and ``json`` (only ids that keep the reply a prefix of one JSON object:
+    constrained sampling, ``json_mode``).  ``top_logprobs`` (0..20): the
+    most likely ids with their log probabilities, reported for each token
+    (``RequestOutput.top_logprobs``)."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -47,6 +57,12 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int = 0
+    json: bool = False
 
     def validate(self) -> "SamplingParams":
         def bad(param: str, why: str) -> InvalidRequest:
@@ -73,7 +89,35 @@ class SamplingParams:
             raise bad("stop", "must be a list of non-empty strings")
         if len(self.stop) > 16:
             raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        self._validate_logits_options(bad)
         return self
+
+    def _validate_logits_options(self, bad) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise bad(name, f"must be a number in [-2, 2], got {v!r}")
+        v = self.repetition_penalty
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise bad("repetition_penalty", f"must be a number > 0, got {v!r}")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 300:
+            raise bad("logit_bias", "must map at most 300 token ids to numbers")
+        for k, b in self.logit_bias.items():
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise bad("logit_bias", f"keys must be token ids, got {k!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r}")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int) \
+                or not 0 <= self.top_logprobs <= 20:
+            raise bad("top_logprobs", f"must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if not isinstance(self.json, bool):
+            raise bad("json", f"must be a boolean, got {self.json!r}")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a sampling record goes with each token (anything but the plain draw)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.top_logprobs or self.json)
 
 
 @dataclass(frozen=True)
@@ -92,7 +136,9 @@ class RequestOutput:
     ``token_ids``: new ids; ``finish_reason``: None until the last output,
     then "stop" (end of sequence or a stop string), "length" (max_tokens or
     the context) or "abort"; ``usage`` so far; ``logprobs``: the log
-    probability of each new id (computed where the logits are)."""
+    probability of each new id (computed where the logits are);
+    ``top_logprobs``: per new id, ``[[id, logprob], ...]`` of the most
+    likely ids when ``SamplingParams.top_logprobs`` asked for them."""
 
     request_id: str
     text: str
@@ -100,3 +146,4 @@ class RequestOutput:
     finish_reason: str | None
     usage: Usage
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)

@@ -4,7 +4,7 @@
                   [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--trace DIR]
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or
-server-sent events), ``GET /v1/models``, ``POST /tokenize`` (prompt token
+server-sent events; :mod:`.completions`), ``POST /v1/embeddings``, ``GET /v1/models``, ``POST /tokenize`` (prompt token
 count, as vLLM's), ``GET /v1/tessera/stats`` (placement, engine stats and
 server counters: what the chat page at ``/`` shows), ``GET /health`` (503
 while a node is lost and not yet re-placed), ``GET /metrics`` (Prometheus).
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import hmac
 import logging
 import signal
@@ -41,13 +42,13 @@ from typing import Any
 
 from aiohttp import web
 
+from tessera_actors.serving import completions as completions_
 from tessera_actors.serving import openai_api as oa
-from tessera_actors.serving.flags import add_engine_arguments, engine_kwargs
+from tessera_actors.serving.flags import DEFAULT_MAX_BODY, engine_kwargs
 from tessera_actors.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")
 STATIC = Path(__file__).with_name("static")
-DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -71,32 +72,12 @@ class ServerState:
         self.created = oa.now()
         self.metrics = ServerMetrics(engine.stats, engine.health)
         self.inflight: set[str] = set()
+        self.warned_fields: set[str] = set()   # unknown request fields already logged once
         self.generated_tokens = 0
         self.requests = 0
 
 
 STATE = web.AppKey("state", ServerState)
-
-
-def _engine_errors():
-    from tessera_actors.serving import EngineBusy, EngineDead, EngineError, InvalidRequest
-    return InvalidRequest, EngineBusy, EngineDead, EngineError
-
-
-def _api_error(e: BaseException) -> oa.ApiError:
-    """An engine exception as the HTTP error a client gets."""
-    invalid, busy, dead, any_engine = _engine_errors()
-    if isinstance(e, oa.ApiError):
-        return e
-    if isinstance(e, invalid):
-        return oa.ApiError(400, str(e), getattr(e, "param", None))
-    if isinstance(e, busy):
-        return oa.ApiError(429, str(e) or "the engine's queue is full; retry later", code="engine_busy")
-    if isinstance(e, dead):
-        return oa.ApiError(503, str(e) or "the engine has stopped", code="engine_dead")
-    if isinstance(e, any_engine):
-        return oa.ApiError(500, str(e), code="engine_error")
-    return oa.ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
 def _json_error(e: oa.ApiError) -> web.Response:
@@ -114,6 +95,8 @@ async def _errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
             if not hmac.compare_digest(given.encode(), f"Bearer {st.api_key}".encode()):
                 raise oa.ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                   code="invalid_api_key")
+        if request.method == "POST" and request.path in ENGINE_PATHS:
+            _check_started(st.engine.health())
         resp = await handler(request)
     except oa.ApiError as e:
         resp = _json_error(e)
@@ -127,129 +110,31 @@ async def _errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
         resp = _json_error(oa.ApiError(e.status, msg, code=str(e.status) if e.status >= 404 else None))
     except Exception as e:                   # noqa: BLE001 - answered as a JSON 500, and logged
         log.exception("unhandled error in %s", endpoint)
-        resp = _json_error(_api_error(e))
+        resp = _json_error(completions_.api_error(e))
     st.metrics.http.labels(endpoint, str(resp.status)).inc()
     return resp
 
 
-def _sampling_params(req: oa.ApiRequest, max_tokens: int):
-    from tessera_actors.serving import SamplingParams
-    kw = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-              seed=req.seed, stop=list(req.stop))
-    if req.ignore_eos and "ignore_eos" in {f.name for f in dataclasses.fields(SamplingParams)}:
-        kw["ignore_eos"] = True
-    return SamplingParams(**kw)
+ENGINE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/tokenize")
 
 
-def _prepare(st: ServerState, req: oa.ApiRequest):
-    """Check the model and the context; the SamplingParams to run with."""
-    if req.model != st.model_name:
-        raise oa.ApiError(404, f"the model '{req.model}' does not exist; this server serves '{st.model_name}'",
-                          "model", "model_not_found")
-    eng = st.engine
-    ctx = eng.max_model_len
-    where = "messages" if req.kind == "chat" else "prompt"
-    try:
-        n_prompt = len(req.prompt) if oa.is_token_ids(req.prompt) else eng.count_tokens(req.prompt)
-    except Exception as e:                   # noqa: BLE001 - e.g. a chat template that refuses the roles
-        if isinstance(e, _engine_errors()[3]):
-            raise _api_error(e) from None
-        raise oa.bad(f"cannot tokenize the prompt: {e}", where) from None
-    if n_prompt >= ctx:
-        raise oa.bad(f"the prompt has {n_prompt} tokens; this model's context is {ctx}", where,
-                     "context_length_exceeded")
-    max_tokens = req.max_tokens if req.max_tokens is not None else ctx - n_prompt
-    if n_prompt + max_tokens > ctx:
-        raise oa.bad(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
-                     f"exceeds this model's context of {ctx} tokens", "max_tokens", "context_length_exceeded")
-    return _sampling_params(req, max_tokens)      # the engine validates it again at its edge
-
-
-async def _generate(request: web.Request, parse) -> web.StreamResponse:
-    st = request.app[STATE]
-    req = parse(oa.load_object(await request.read()))
-    params = _prepare(st, req)
-    rid, created, t0 = oa.new_id(req.kind), oa.now(), time.perf_counter()
-    gen = st.engine.generate(req.prompt, params, request_id=rid)
-    st.inflight.add(rid)
-    st.requests += 1
-    last, ttft, finish, resp = None, None, "rejected", None
-    try:
-        try:
-            out = await gen.__anext__()      # errors before any byte goes out
-        except StopAsyncIteration:
-            raise oa.ApiError(500, "the engine ended the request without output", code="engine_error") from None
-        except (oa.ApiError, asyncio.CancelledError):
-            raise
-        except Exception as e:               # noqa: BLE001
-            raise _api_error(e) from None
-        texts: list[str] = []
-        if req.stream:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
-                                               "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            await resp.prepare(request)
-        first = True
-        while True:
-            last = out
-            if out.token_ids and ttft is None:
-                ttft = time.perf_counter() - t0
-            st.generated_tokens += len(out.token_ids)
-            if resp is not None:
-                use = oa.usage(out.usage.prompt_tokens, out.usage.completion_tokens) if req.continuous_usage else None
-                if out.text or out.finish_reason or first:
-                    await resp.write(oa.sse(oa.chunk(req, rid, created, out.text, out.finish_reason, use, first)))
-                first = False
-            else:
-                texts.append(out.text)
-            if out.finish_reason is not None:
-                finish = out.finish_reason
-                break
-            try:
-                out = await gen.__anext__()
-            except StopAsyncIteration:
-                finish = "stop"
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:           # noqa: BLE001 - after the headers: an error event
-                err = _api_error(e)
-                if resp is None:
-                    raise err from None
-                await resp.write(oa.sse(err.body()))
-                finish = "error"
-                break
-        use = oa.usage(last.usage.prompt_tokens, last.usage.completion_tokens)
-        if resp is None:
-            return web.json_response(oa.reply(req, rid, created, "".join(texts), finish, use))
-        if req.include_usage:
-            await resp.write(oa.sse(oa.chunk(req, rid, created, None, None, use)))
-        await resp.write(oa.sse("[DONE]"))
-        await resp.write_eof()
-        return resp
-    except asyncio.CancelledError:           # the client went away (handler cancellation): free its slot now
-        finish = "abort"
-        await st.engine.abort(rid)
-        raise
-    except ConnectionResetError:             # ... or a write found the connection closed
-        finish = "abort"
-        await st.engine.abort(rid)
-        return resp
-    finally:
-        st.inflight.discard(rid)
-        await gen.aclose()
-        if last is not None:
-            st.metrics.observe_request(last.usage.prompt_tokens, last.usage.completion_tokens, finish, ttft,
-                                       time.perf_counter() - t0)
-        else:
-            st.metrics.finished.labels(finish).inc()
+def _check_started(h: dict) -> None:
+    """503 (retry later) while the engine is still starting."""
+    if h.get("status") == "starting":
+        raise oa.ApiError(503, f"the server is starting ({h.get('phase')}: {h.get('buckets_placed', 0)} of "
+                               f"{h.get('buckets', 0)} buckets placed); retry shortly", code="starting")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oa.parse_chat)
+    return await completions_.generate(request, request.app[STATE], oa.parse_chat)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oa.parse_completion)
+    return await completions_.generate(request, request.app[STATE], oa.parse_completion)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    return await completions_.embeddings(request, request.app[STATE])
 
 
 async def models(request: web.Request) -> web.Response:
@@ -284,10 +169,15 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 ``{"status": "ok"}`` while serving; 503 with ``"starting"`` (and
+    the placement's progress) before, ``"unhealthy"`` while a node is lost."""
     h = request.app[STATE].engine.health()
     ok = bool(h.get("ok"))
-    return web.json_response({"status": "ok" if ok else "unhealthy", "lost": list(h.get("lost") or [])},
-                             status=200 if ok else 503)
+    status = "ok" if ok else ("starting" if h.get("status") == "starting" else "unhealthy")
+    body = {"status": status, "lost": list(h.get("lost") or [])}
+    if "buckets" in h:
+        body.update(phase=h.get("phase"), buckets_placed=h.get("buckets_placed", 0), buckets=h.get("buckets", 0))
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -299,6 +189,10 @@ async def index(request: web.Request) -> web.FileResponse:
     return web.FileResponse(STATIC / "index.html")
 
 
+async def favicon(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "favicon.svg", headers={"Content-Type": "image/svg+xml"})
+
+
 def make_app(engine: Any, *, api_key: str | None = None, served_model_name: str | None = None,
              max_body: int = DEFAULT_MAX_BODY) -> web.Application:
     """The aiohttp application over a started engine (the caller owns the engine)."""
@@ -307,12 +201,14 @@ def make_app(engine: Any, *, api_key: str | None = None, served_model_name: str 
     r = app.router
     r.add_post("/v1/chat/completions", chat_completions)
     r.add_post("/v1/completions", completions)
+    r.add_post("/v1/embeddings", embeddings)
     r.add_get("/v1/models", models)
     r.add_post("/tokenize", tokenize)
     r.add_get("/v1/tessera/stats", stats)
     r.add_get("/health", health)
     r.add_get("/metrics", metrics)
     r.add_get("/", index)
+    r.add_get("/favicon.ico", favicon)
     r.add_static("/static/", STATIC)
     return app
 
@@ -337,33 +233,78 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with AsyncEngine(**cfg.engine) as eng:
-        app = make_app(eng, api_key=cfg.api_key, served_model_name=cfg.served_model_name, max_body=cfg.max_body)
-        runner, port = await start_site(app, cfg.host, cfg.port)
-        print(f"tessera serve: ready http://{cfg.host}:{port} model {app[STATE].model_name} "
-              f"(chat page at /, OpenAI API at /v1)", flush=True)
-        try:
-            await stop.wait()
-        finally:
-            for rid in list(app[STATE].inflight):
-                await eng.abort(rid)
-            await runner.cleanup()
+    eng = AsyncEngine(**cfg.engine)
+    app = make_app(eng, api_key=cfg.api_key, served_model_name=cfg.served_model_name, max_body=cfg.max_body)
+    runner, port = await start_site(app, cfg.host, cfg.port)   # /health answers "starting" from here on
+    print(f"tessera serve: starting http://{cfg.host}:{port} model {app[STATE].model_name}", flush=True)
+    bar = StartupProgress()
+    starting = loop.create_task(eng.start(bar))
+    frozen = None
+    stopped = loop.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()   # a failed start raises here
+            bar.ready()
+            gc.freeze()
+            frozen = loop.create_task(_freeze_when_placed(eng))
+            print(f"tessera serve: ready http://{cfg.host}:{port} model {app[STATE].model_name} "
+                  f"(chat page at /, OpenAI API at /v1)", flush=True)
+            await stopped
+    finally:
+        stopped.cancel()
+        starting.cancel()
+        if frozen is not None:
+            frozen.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        for rid in list(app[STATE].inflight):
+            await eng.abort(rid)
+        await runner.cleanup()
+        await eng.stop()
+        bar.close()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed in the ready line)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--trace", default=None, metavar="DIR", help="write a trace-event JSON of served steps to DIR")
-    p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="largest request body in bytes (413 above)")
+async def _freeze_when_placed(eng) -> None:
+    """Once every bucket is placed, give back the engine's copy of the
+    weights where the devices hold their own, and move what the start built (graphs,
+    plans, installed programs: millions of objects) out of the cyclic
+    garbage collector's sight (``gc.freeze``): a full collection over them
+    takes tens of seconds on a busy CPU, during serving and at exit (that
+    made SIGINT take 16 s)."""
+    await eng.release_weights()   # waits for the placements; in-process devices hold their own copy
+    gc.freeze()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tessera serve", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    return run_command(p.parse_args(argv))
+class StartupProgress:
+    """One tqdm bar on stderr for a server's start: the model load, then the
+    buckets placed of all (the core ones before it serves, the rest in the
+    background after), closed once every bucket is placed."""
+
+    def __init__(self) -> None:
+        from tqdm import tqdm
+        self.bar = tqdm(total=1, desc="tessera serve: loading model", unit="bucket", file=sys.stderr,
+                        dynamic_ncols=True, bar_format="{desc} {n_fmt}/{total_fmt} [{elapsed}]{postfix}")
+        self.closed = False
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self.closed or phase != "placing":
+            return
+        if self.bar.total != total:
+            self.bar.reset(total=total)
+            self.bar.set_description_str("tessera serve: placing buckets")
+        self.bar.n = done
+        self.bar.refresh()
+        if done >= total:
+            self.close()
+
+    def ready(self) -> None:
+        if not self.closed:
+            self.bar.set_postfix_str("serving; the rest in the background")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.bar.close()
 
 
 def run_command(a: argparse.Namespace) -> int:
@@ -372,15 +313,14 @@ def run_command(a: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {a.port}")
     cfg = ServeConfig(host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
                       served_model_name=a.served_model_name, engine=engine_kwargs(a, a.trace))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # warnings and errors only: the start shows as one progress bar, not a line per placed plan
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
     except ImportError:
         asyncio.run(serve(cfg))
     else:
         uvloop.run(serve(cfg))
+    gc.freeze()   # all closed: the exit skips a final garbage collection over millions of objects
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

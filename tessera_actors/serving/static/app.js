@@ -170,20 +170,19 @@ function renderStats(s) {
       tr.appendChild(td);
     }
     const td = document.createElement("td");
-    if (typeof d.busy_fraction === "number") {
+    const busy = typeof d.busy_recent === "number" ? d.busy_recent : d.busy_fraction;   // the last 10 s
+    if (typeof busy === "number") {
       const bar = document.createElement("span");
       bar.className = "bar";
-      bar.style.width = Math.round(d.busy_fraction * 40) + "px";
-      td.append(bar, (d.busy_fraction * 100).toFixed(0) + "%");
+      bar.style.width = Math.round(busy * 40) + "px";
+      td.append(bar, (busy * 100).toFixed(0) + "%");
     } else {
       td.textContent = "-";
     }
     tr.appendChild(td);
     tbody.appendChild(tr);
   });
-  const h = $("health");
-  h.textContent = s.health && s.health.ok ? "healthy" : "node lost: " + ((s.health && s.health.lost) || []).join(", ");
-  h.className = "pill " + (s.health && s.health.ok ? "ok" : "bad");
+  showHealth(s.health || {});
   const prev = state.lastStats;
   if (prev && s.server.time > prev.server.time) {
     const rate = (s.server.generated_tokens - prev.server.generated_tokens) / (s.server.time - prev.server.time);
@@ -192,11 +191,34 @@ function renderStats(s) {
   state.lastStats = s;
 }
 
+function showHealth(h) {
+  const pill = $("health");
+  if (h.ok) {
+    pill.textContent = "healthy";
+    pill.className = "pill ok";
+  } else if (h.status === "starting") {
+    pill.textContent = "starting: " + (h.buckets_placed || 0) + "/" + (h.buckets || "?") + " placed";
+    pill.className = "pill wait";
+  } else {
+    pill.textContent = (h.lost || []).length ? "node lost: " + h.lost.join(", ") : "unhealthy";
+    pill.className = "pill bad";
+  }
+}
+
+function needKey() {
+  $("key-row").hidden = false;
+  $("model").textContent = "API key needed";
+  $("health").textContent = "locked";
+  $("health").className = "pill wait";
+}
+
 async function pollStats() {
+  clearTimeout(state.poll);
   try {
     const resp = await fetch("/v1/tessera/stats", { headers: headers() });
-    if (resp.status === 401) $("key-row").hidden = false;
+    if (resp.status === 401) needKey();
     if (resp.ok) {
+      $("key-row").hidden = true;
       const s = await resp.json();
       if (!state.model) {
         state.model = s.model;
@@ -208,7 +230,7 @@ async function pollStats() {
     $("health").textContent = "server unreachable";
     $("health").className = "pill bad";
   }
-  setTimeout(pollStats, 1000);
+  state.poll = setTimeout(pollStats, 1000);
 }
 
 $("composer").addEventListener("submit", (ev) => {
@@ -230,5 +252,12 @@ $("new-chat").addEventListener("click", () => {
   $("messages").replaceChildren();
 });
 $("api-key").value = localStorage.getItem("tessera-api-key") || "";
-$("api-key").addEventListener("change", (ev) => localStorage.setItem("tessera-api-key", ev.target.value));
+function useKey() {
+  localStorage.setItem("tessera-api-key", $("api-key").value);
+  state.model = null;
+  pollStats();
+}
+$("api-key").addEventListener("change", useKey);
+$("api-key").addEventListener("keydown", (ev) => { if (ev.key === "Enter") { ev.preventDefault(); useKey(); } });
+$("key-save").addEventListener("click", useKey);
 pollStats();
