@@ -8,7 +8,7 @@ from tessera_actors import AsyncEngine, SamplingParams
 
 pytestmark = pytest.mark.gpu
 CFG = dict(model="llama", size="tiny", max_model_len=64, max_seqs=8, decode_buckets=(1, 2, 4, 8),
-           prefill_buckets=(4, 16))
+           prefill_buckets=(4, 16), embeddings=False)
 PROMPTS = [[i + 1, 2 * i + 3, 7, 11 + i] for i in range(8)]
 
 

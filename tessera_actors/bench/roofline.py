@@ -295,8 +295,10 @@ def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
             try:
                 rows.append(run_case(name, case, cfg, bandwidth, gemm))
             except Exception as e:  # one model failing must not lose the others' numbers
-                rows.append({"model": name, "case": case, "error": f"{type(e).__name__}: {e}"})
-                print(f"  {name} {case}: {rows[-1]['error']}", flush=True)
+                import traceback
+                rows.append({"model": name, "case": case, "error": f"{type(e).__name__}: {e}",
+                             "traceback": traceback.format_exc()[-3000:]})
+                print(f"  {name} {case}: {rows[-1]['error']}\n{rows[-1]['traceback']}", flush=True)
             path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     print(format_table(rows))
     print(f"wrote {path}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import traceback
 
 import torch
 
@@ -87,9 +88,12 @@ def capture_on_gpu(cfg: EngineConfig, real: torch.nn.Module, meta: torch.nn.Modu
                                            regions=cfg.regions, fresh_state=True)
                 res.graph.meta["capture"] = "inductor"
                 graphs[b.name], captured[b.name], kinds[b.name] = res.graph, res.values, "inductor"
-            except (CaptureError, RuntimeError, ValueError) as e:
-                why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-                log.warning("bucket %s: inductor capture failed (%s); captured as aten ops", b.name, why)
+            except Exception as e:   # noqa: BLE001 - inductor's own asserts too: the bucket is served as aten ops
+                where = traceback.extract_tb(e.__traceback__)[-1]
+                why = (f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                       f"(at {where.filename}:{where.lineno})")[:400]
+                log.warning("bucket %s: inductor capture failed (%s); captured as aten ops", b.name, why,
+                            exc_info=True)
                 graphs[b.name] = capture_aten(meta, b)
                 graphs[b.name].meta["capture_fallback"] = why
                 kinds[b.name] = f"aten (inductor failed: {why})"
