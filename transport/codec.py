@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Sequence
 
 import msgpack
 
+from tessera_actors.graph import GraphError, dtype_from_name
 from tessera_actors.runtime import messages as _messages
 from tessera_actors.runtime.errors import CodecError
 from transport.msgscan import scan as _scan
@@ -334,10 +335,11 @@ def _build_tensor(buf, lib, dtype, shape):
         _check_size(buf, numel * np_dtype.itemsize, dtype, shape)
         return np.frombuffer(buf, dtype=np.uint8).view(np_dtype).reshape(shape)
     if lib == _LIB_TORCH:
+        try:   # a fixed table: a name from the wire never reaches getattr(torch, ...) (which imports submodules)
+            torch_dtype = dtype_from_name(dtype)
+        except GraphError:
+            raise CodecError(f"unknown torch dtype {dtype!r}") from None
         import torch
-        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-        if not isinstance(torch_dtype, torch.dtype):
-            raise CodecError(f"unknown torch dtype {dtype!r}")
         _check_size(buf, numel * torch_dtype.itemsize, dtype, shape)
         if numel == 0:
             return torch.empty(shape, dtype=torch_dtype)
