@@ -97,7 +97,8 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._lost: list[str] = []
-        self._readmit = False   # a node the launcher restarted is registered again: place on it
+        self._readmit = False   # a restarted or re-admitted node is registered again: place on it
+        self._back: set[str] = set()   # the endpoints of those nodes
         # notified after every re-placement (a node lost, a restarted node re-admitted)
         self.placement_changed = asyncio.Condition()
         self._dead: str | None = None
@@ -329,8 +330,10 @@ class AsyncEngine:
         self._wake.set()
 
     def _on_back(self, endpoint: str) -> None:
-        """A restarted node took its old place: re-place on every live node
-        (the same path as a loss, so no stream loses or repeats a token)."""
+        """A restarted node took its old place, or a suspected one answers
+        again: re-place on every live node (the same path as a loss, so no
+        stream loses or repeats a token)."""
+        self._back.add(endpoint)
         self._readmit = True
         self._wake.set()
 
@@ -549,7 +552,7 @@ class AsyncEngine:
         if lost:
             log.warning("lost %s: re-placing on the survivors", lost)
         else:
-            log.warning("a restarted node is back: re-placing on every live node")
+            log.warning("a node is back (%s): re-placing on every live node", sorted(self._back))
         t0 = time.monotonic()
         for req in list(self._requests.values()):
             seq = req.seq
@@ -568,6 +571,8 @@ class AsyncEngine:
             await self.deployment.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
         except Exception as e:
             raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
+        self._back -= set(self.deployment.node_endpoints())   # back and placed on already: no second re-placement
+        self._readmit = self._readmit and bool(self._back)
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
         async with self.placement_changed:
             self.placement_changed.notify_all()
