@@ -46,7 +46,7 @@ DEFAULT_MAX_FRAME = 4 << 30   # bytes per tensor frame
 DEFAULT_MAX_BODY = 64 << 20   # bytes of msgpack body
 MAX_DEPTH = 32            # containers and nested ext documents, counted together
 MAX_EXT_DEPTH = 16        # ext documents inside ext documents (each level is a C recursion in msgpack)
-MAX_ITEMS = 1 << 20       # objects in one body
+MAX_ITEMS = 1 << 17       # objects in one body (unpacking 2**17 nested ones: ~40 ms of C holding the GIL)
 MAX_CONTAINER = 1 << 20   # elements of one array or map
 SCAN_ABOVE = 2048         # bodies longer than this are bounds-checked (transport.msgscan) before unpacking
 

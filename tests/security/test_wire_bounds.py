@@ -46,3 +46,49 @@ def test_every_dtype_of_the_table_still_travels():
         t = torch.zeros(3, dtype=dtype_from_name(name))
         _, back = codec.decode(codec.encode([t]))
         assert back[0].dtype == t.dtype and back[0].shape == t.shape
+
+
+async def test_a_node_keeps_answering_pings_while_heavy_messages_are_decoded():
+    """Eight 1 MiB bodies of a million nested empty arrays each (under the
+    body limit; checking and unpacking one held the loop ~0.9 s) sent to a
+    live node while another peer pings it: every ping is answered promptly."""
+    import asyncio
+    import time
+
+    import msgpack
+    import zmq
+
+    from tessera_actors.cluster import LocalCluster
+    from tessera_actors.runtime.messages import Ping, Pong
+    from transport import auth, codec
+    from transport.system import ActorSystem
+    body = msgpack.packb([1, 9, "node", None, [[]] * ((1 << 20) - 16)])
+    heavy = [codec.HEADER_BYTES, body]
+    async with ActorSystem("pinger") as system, LocalCluster(["cpu"]) as cluster:
+        node = await system.remote_ref(cluster.nodes[0].endpoint, "node")
+        assert await node.ask(Ping(b"warm"), timeout=30) == Pong(b"warm")
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        auth.secure_client(sock, system.keys)
+        sock.connect(cluster.nodes[0].endpoint)
+        try:
+            for _ in range(8):
+                sock.send_multipart(heavy)
+            worst = 0.0
+            answers = 0
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while answers < 8 and loop.time() < deadline:   # until the node answered every heavy message
+                t0 = time.perf_counter()
+                assert await node.ask(Ping(b"there?"), timeout=30) == Pong(b"there?")
+                worst = max(worst, time.perf_counter() - t0)
+                while sock.poll(0):
+                    sock.recv_multipart()
+                    answers += 1
+                await asyncio.sleep(0.01)   # the ping rate
+        finally:
+            sock.close()
+            ctx.term()
+    assert answers == 8   # each refused with a CodecError answer (too many objects)
+    assert worst < 0.3, f"a ping waited {worst:.3f} s"
