@@ -25,8 +25,6 @@ import asyncio
 import functools
 import itertools
 import logging
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import zmq
@@ -71,9 +69,7 @@ class Server:
         self._tasks: set[asyncio.Task] = set()
         self.address = ""
         self.undecodable = 0   # requests that did not decode (logged: the first 20, then every 1000th)
-        self._backlog: dict[bytes, deque] = {}   # sender -> its requests behind one on the guard thread
-        self._queued = 0                          # requests waiting for the guard thread, over all senders
-        self._pool: ThreadPoolExecutor | None = None   # the guard thread (transport.guard), made on first use
+        self._guard: guard.Guard | None = None   # decodes heavy requests off the loop (made at bind)
         shm_config = shm_config or ShmConfig()
         # tensors that local peers put in shared memory; answers use ZeroMQ frames
         self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
@@ -85,57 +81,9 @@ class Server:
             endpoint = endpoint[:-1] + "*"   # ZeroMQ's spelling of "any free port"
         self._sock.bind(endpoint)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._chan = Channel(self._sock, self._on_request)
+        self._guard = guard.Guard(self._decode, self._serve, lambda: self._chan.pause(), lambda: self._chan.resume())
+        self._chan = Channel(self._sock, self._guard.receive)
         return self.address
-
-    def _on_request(self, frames: list) -> None:
-        identity, payload = frames[0], frames[1:]
-        backlog = self._backlog.get(identity.bytes)
-        if backlog is not None:   # this sender's earlier request is on the guard thread: keep its order
-            self._queue(backlog, frames)
-        elif guard.is_light(payload):
-            self._serve(identity, payload, self._decode(payload, identity))
-        else:
-            self._backlog[identity.bytes] = deque()
-            self._queued += 1
-            self._spawn(self._drain(identity, frames))
-
-    def _queue(self, backlog: deque, frames: list) -> None:
-        backlog.append(frames)
-        self._queued += 1
-        if self._queued == guard.MAX_QUEUED:
-            self._chan.pause()   # ZeroMQ's high-water mark holds the senders back meanwhile
-
-    async def _drain(self, identity, frames: list) -> None:
-        """Serve a sender's heavy request decoded on the guard thread, then the
-        requests of that sender that arrived meanwhile, in order."""
-        key = identity.bytes
-        backlog = self._backlog[key]
-        loop = asyncio.get_running_loop()
-        try:
-            while frames is not None:
-                payload = frames[1:]
-                if guard.is_light(payload):
-                    decoded = self._decode(payload, identity)
-                else:
-                    decoded = await loop.run_in_executor(self._guard_pool(), self._decode, payload, identity)
-                self._unqueue()
-                self._serve(identity, payload, decoded)
-                frames = backlog.popleft() if backlog else None
-        finally:
-            for _ in range(len(backlog) + (frames is not None)):
-                self._unqueue()
-            self._backlog.pop(key, None)
-
-    def _unqueue(self) -> None:
-        self._queued -= 1
-        if self._queued == guard.MAX_QUEUED - 1 and self._chan is not None:
-            self._chan.resume()
-
-    def _guard_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tessera-guard")
-        return self._pool
 
     def _decode(self, payload: list, identity) -> tuple | CodecError:
         """``(envelope, message)``, or the ``CodecError`` (any thread)."""
@@ -188,8 +136,7 @@ class Server:
                 raise CodecError("shared memory is off on this side")
             if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
                 raise CodecError(f"malformed shared-memory hello {probe!r}")
-            nonce = await asyncio.get_running_loop().run_in_executor(
-                self._guard_pool(), self._shm.read_probe, getattr(identity, "bytes", identity), probe[0])
+            nonce = await self._guard.run(self._shm.read_probe, getattr(identity, "bytes", identity), probe[0])
         except (CodecError, OSError, ValueError) as exc:
             self._send_answer(identity, request_id, OP_FAILED, ErrorReply("ShmUnavailable", str(exc)))
             return
@@ -251,8 +198,8 @@ class Server:
         """Stop serving and close the socket (linger 0); idempotent."""
         for task in self._tasks:
             task.cancel()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._guard is not None:
+            self._guard.close()
         if self._shm is not None:
             self._shm.close()
         if self._chan is not None:
