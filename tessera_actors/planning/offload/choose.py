@@ -265,7 +265,8 @@ class OffloadPlanner:
         if self.policy == "tessera":
             got = choose_homes(o, self.slot_options)
         else:
-            got = layer_offload(o) if self.policy == "layer_offload" else streaming(o, self.slot_options)
+            base = BASELINES.get(self.policy)
+            got = base(o) if base is not None else streaming(o, self.slot_options)
             if got is None:
                 raise PlanError(f"offload: no {self.policy} placement fits {o.devices[o.gpu]} "
                                 f"(budget {o.budget} bytes)")
