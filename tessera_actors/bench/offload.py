@@ -288,8 +288,10 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, models_of: dic
     for w in work:
         row = results[w]
         best = max((row.get(f"{p}_tok_s") or 0 for p in COARSE), default=0)
-        t = max(row.get(f"{head}_tok_s") or 0, row.get(f"{head}_replanned_tok_s") or 0)
-        row["tessera_tok_s"] = t or None   # the headline ring, after one re-plan when that was faster
+        runs = {r: row.get(f"{r}_tok_s") or 0 for r in (head, f"{head}_replanned")}
+        row["tessera_from"] = max(runs, key=runs.get)   # the headline ring, after one re-plan when that was faster
+        t = runs[row["tessera_from"]]
+        row["tessera_tok_s"] = t or None
         row["tessera_x_best_coarse"] = t / best if best else None
         row["tessera_of_ideal"] = t / row["ideal_tok_s"] if t else None
         row["gpu_peak_bytes"] = row["policies"].get(head, {}).get("gpu_peak_bytes")

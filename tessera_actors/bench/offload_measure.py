@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from tessera_actors.bench.offload_engine import time_decode
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.serving import AsyncEngine
 from tessera_actors.serving.config import EngineConfig
@@ -73,10 +74,10 @@ async def measure_switch(model: str, dtype: str, gpu: DeviceSpec, cpu: DeviceSpe
     device alone and split by the ``af`` planner (attention on one device,
     the rest on the other: two device changes a layer); the extra time of
     the split over the kernel-weighted mean of the two, per device change."""
-    from tessera_actors.bench.offload_engine import time_decode
     plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name
     fields = dict(model=model, size="tiny", dtype=dtype, max_seqs=1, max_model_len=64, decode_buckets=(1,),
-                  prefill_buckets=(8,), kv_windows=(), mode="latency", embeddings=False)
+                  prefill_buckets=(8,), kv_windows=(), mode="latency", embeddings=False,
+                  capture="aten")   # one capture for the three engines: only the hand-offs differ
     times, split = [], None
     for devices, planner in ((plain, "contiguous"), (cpu.name, "contiguous"), (f"{plain},{cpu.name}", "af")):
         async with AsyncEngine(config=EngineConfig(devices=devices, planner=planner, **fields)) as eng:
