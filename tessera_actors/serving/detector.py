@@ -50,6 +50,7 @@ async def answers(system, endpoint: str, heartbeat_s: float, lost_after_s: float
     try:
         ref = await system.remote_ref(endpoint, "node")
         ask = asyncio.ensure_future(ref.ask(Ping(), timeout=lost_after_s))
+        ask.add_done_callback(_retrieved)   # a detector cancelled at shutdown leaves no unretrieved error
         done, _ = await asyncio.wait({ask}, timeout=heartbeat_s)
         if not done and await refused(endpoint):
             ask.cancel()
@@ -59,6 +60,11 @@ async def answers(system, endpoint: str, heartbeat_s: float, lost_after_s: float
         return True
     except ActorError:
         return False
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class Suspects:
