@@ -42,9 +42,9 @@ LAYERS = (
     ("transport", ("transport",)),
     ("models and capture", ("tessera_actors.models", "tessera_actors.capture")),
     ("execution", ("tessera_actors.execution",)),
-    ("actors", ("actors", "tessera_actors.cluster")),
+    ("actors", ("actors", "tessera_actors.cluster", "tessera_actors.node", "tessera_actors.launch.env")),
     ("serving", ("tessera_actors.serving", "tessera_actors.launch")),
-    ("commands", ("tessera_actors.cli", "tessera_actors.capture.cli", "tessera_actors.node", "tessera_actors.demo", "tessera_actors.bench",
+    ("commands", ("tessera_actors.cli", "tessera_actors.capture.cli", "tessera_actors.demo", "tessera_actors.bench",
                   "tessera_actors.check", "tessera_actors.testing", "tessera_actors")),
 )
 

@@ -47,7 +47,8 @@ from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
 from transport.system import ActorSystem
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.deploy import Bucket, ServedModel, core_buckets
+from tessera_actors.serving.buckets import Bucket, core_buckets
+from tessera_actors.serving.deploy import ServedModel
 from tessera_actors.serving.memory import give_back_freed_memory
 from tessera_actors.serving.params import EngineDead
 
@@ -230,7 +231,7 @@ class Deployment:
         from tessera_actors.planning.registry import graph_key
         from tessera_actors.planning.costs import CostTable
         from tessera_actors.execution.profile import measured_links, profile_kernels
-        from tessera_actors.serving.deploy import bucket_inputs
+        from tessera_actors.serving.buckets import bucket_inputs
         name = self.reference_bucket()
         graph, values = self.served.graphs[name], self.served.values[name]
         specs = [s.name for s in parse_devices(self.cfg.devices)]

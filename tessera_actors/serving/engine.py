@@ -45,7 +45,8 @@ from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
 from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.deploy import bucket_name, decode_sizes, load_served_model, window_for
+from tessera_actors.serving.buckets import bucket_name, decode_sizes, window_for
+from tessera_actors.serving.deploy import load_served_model
 from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from tessera_actors.serving.deployment import Deployment, StepFailed
 from tessera_actors.serving.memory import memory_report
