@@ -36,7 +36,8 @@ MAX_FUNCTION = 80
 # runtime's messages, its endpoints are actor refs; the runtime reaches it only through the remote
 # interface it is handed); the executor core sits under the actors that drive it.
 LAYERS = (
-    ("model", ("ptx", "tessera_actors.graph", "tessera_actors.plan", "tessera_actors.devices")),
+    ("model", ("ptx", "tessera_actors.graph", "tessera_actors.plan", "tessera_actors.devices",
+               "tessera_actors.provenance")),
     ("planning", ("tessera_actors.planning",)),
     ("runtime", ("tessera_actors.runtime",)),
     ("transport", ("transport",)),

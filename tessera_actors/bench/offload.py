@@ -39,8 +39,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -54,6 +52,7 @@ from tessera_actors.bench.offload_run import adapt, deploy, predicted_busy
 from tessera_actors.plan import single_device_plan
 from tessera_actors.serving import AsyncEngine, SamplingParams
 from tessera_actors.serving.config import EngineConfig
+from tessera_actors.provenance import git_commit
 from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal
 from tessera_actors.runtime.messages import GetStats
 from transport.system import ActorSystem
@@ -93,16 +92,6 @@ class OffloadConfig:
         if len(parts) != 2:
             raise ValueError(f"--devices takes two devices, GPU,CPU; got {text!r}")
         return DeviceSpec.parse(parts[0]), DeviceSpec.parse(parts[1])
-
-
-def git_commit() -> str:
-    if os.environ.get("TESSERA_GIT_COMMIT"):
-        return os.environ["TESSERA_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def log(msg: str) -> None:
@@ -494,7 +483,7 @@ def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict
     res = asyncio.run(bench(cfg))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"git_commit": git_commit(), "command": " ".join(argv if argv is not None else sys.argv),
+    doc = {"git_commit": git_commit() or "unknown", "command": " ".join(argv if argv is not None else sys.argv),
            "config": asdict(cfg), **res}
     (out / "offload.json").write_text(json.dumps(doc, indent=1, default=str))
     print(table(res))

@@ -213,8 +213,10 @@ class CostTable:
         return cls(list(d["devices"]), d["times"], d["latency"], bw, list(d["mem"]), d.get("source", "profile"))
 
     def save(self, path: str | Path) -> None:
-        """JSON (readable, diffable; a 1000x4 table is ~100 kB)."""
-        Path(path).write_text(json.dumps(self.to_dict()))
+        """JSON (readable, diffable; a 1000x4 table is ~100 kB), stamped with
+        where it was measured (``git_commit``, ``command``: ignored on load)."""
+        from tessera_actors.provenance import provenance
+        Path(path).write_text(json.dumps({**self.to_dict(), **provenance()}))
 
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
