@@ -53,6 +53,7 @@ from tessera_actors.plan import single_device_plan
 from tessera_actors.serving import AsyncEngine, SamplingParams
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.provenance import git_commit
+from tessera_actors.bench.offload_report import cosine, first_difference, plot, real_flips, table
 from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal
 from tessera_actors.runtime.messages import GetStats
 from transport.system import ActorSystem
@@ -271,26 +272,6 @@ async def settle_gpu(gpu: DeviceSpec, quiet: bool = False, wait_s: float = 5.0) 
         log(f"warning: {left / 2**20:.0f} MiB still allocated on {gpu.name} after a deployment")
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
-def real_flips(tokens: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], rel: float = 1e-2) -> int:
-    """Steps whose argmax differs from the reference's by more than a near
-    tie: the token taken scores below the reference's best by more than
-    ``rel`` of the reference's logit range (bf16 logits differ by an ulp
-    between CPU and GPU kernels, and ties at one ulp are common)."""
-    n = 0
-    for t, r, lg in zip(tokens, ref_tokens, ref_logits):
-        if t != r and float(lg[r] - lg[t]) > rel * float(lg.max() - lg.min()):
-            n += 1
-    return n
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
 # -- the run ------------------------------------------------------------------------
 def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """[out, in] of the matrices of the model's first block (its linear layers)."""
@@ -313,6 +294,84 @@ async def measured_rates(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec, s
             f"(median of {[round(r * 1e6) for r in runs]} us)")
     rates["planned_switch_s"] = max(rates["switch_s"], 20e-6) if cfg.measure else cfg.switch_s
     return rates
+
+
+async def _policy_row(cfg: OffloadConfig, pol: str, is_b1: bool, plan, g, r: dict, got: dict, ref_tokens: list[int],
+                      ref_logits: list, gpu: DeviceSpec, busy: list[float], per: int) -> dict:
+    """One policy's row of one workload: what it served against its plan's
+    prediction, and at decode batch 1 its tokens against the reference's
+    (free-running, and teacher-forced logits for Tessera's plans)."""
+    off = plan.meta.get("offload") or {}
+    streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
+    info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": plan.predicted_step_s,
+            "pcie_bytes_per_token": streamed / per,
+            "activation_bytes_per_token": plan.bytes_per_step() / per,
+            "gpu_busy": min(1.0, busy[0]), "cpu_busy": min(1.0, busy[1]) if len(plan.devices) > 1 else 0.0,
+            "gpu_peak_bytes": got["gpu_peak_bytes"], "gpu_allocated_bytes": got["gpu_allocated_bytes"],
+            "gpu_stats": got.get("gpu_stats", {}),
+            "plan": plan.name,
+            "choices": off.get("choices", ""), "slots": off.get("slots", 0),
+            "slot_bytes": off.get("slot_bytes", 0),
+            "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
+    if is_b1:
+        info["tokens_equal_reference"] = r["tokens"] == ref_tokens   # free-running, greedy
+        info["first_difference"] = first_difference(r["tokens"], ref_tokens)
+        if pol.startswith("tessera"):
+            values = got["served"].values[bucket_of(cfg, "decode_b1")]
+            lg = await forced_logits(g, plan, values, [1, 2, 3], ref_tokens, gpu)
+            forced = [int(x.argmax()) for x in lg]
+            info["forced_tokens_equal_reference"] = forced == ref_tokens
+            info["argmax_flips_beyond_ties"] = real_flips(forced, ref_tokens, ref_logits)
+            info["min_logits_cosine"] = min((cosine(a, b) for a, b in zip(lg, ref_logits)), default=None)
+    return info
+
+
+def _peaks_and_observed_bound(cfg: OffloadConfig, results: dict, work: list[str], runs: list, graphs: dict,
+                              devices: list[str], switch_s: float, rates: dict, reserve: int) -> None:
+    """Each workload's memory peak of the Tessera row reported, and (after a
+    re-plan) the bound again at the CPU rate the devices showed."""
+    replanned = next((o for p, _, _, o in runs if p == "tessera_replanned"), None)
+    for w in work:
+        t = results[w]["policies"].get(results[w].get("tessera_from", "tessera"), {})
+        results[w]["gpu_peak_bytes"] = t.get("gpu_peak_bytes")
+        results[w]["gpu_allocated_bytes"] = t.get("gpu_allocated_bytes")
+        if replanned is not None:   # the bound again at the CPU rate the devices showed
+            costs = estimate_rates(graphs[w], devices, switch_s, replanned["cpu_bps"])
+            per = tokens_per_step(cfg, w)
+            step = ideal(Offload(graphs[w], devices, costs, rates["pcie_bps"], reserve))
+            results[w]["ideal_at_observed_cpu_step_s"] = step
+            results[w]["ideal_at_observed_cpu_tok_s"] = per / step
+
+
+def _models_and_bounds(cfg: OffloadConfig, graphs: dict, devices: list[str], switch_s: float, rates: dict,
+                       reserve: int, budget: int, ref: dict, plain: str) -> tuple[dict, dict]:
+    """(the step model of every workload from the measured rates, the
+    results with each workload's bound and reference row)."""
+    models_of = {}
+    for w, g in graphs.items():
+        costs = estimate_rates(g, devices, switch_s, rates["cpu_gemv_bps"])
+        models_of[w] = Offload(g, devices, costs, rates["pcie_bps"], reserve)
+    results: dict = {w: {"gpu_budget_bytes": budget, "ideal_step_s": ideal(models_of[w]), "policies": {},
+                         "reference_tok_s": ref[w]["tok_s"], "reference_device": plain} for w in graphs}
+    for w in graphs:
+        results[w]["ideal_tok_s"] = tokens_per_step(cfg, w) / results[w]["ideal_step_s"]
+    return models_of, results
+
+
+def _replan(model: Offload, plan, busy: list[float], step_s: float, info: dict, opts: dict,
+            rates: dict) -> dict | None:
+    """The planner options of a re-plan at the CPU rate the devices showed
+    (``info["adapt_factors"]``: measured against planned busy time), None
+    when the CPU ran as planned."""
+    want = predicted_busy(model, plan)
+    seen = [busy[0] * step_s, busy[1] * step_s]
+    _, factors = adapt(model.costs, want, seen)
+    info["adapt_factors"] = factors
+    if factors[1] == 1.0 or not rates["cpu_gemv_bps"]:
+        return None
+    slower = {**opts, "cpu_bps": rates["cpu_gemv_bps"] / factors[1]}
+    log(f"tessera: the CPU ran {factors[1]:.2f}x its planned time; re-planning at {slower['cpu_bps'] / 1e9:.1f} GB/s")
+    return slower
 
 
 async def bench(cfg: OffloadConfig) -> dict:
@@ -343,16 +402,8 @@ async def bench(cfg: OffloadConfig) -> dict:
     # the step model and the bound of every workload, from the same rates
     options = {"pcie_bps": rates["pcie_bps"], "cpu_bps": rates["cpu_gemv_bps"], "switch_s": switch_s,
                "reserve": reserve}
-    models_of = {}
-    for w, g in graphs.items():
-        costs = estimate_rates(g, devices, switch_s, rates["cpu_gemv_bps"])
-        models_of[w] = Offload(g, devices, costs, rates["pcie_bps"], reserve)
+    models_of, results = _models_and_bounds(cfg, graphs, devices, switch_s, rates, reserve, budget, ref, plain)
     fits = gpu_only(models_of[f"decode_b{max(cfg.batches)}"]) is not None
-    results: dict = {w: {"gpu_budget_bytes": budget, "ideal_step_s": ideal(models_of[w]), "policies": {},
-                         "reference_tok_s": ref[w]["tok_s"], "reference_device": plain} for w in work}
-    for w in work:
-        per = tokens_per_step(cfg, w)
-        results[w]["ideal_tok_s"] = per / results[w]["ideal_step_s"]
 
     runs = [("gpu_only", gspec.name, "contiguous", {})] if fits else []
     runs += [(pol, ",".join(devices), "offload", {**options, "policy": pol, "ring": cfg.rings[0]})
@@ -384,99 +435,24 @@ async def bench(cfg: OffloadConfig) -> dict:
             g = graphs[w]
             per = tokens_per_step(cfg, w)
             r = got[w]
-            off = plan.meta.get("offload") or {}
-            streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
             busy = list(r["busy_fraction"]) + [0.0, 0.0]
-            info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": plan.predicted_step_s,
-                    "pcie_bytes_per_token": streamed / per,
-                    "activation_bytes_per_token": plan.bytes_per_step() / per,
-                    "gpu_busy": min(1.0, busy[0]), "cpu_busy": min(1.0, busy[1]) if len(plan.devices) > 1 else 0.0,
-                    "gpu_peak_bytes": got["gpu_peak_bytes"], "gpu_allocated_bytes": got["gpu_allocated_bytes"],
-                    "gpu_stats": got.get("gpu_stats", {}),
-                    "plan": plan.name,
-                    "choices": off.get("choices", ""), "slots": off.get("slots", 0),
-                    "slot_bytes": off.get("slot_bytes", 0),
-                    "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
-            if w == b1:
-                info["tokens_equal_reference"] = r["tokens"] == ref[w]["tokens"]   # free-running, greedy
-                info["first_difference"] = first_difference(r["tokens"], ref[w]["tokens"])
-                if pol.startswith("tessera"):
-                    values = got["served"].values[bucket_of(cfg, w)]
-                    lg = await forced_logits(g, plan, values, [1, 2, 3], ref[w]["tokens"], gpu)
-                    forced = [int(x.argmax()) for x in lg]
-                    info["forced_tokens_equal_reference"] = forced == ref[w]["tokens"]
-                    info["argmax_flips_beyond_ties"] = real_flips(forced, ref[w]["tokens"], ref_logits)
-                    info["min_logits_cosine"] = min((cosine(a, b) for a, b in zip(lg, ref_logits)), default=None)
+            info = await _policy_row(cfg, pol, w == b1, plan, g, r, got, ref[w].get("tokens"), ref_logits, gpu, busy,
+                                     per)
             results[w]["policies"][pol] = info
             results[w][f"{pol}_tok_s"] = r["tok_s"]
             if pol == "tessera" and w == first and len(plan.devices) > 1:
                 # load-aware re-plan (ATSInfer's dynamic transfer): the devices' busy time against the step
                 # model's; a CPU slower than planned moves its share to streaming in Tessera's next plan
-                want = predicted_busy(models_of[w], plan)
-                seen = [busy[0] * r["step_s"], busy[1] * r["step_s"]]
-                _, factors = adapt(models_of[w].costs, want, seen)
-                info["adapt_factors"] = factors
-                if factors[1] != 1.0 and rates["cpu_gemv_bps"]:
-                    slower = {**opts, "cpu_bps": rates["cpu_gemv_bps"] / factors[1]}
-                    log(f"tessera: the CPU ran {factors[1]:.2f}x its planned time; re-planning at "
-                        f"{slower['cpu_bps'] / 1e9:.1f} GB/s")
+                slower = _replan(models_of[w], plan, busy, r["step_s"], info, opts, rates)
+                if slower is not None:
                     runs.append(("tessera_replanned", devs, planner, slower))
             if pol == "tessera_replanned" and r["tok_s"] > (results[w].get("tessera_tok_s") or 0):
                 results[w]["tessera_tok_s"] = r["tok_s"]   # Tessera after one re-plan from this run's measurements
                 results[w]["tessera_from"] = pol
             log(f"{w} {pol}: {r['tok_s']:.1f} tok/s (step {r['step_s'] * 1e3:.1f} ms, predicted "
                 f"{(plan.predicted_step_s or 0) * 1e3:.1f}), peak {got['gpu_peak_bytes']} B")
-    replanned = next((o for p, _, _, o in runs if p == "tessera_replanned"), None)
-    for w in work:
-        t = results[w]["policies"].get(results[w].get("tessera_from", "tessera"), {})
-        results[w]["gpu_peak_bytes"] = t.get("gpu_peak_bytes")
-        results[w]["gpu_allocated_bytes"] = t.get("gpu_allocated_bytes")
-        if replanned is not None:   # the bound again at the CPU rate the devices showed
-            costs = estimate_rates(graphs[w], devices, switch_s, replanned["cpu_bps"])
-            per = tokens_per_step(cfg, w)
-            step = ideal(Offload(graphs[w], devices, costs, rates["pcie_bps"], reserve))
-            results[w]["ideal_at_observed_cpu_step_s"] = step
-            results[w]["ideal_at_observed_cpu_tok_s"] = per / step
+    _peaks_and_observed_bound(cfg, results, work, runs, graphs, devices, switch_s, rates, reserve)
     return {"rates": rates, **results}
-
-
-def table(res: dict) -> str:
-    lines = [f"{'workload':<11} {'gpu-only':>9} {'layer':>9} {'stream':>9} {'tessera':>9} {'ideal':>9} "
-             f"{'x best':>7} {'% ideal':>7}  (tok/s)"]
-    for name, row in res.items():
-        if not isinstance(row, dict) or "ideal_tok_s" not in row:
-            continue
-
-        def f(v):
-            return f"{v:9.1f}" if v else f"{'-':>9}"
-        best = max(row.get("layer_offload_tok_s") or 0, row.get("streaming_tok_s") or 0)
-        t = row.get("tessera_tok_s") or 0
-        lines.append(f"{name:<11} {f(row.get('gpu_only_tok_s'))} {f(row.get('layer_offload_tok_s'))} "
-                     f"{f(row.get('streaming_tok_s'))} {f(t)} {f(row['ideal_tok_s'])} "
-                     f"{t / best if best else 0:7.2f} {100 * t / row['ideal_tok_s']:6.1f}%")
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    names = [n for n, r in res.items() if isinstance(r, dict) and "ideal_tok_s" in r]
-    pols = ["layer_offload", "streaming", "tessera", "ideal"]
-    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
-    for ax, n in zip(axes[0], names):
-        vals = [res[n].get(f"{p}_tok_s") or 0 for p in pols]
-        ax.bar(pols, vals, color=["#999", "#69c", "#c33", "#ddd"])
-        ax.set_title(n)
-        ax.set_ylabel("tokens/s")
-        ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict:
