@@ -55,7 +55,8 @@ from tessera_actors.serving.params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
 
-RUN_COUNTS = ("replays", "eager_runs", "capture_failures")   # a step's runs of kernels, over its devices
+# a step's runs of kernels over its devices, and the weight bytes streamed host -> device (PCIe)
+RUN_COUNTS = ("replays", "eager_runs", "capture_failures", "streamed_bytes")
 
 
 def _feeding_device(graph, plan: Plan) -> int | None:

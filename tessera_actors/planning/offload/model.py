@@ -109,10 +109,27 @@ class Placement:
 
 @dataclass(frozen=True)
 class StepTime:
+    """One step on the model, and its terms: ``step_s`` is the chain's end,
+    the sum of every kernel's time on its device (``busy_s``: the GPU's and
+    the CPU's kernels), ``handoff_s`` over ``handoffs`` device changes
+    (latency plus activation bytes over the link) and ``copy_wait_s``, the
+    time kernels waited for their streamed weight's copy beyond the chain;
+    the copy engine ran ``pcie_s`` (``pcie_bytes`` at the PCIe rate),
+    overlapped with the kernels except for those waits."""
     step_s: float
     busy_s: tuple[float, ...]     # per device
     pcie_s: float
     pcie_bytes: int
+    handoffs: int = 0
+    handoff_s: float = 0.0
+    copy_wait_s: float = 0.0
+
+    def terms(self, gpu: int = 0) -> dict:
+        """The step's terms by name (``gpu``: the budgeted device's index);
+        the kernels, hand-offs and copy waits add up to ``step_s``."""
+        return {"gpu_kernels_s": self.busy_s[gpu], "cpu_kernels_s": self.busy_s[1 - gpu], "handoff_s": self.handoff_s,
+                "handoffs": self.handoffs, "copy_wait_s": self.copy_wait_s, "copy_engine_s": self.pcie_s,
+                "pcie_bytes": self.pcie_bytes, "step_s": self.step_s}
 
 
 class Offload:
@@ -231,8 +248,9 @@ class Offload:
         return sum(g.buffers[b].nbytes for b in held) + p.slots * p.slot_bytes + self.reserve
 
     # -- the step model --------------------------------------------------
-    def programs(self, p: Placement) -> Programs:
-        """Placement ``p`` as the step-time model's programs: the kernels in
+    def _chain(self, p: Placement) -> tuple[Programs, list[float | None]]:
+        """(placement ``p`` as the step-time model's programs, the hand-off
+        each kernel waits for): the kernels in
         program order as one chain (a kernel starts when the one before it
         ended, plus a link's latency and the bytes of its inputs when the
         device changes or bytes arrive from the other device), the streamed
@@ -255,6 +273,7 @@ class Offload:
         issue(-1)
         arrived: set = set()
         prev = None
+        links: list[float | None] = []   # per kernel: the hand-off it waits for
         for k in g.kernels:
             d = a[k.id]
             moved = 0
@@ -267,6 +286,9 @@ class Offload:
                 xfer[tag] = ((1 - d, d), d, costs.comm_s(1 - d, d, moved))
                 progs[prev].append(("send", tag))
                 progs[d].append(("recv", tag))
+                links.append(xfer[tag][2])
+            else:
+                links.append(None)
             u = self.unit_of.get(k.id) if d == gpu else None
             mine = [idx[b] for b in self.units[u] if b in idx] if u is not None else ()
             progs[d] += [("recv", i) for i in mine]
@@ -278,13 +300,30 @@ class Offload:
         names.update({(0, 1): f"{self.devices[0]}->{self.devices[1]}", (1, 0): f"{self.devices[1]}->{self.devices[0]}",
                       "copy": f"{self.devices[gpu]} copy engine"})
         seconds = [costs.times[k.id][a[k.id]] for k in g.kernels]
-        return Programs(progs, seconds, xfer, names)
+        return Programs(progs, seconds, xfer, names), links
+
+    def programs(self, p: Placement) -> Programs:
+        """Placement ``p`` as the step-time model's programs (:meth:`_chain`)."""
+        return self._chain(p)[0]
 
     def simulate(self, p: Placement) -> StepTime:
-        """The step time of placement ``p`` (:meth:`programs`, one step)."""
-        r = run([(self.programs(p), 1)], [1])
+        """The step time of placement ``p`` (:meth:`programs`, one step) and
+        its terms: the hand-offs in the chain, and how long kernels waited
+        for their streamed weight's copy beyond the chain."""
+        progs, links = self._chain(p)
+        r = run([(progs, 1)], [1], record=True)
+        start = {e.ref: (e.start, e.end) for e in r.events if e.kind == "run"}
+        hand, hands, wait, end = 0.0, 0, 0.0, 0.0
+        for k, link in zip(self.graph.kernels, links):
+            t = end
+            if link is not None:
+                t += link
+                hand += link
+                hands += 1
+            began, end = start[k.id]
+            wait += max(began - t, 0.0)
         pcie_bytes = sum(self.graph.buffers[b].nbytes for b in p.streamed)
-        return StepTime(r.finish[0], tuple(r.busy), pcie_bytes / self.pcie_bps, pcie_bytes)
+        return StepTime(r.finish[0], tuple(r.busy), pcie_bytes / self.pcie_bps, pcie_bytes, hands, hand, wait)
 
     # -- choosing --------------------------------------------------------
     def resident_fill(self, capacity: int, order: Sequence[int] | None = None,
