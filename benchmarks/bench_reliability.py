@@ -45,6 +45,7 @@ import zmq  # noqa: E402
 
 import fuzz_codec_main as fuzz  # noqa: E402
 from tessera_actors.cluster import LocalCluster  # noqa: E402
+from tessera_actors.provenance import git_commit  # noqa: E402
 from tessera_actors.runtime.messages import GetStats, Ping, Pong  # noqa: E402
 from transport.system import ActorSystem  # noqa: E402
 from transport import auth, codec  # noqa: E402
@@ -221,14 +222,6 @@ async def serving_faults(args) -> dict:
     return {"skipped": "see benchmarks/bench_serving_faults.py (AsyncEngine)", "ok": None}
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--malformed", type=int, default=20000)
@@ -257,7 +250,7 @@ def main() -> int:
     for case, result, target, ok in rows:
         print(f"{case:48} {result:92} {target:30} {'-' if ok is None else ('yes' if ok else 'NO')}")
     results["provenance"] = {
-        "git_commit": git_commit(), "command": [sys.executable, *sys.argv], "date": datetime.datetime.now(
+        "git_commit": git_commit() or "unknown", "command": [sys.executable, *sys.argv], "date": datetime.datetime.now(
             datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                     "load_avg_1min": os.getloadavg()[0]}}

@@ -199,7 +199,7 @@ def test_every_deployment_captures_attention_as_one_kernel_and_only_gpus_ask_for
 
 
 def test_a_prompts_first_chunk_reads_only_its_own_length_of_the_cache():
-    from tessera_actors.serving.deploy import buckets_for, window_for
+    from tessera_actors.serving.buckets import buckets_for, window_for
     cfg = EngineConfig(max_model_len=1024, prefill_buckets=(32, 320), kv_windows=(512,))
     names = {b.name for b in buckets_for(cfg)}
     assert {"prefill:320~320", "prefill:32~32", "prefill:320~512", "prefill:320"} <= names

@@ -31,7 +31,7 @@ from tessera_actors.runtime.actor import ActorRef, LocalRef
 from tessera_actors.runtime.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
 from tessera_actors.runtime.messages import ErrorReply, Ok
-from transport import auth, codec, shm
+from transport import auth, codec, shm, shm_frames
 from transport.channel import Channel
 from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,
                              Envelope)
@@ -84,8 +84,8 @@ class Server:
     def _on_request(self, frames: list) -> None:
         identity, payload = frames[0], frames[1:]
         try:
-            if len(payload) > 3 and shm.has_shm(payload):
-                payload = shm.from_shm(payload, self._shm, identity.bytes)
+            if len(payload) > 3 and shm_frames.has_shm(payload):
+                payload = shm_frames.from_shm(payload, self._shm, identity.bytes)
             env, msg = codec.decode(payload, max_frame=self._max_frame, max_body=self._max_body)
         except CodecError as exc:
             payload = frames[1:]
@@ -304,7 +304,7 @@ class Peer:
         pool = self._shm_pool
         if pool is None or len(frames) < 3:
             return frames, ()
-        return shm.to_shm(frames, pool, self._shm_config.threshold)
+        return shm_frames.to_shm(frames, pool, self._shm_config.threshold)
 
     def _unsent(self, tokens) -> None:
         """A message was dropped before ZeroMQ took it: free its segments."""
@@ -335,7 +335,7 @@ class Peer:
         frames = codec.encode(msg, _envelope((op, rid, target)))
         tokens = ()
         if self._shm_pool is not None and len(frames) > 2:
-            frames, tokens = shm.to_shm(frames, self._shm_pool, self._shm_config.threshold)
+            frames, tokens = shm_frames.to_shm(frames, self._shm_pool, self._shm_config.threshold)
         loop = self._loop
         fut = loop.create_future()
         pending = self._pending
