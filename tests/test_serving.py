@@ -238,7 +238,7 @@ async def test_a_device_memory_budget_covers_the_shared_weights_and_kv_cache():
 
 
 async def test_the_detector_tells_a_refused_port_from_a_listening_one():
-    from tessera_actors.serving.deployment import _refused
+    from tessera_actors.serving.detector import refused as _refused
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     assert not await _refused(f"tcp://127.0.0.1:{port}")

@@ -34,8 +34,10 @@ class EngineConfig:
     (0 or 1): decode steps a group sends ahead of the tokens they take,
     which the device feeds from the previous step (1: the host turnaround
     between steps overlaps the devices' work).  Faults: a node
-    that misses pings for ``lost_after_s`` is lost; the deployment is
-    re-placed on the survivors and requests continue there.
+    that misses pings for ``lost_after_s`` is suspected (lost); the deployment is
+    re-placed on the survivors and requests continue there; once it answers
+    again it is re-admitted and placed on again.  With no node left the
+    engine waits ``rejoin_wait_s`` for a suspected one before it is dead.
 
     A model bigger than the GPU: ``gpu_budget`` (bytes or a size such as
     ``"8GiB"``) caps the memory of the deployment's GPU (its first non-CPU
@@ -73,6 +75,7 @@ class EngineConfig:
     heartbeat_s: float = 0.25
     lost_after_s: float = 1.0
     watch_processes: bool = True   # node processes the engine started: their exit is a loss at once
+    rejoin_wait_s: float = 30.0    # no node left to place on: how long to wait for a suspected one to answer
     seed: int = 0
     profile: bool = False       # time the reference bucket's kernels on each in-process device for the planner
     trace_dir: str | None = None
@@ -118,7 +121,8 @@ class EngineConfig:
         self.groups = min(self.groups, self.max_seqs)   # a group needs at least one row
         if self.lookahead not in (0, 1):
             raise bad(f"lookahead must be 0 or 1, got {self.lookahead}")
-        for name in ("step_timeout", "heartbeat_s", "lost_after_s", "monitor_window_s", "monitor_beta"):
+        for name in ("step_timeout", "heartbeat_s", "lost_after_s", "rejoin_wait_s", "monitor_window_s",
+                     "monitor_beta"):
             if getattr(self, name) <= 0:
                 raise bad(f"{name} must be positive, got {getattr(self, name)}")
         if not isinstance(self.planner_options, dict):

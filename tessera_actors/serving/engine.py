@@ -77,7 +77,8 @@ class AsyncEngine(Reporting, Replacing):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._lost: list[str] = []
-        self._readmit = False   # a node the launcher restarted is registered again: place on it
+        self._readmit = False   # a restarted or re-admitted node is registered again: place on it
+        self._back: set[str] = set()   # the endpoints of those nodes
         # notified after every re-placement (a node lost, a restarted node re-admitted)
         self.placement_changed = asyncio.Condition()
         self._dead: str | None = None
