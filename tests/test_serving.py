@@ -43,6 +43,21 @@ async def test_sixteen_concurrent_requests_on_two_node_processes_match_each_alon
                                                                      for d in stats["devices"])
 
 
+async def test_concurrent_prompts_are_prefilled_several_a_step_with_the_tokens_of_each_alone():
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    async with AsyncEngine(devices="cpu", max_seqs=16, prefill_rows=(1, 4, 8), max_batched_tokens=512,
+                           **SMALL) as eng:
+        await eng.wait_placed()
+        alone = [(await _tokens(eng, p, greedy))[0] for p in PROMPTS]
+        before = eng.stats()["prefill_steps"]
+        together = await asyncio.gather(*(_tokens(eng, p, greedy) for p in PROMPTS))
+        steps = eng.stats()["prefill_steps"] - before
+        batched = [b for b in eng.step_time if b.startswith("prefill:") and "x" in b]
+    assert [t for t, _, _ in together] == alone
+    assert steps <= 4 and batched   # 16 prompts of one chunk each, up to 8 a step
+    assert all(int(b.split(":")[1].split("x")[0]) * int(b.split("x")[1].split("~")[0]) <= 512 for b in batched)
+
+
 @pytest.fixture
 async def engine():
     async with AsyncEngine(devices="cpu,cpu", max_seqs=4, decode_buckets=(1, 2, 4), **{
@@ -159,6 +174,7 @@ async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token(de
 
 async def test_served_tokens_are_the_eager_pytorch_models_tokens():
     import torch
+
     from tessera_actors import models
     prompt, n = [5, 6, 7, 8, 9], 8
     m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
@@ -309,8 +325,9 @@ async def test_decode_steps_sent_ahead_of_their_tokens_stream_what_waiting_for_t
 
 
 async def test_a_step_fed_from_tokens_its_device_did_not_sample_fails_by_name():
-    from tessera_actors.serving.deployment import StepFailed
     import torch
+
+    from tessera_actors.serving.deployment import StepFailed
     async with AsyncEngine(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=64,
                            decode_buckets=(2,), prefill_buckets=(8,)) as eng:
         bucket = eng.deployment.reference_bucket()
@@ -361,6 +378,7 @@ async def test_the_kv_cache_is_sized_from_its_memory_budget():
     request waits for a slot, every request is served, and the memory report
     says what the cache holds."""
     import torch
+
     from tessera_actors import models
     from tessera_actors.serving.memory import state_bytes
     meta = models.get("llama", "tiny", dtype=torch.float32, device="meta", max_batch=4, max_seq=64)

@@ -162,6 +162,32 @@ def prefill_chunk(seq: Sequence, sizes: Seq[int]) -> tuple[int, int]:
     return split[0], split[0]
 
 
+def prefill_batch(waiting: Seq[Sequence], sizes: Seq[int], row_counts: Seq[int], budget: int
+                  ) -> tuple[list[Sequence], list[int], int, int]:
+    """(sequences, their chunks' real tokens, chunk size, rows) of the next
+    prompt-chunk step (batched prefill): the first waiting sequence's next
+    chunk (:func:`prefill_chunk`) and, in order, the next chunks of those
+    after it whose own chunk size is no larger, up to the most rows of
+    ``row_counts`` whose padded tokens stay within ``budget`` (vLLM's
+    ``max_num_batched_tokens``; the decode rows run in their own steps
+    between these, so it bounds how long a prefill holds them up).  The
+    sequences taken are the first ones of ``waiting`` that qualify, which
+    need not be contiguous: callers use the returned sequences.  ``rows``:
+    the smallest row count that holds them."""
+    size, n = prefill_chunk(waiting[0], sizes)
+    seqs, chunks = [waiting[0]], [n]
+    most = max((r for r in row_counts if r * size <= budget), default=1)
+    for seq in waiting[1:]:
+        if len(seqs) >= most:
+            break
+        own, m = prefill_chunk(seq, sizes)
+        if own <= size:
+            seqs.append(seq)
+            chunks.append(m)
+    rows = min((r for r in row_counts if r >= len(seqs)), default=len(seqs))
+    return seqs, chunks, size, rows
+
+
 def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | None = None
                    ) -> tuple[int, int, dict[str, torch.Tensor], list]:
     """(bucket size, real tokens, inputs, sample entries) of the next chunk of
@@ -171,11 +197,33 @@ def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | Non
     if size is not None and size < n:
         raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
     size = size or need
-    start = seq.prefilled
-    ids = torch.zeros(1, size, dtype=torch.int64)
-    ids[0, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)
-    pos = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)[None]
-    inputs = {"input_ids": ids, "positions": pos, "rows": torch.tensor([seq.slot], dtype=torch.int64),
-              "last": torch.tensor([n - 1], dtype=torch.int64)}
-    final = start + n == len(seq.context)
-    return size, n, inputs, [seq.sample_entry(0, 0)] if final else []
+    inputs, sample = batch_prefill_inputs([seq], [n], size, 1, max_len)
+    return size, n, inputs, sample
+
+
+def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows: int, max_len: int
+                         ) -> tuple[dict[str, torch.Tensor], list]:
+    """(inputs, sample entries) of one prompt-chunk step of ``rows`` rows of
+    ``size`` tokens: row ``i`` feeds ``chunks[i]`` tokens of ``seqs[i]``'s
+    context into its KV row, from where its prefill stands; a sequence whose
+    chunk ends its context samples (entry row ``i``).  Padding - tokens past
+    a chunk, rows past the sequences - writes only the last cache slot
+    (``max_len - 1``) of a row of the step, which no sequence reads before
+    it writes it itself."""
+    if not 0 < len(seqs) <= rows or len(chunks) != len(seqs):
+        raise ValueError(f"{len(seqs)} sequences for a prefill step of {rows} rows")
+    ids = torch.zeros(rows, size, dtype=torch.int64)
+    pos = torch.full((rows, size), max_len - 1, dtype=torch.int64)
+    slot = torch.full((rows,), seqs[0].slot, dtype=torch.int64)
+    last = torch.zeros(rows, dtype=torch.int64)
+    sample = []
+    for i, (seq, n) in enumerate(zip(seqs, chunks)):
+        if not 0 < n <= size:
+            raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
+        start = seq.prefilled
+        ids[i, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)
+        pos[i] = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)
+        slot[i], last[i] = seq.slot, n - 1
+        if start + n == len(seq.context):
+            sample.append(seq.sample_entry(i, 0))
+    return {"input_ids": ids, "positions": pos, "rows": slot, "last": last}, sample

@@ -43,14 +43,40 @@ from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
-from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
+from tessera_actors.serving.batch import (
+    Sequence,
+    SlotAllocator,
+    batch_prefill_inputs,
+    decode_inputs,
+    prefill_batch,
+    prefill_chunk,
+    smallest_bucket,
+)
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.deploy import bucket_name, decode_sizes, load_served_model, window_for
-from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
+from tessera_actors.serving.deploy import (
+    bucket_name,
+    decode_sizes,
+    load_served_model,
+    window_for,
+)
 from tessera_actors.serving.deployment import Deployment, StepFailed
 from tessera_actors.serving.memory import memory_report
+from tessera_actors.serving.params import (
+    EngineBusy,
+    EngineDead,
+    EngineError,
+    InvalidRequest,
+    RequestOutput,
+    SamplingParams,
+    Usage,
+)
 from tessera_actors.serving.records import Records
-from tessera_actors.serving.text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
+from tessera_actors.serving.text import (
+    ChatTemplate,
+    Detokenizer,
+    check_messages,
+    gguf_tokenizer,
+)
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -66,12 +92,12 @@ class _Request:
 @dataclass
 class _Step:
     """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
-    sampling-entry order), the prompt tokens it feeds (prefill), its bucket,
+    sampling-entry order), the prompt tokens it feeds per row (prefill), its bucket,
     the placement generation, the launch order, and its step number when its
     tokens can feed the next step on the device (``Deployment.reserve``)."""
     key: str
     reqs: list
-    chunk: int
+    chunk: list
     bucket: str
     generation: int
     order: int
@@ -399,13 +425,14 @@ class AsyncEngine:
     def _launch(self, inflight: dict[asyncio.Task, _Step]) -> None:
         loop = asyncio.get_running_loop()
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
-            req = self._prefill[0]
-            bucket = self.deployment.runnable(self._prefill_bucket(req))
-            _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
-                                                  self._rows_of(bucket))
-            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [req.seq.rid]))
-            req.in_step += 1
-            inflight[task] = _Step("prefill", [req], n, bucket, self.deployment.generation, next(self._order))
+            reqs, chunks, bucket = self._prefill_batch()
+            b = self.deployment.served.buckets.get(bucket)
+            size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0], 1)
+            inputs, sample = batch_prefill_inputs([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
+            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            for r in reqs:
+                r.in_step += 1
+            inflight[task] = _Step("prefill", reqs, chunks, bucket, self.deployment.generation, next(self._order))
         if self._catchup:
             return
         for g, rows in enumerate(self._group_rows()):
@@ -453,7 +480,7 @@ class AsyncEngine:
             r.seq.pending += 1
         if prev is not None:
             self.counters["lookahead_steps"] += 1
-        return task, _Step(key, reqs, 0, bucket, self.deployment.generation, next(self._order), number)
+        return task, _Step(key, reqs, [], bucket, self.deployment.generation, next(self._order), number)
 
     def _rows_of(self, bucket: str) -> int | None:
         b = self.deployment.served.buckets.get(bucket)
@@ -463,6 +490,24 @@ class AsyncEngine:
         """The bucket of the next prompt chunk of ``req`` (its own, before any stand-in)."""
         size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
         return bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1, size))
+
+    def _prefill_batch(self) -> tuple[list[_Request], list[int], str]:
+        """(requests, their chunks' tokens, the bucket) of the next prompt-chunk
+        step (:func:`~tessera_actors.serving.batch.prefill_batch`): several
+        prompts when an ``R x C`` bucket for them is placed, else the first
+        alone (the batched buckets are placed in the background)."""
+        cfg = self.cfg
+        seqs, chunks, size, rows = prefill_batch([r.seq for r in self._prefill], cfg.prefill_buckets,
+                                                 cfg.prefill_rows, cfg.max_batched_tokens)
+        if rows > 1:
+            window = window_for(cfg, max(s.prefilled + m - 1 for s, m in zip(seqs, chunks)), size)
+            for w in dict.fromkeys((window, 0)):
+                name = bucket_name("prefill", size, 0, w, rows)
+                if name in self.deployment.placed:
+                    by_id = {r.seq.rid: r for r in self._prefill}
+                    return [by_id[s.rid] for s in seqs], chunks, name
+        first = self._prefill[0]
+        return [first], chunks[:1], self.deployment.runnable(self._prefill_bucket(first))
 
     def _complete(self, task: asyncio.Task, info: _Step) -> None:
         key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
@@ -483,17 +528,22 @@ class AsyncEngine:
         acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
         if key == "prefill":
-            req = reqs[0]
-            if req.finished is not None:
-                return
-            req.seq.prefilled += n
-            req.seq.exec_s += result.seconds
-            if req.seq.prefilled < len(req.seq.context):
-                return
-            self._prefill.remove(req)
-            self._catchup.discard(req.seq.rid)
-            req.seq.phase = "decode"
-            self._accept(req, result.tokens[0], result.logprobs[0], result.top(0))
+            entry = 0   # the step's sampled entries: one per sequence whose prompt it ended, in row order
+            for req, m in zip(reqs, n):
+                seq = req.seq
+                ends = seq.prefilled + m == len(seq.context)
+                if req.finished is not None:
+                    entry += ends
+                    continue
+                seq.prefilled += m
+                seq.exec_s += result.seconds
+                if not ends:
+                    continue
+                self._prefill.remove(req)
+                self._catchup.discard(seq.rid)
+                seq.phase = "decode"
+                self._accept(req, result.tokens[entry], result.logprobs[entry], result.top(entry))
+                entry += 1
             return
         for i, (req, tok, lp) in enumerate(zip(reqs, result.tokens, result.logprobs)):
             if req.finished is None:
