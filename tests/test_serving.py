@@ -58,6 +58,24 @@ async def test_concurrent_prompts_are_prefilled_several_a_step_with_the_tokens_o
     assert all(int(b.split(":")[1].split("x")[0]) * int(b.split("x")[1].split("~")[0]) <= 512 for b in batched)
 
 
+async def test_a_repeated_prompt_reuses_its_kv_row_and_a_shared_prefix_gives_a_fresh_engines_tokens():
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = list(range(100, 390))
+    branch = prompt[:200] + [7, 8, 9]
+    async with AsyncEngine(devices="cpu", max_seqs=4, **SMALL) as fresh:
+        want = (await _tokens(fresh, branch, greedy))[0]
+    async with AsyncEngine(devices="cpu", max_seqs=4, **SMALL) as eng:
+        first = (await _tokens(eng, prompt, greedy))[0]
+        before = eng.stats()["prefill_steps"]
+        again = (await _tokens(eng, prompt, greedy))[0]
+        steps = eng.stats()["prefill_steps"] - before
+        got = (await _tokens(eng, branch, greedy))[0]
+        stats = eng.stats()
+    assert again == first and steps == 1   # only its last token is fed: its logits give the first token
+    assert got == want
+    assert stats["prefix_hits"] == 2 and stats["prefix_tokens"] == 289 + 200
+
+
 @pytest.fixture
 async def engine():
     async with AsyncEngine(devices="cpu,cpu", max_seqs=4, decode_buckets=(1, 2, 4), **{

@@ -272,3 +272,20 @@ def test_a_prefill_step_takes_the_prompts_whose_chunks_fit_the_first_ones_within
     assert [s.rid for s in seqs] == ["a", "s0"] and rows == 4       # padded up to a row count there is
     _, _, size, rows = prefill_batch(waiting[1:], [32, 64, 128], [1, 4, 8], budget=256)
     assert size == 128 and rows == 1                                 # 4 x 128 is over the budget: alone
+
+
+def test_a_freed_row_keeps_its_tokens_for_a_prompt_that_starts_with_them():
+    slots = SlotAllocator([(0, 4)], min_reuse=4)
+    p = SamplingParams().validate()
+    s = Sequence("a", list(range(10)), p, 0, context=list(range(10)), prefilled=10, generated=[50, 51, 52])
+    assert s.kv_tokens(64) == list(range(10)) + [50, 51]     # the latest token was never fed
+    assert Sequence("b", [1] * 9, p, 0, context=[1] * 9, prefilled=5).kv_tokens(64) == [1] * 5
+    row = slots.take()
+    slots.release(row, s.kv_tokens(64))
+    assert slots.take() != row                               # a plain take leaves the kept row alone
+    assert slots.take_for(list(range(6)) + [99]) == (row, 6)
+    slots.release(row, [1, 2, 3])                             # under min_reuse: not kept
+    assert row not in slots.kept
+    slots.release(slots.take_for([0])[0], list(range(8)))
+    slots.forget()
+    assert slots.kept == {}

@@ -58,6 +58,17 @@ class Sequence:
         """Position of the next decode input, counting tokens in flight."""
         return self.position + self.pending
 
+    def kv_tokens(self, max_len: int) -> list[int]:
+        """The tokens whose keys and values this sequence's KV row holds, from
+        position 0: the context prefilled so far, then each generated token
+        fed to a decode step (all but the latest); never the last slot
+        (``max_len - 1``), which padding writes."""
+        if self.prefilled < len(self.context):
+            held = self.context[:self.prefilled]
+        else:
+            held = self.context + self.generated[len(self.context) - len(self.prompt):][:-1]
+        return held[:max_len - 1]
+
     def may_decode(self, max_len: int) -> bool:
         """Whether one more decode step can be due: the tokens in flight
         leave room under ``max_tokens`` and the context."""
@@ -66,9 +77,20 @@ class Sequence:
 
 
 class SlotAllocator:
-    def __init__(self, bounds: Seq[tuple[int, int]]) -> None:
+    """KV rows.  A row given back keeps the tokens whose keys and values it
+    holds (``release(slot, kept)``), so a new prompt that starts with them
+    can take that row and skip prefilling them (:meth:`take_for`: automatic
+    prefix caching on the static cache - no copy, no memory beyond the rows;
+    a row with kept tokens is reused for another prompt only after the rows
+    without, the longest unused first)."""
+
+    def __init__(self, bounds: Seq[tuple[int, int]], min_reuse: int = 16) -> None:
         self.set_groups(bounds)
         self.used: set[int] = set()
+        self.kept: dict[int, list[int]] = {}   # free row -> the tokens its cache holds from position 0
+        self.min_reuse = min_reuse
+        self._age = 0
+        self._kept_at: dict[int, int] = {}
 
     def set_groups(self, bounds: Seq[tuple[int, int]]) -> None:
         self.bounds = list(bounds)
@@ -78,21 +100,59 @@ class SlotAllocator:
         return self.total - len(self.used)
 
     def take(self) -> int | None:
+        """A free row in the emptiest group (its kept tokens, if any, dropped)."""
         best = None
         for lo, hi in self.bounds:
             free = [r for r in range(lo, hi) if r not in self.used]
             if free and (best is None or len(free) > best[0]):
-                best = (len(free), free[0])
+                best = (len(free), min(free, key=lambda r: (r in self.kept, self._kept_at.get(r, 0), r)))
         if best is None:
             return None
-        self.used.add(best[1])
-        return best[1]
+        return self._use(best[1])
 
-    def release(self, slot: int) -> None:
+    def take_for(self, tokens: Seq[int]) -> tuple[int | None, int]:
+        """(a free row, how many of ``tokens`` from the start its cache already
+        holds): the row keeping the longest such prefix, when it is at least
+        ``min_reuse`` tokens, else :meth:`take`'s row and 0."""
+        best, most = None, 0
+        for r, kept in self.kept.items():
+            if r in self.used:
+                continue
+            n = common_prefix(kept, tokens)
+            if n > most:
+                best, most = r, n
+        if best is None or most < self.min_reuse:
+            return self.take(), 0
+        self.used.add(best)
+        self.kept.pop(best, None)
+        return best, most
+
+    def _use(self, row: int) -> int:
+        self.used.add(row)
+        self.kept.pop(row, None)
+        return row
+
+    def release(self, slot: int, kept: Seq[int] = ()) -> None:
         self.used.discard(slot)
+        if len(kept) >= self.min_reuse:
+            self._age += 1
+            self.kept[slot], self._kept_at[slot] = list(kept), self._age
+
+    def forget(self) -> None:
+        """Drop every kept prefix (the KV cache was placed afresh)."""
+        self.kept.clear()
 
     def group_of(self, slot: int) -> int:
         return next(g for g, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def smallest_bucket(sizes: Seq[int], need: int) -> int:

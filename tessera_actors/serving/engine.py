@@ -131,7 +131,8 @@ class AsyncEngine:
         self._order = itertools.count()   # launch order of steps: they land in it
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                          "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "readmissions": 0,
-                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0}
+                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0,
+                         "prefix_hits": 0, "prefix_tokens": 0}   # prompts (tokens) found in a kept KV row
         self.groups = 1 if config.mode != "throughput" else config.groups
         self.monitor = Monitor(config.monitor_window_s, config.monitor_beta,
                                initial="throughput" if config.mode == "throughput" else "latency")
@@ -331,7 +332,7 @@ class AsyncEngine:
                 lst.remove(req)
         self._requests.pop(seq.rid, None)
         if seq.slot >= 0 and not req.in_step:
-            self.slots.release(seq.slot)
+            self.slots.release(seq.slot, self._kept(req))
             seq.slot = -1
             self._slot_freed.set()
         self._wake.set()
@@ -344,10 +345,15 @@ class AsyncEngine:
             if step.key != "prefill":
                 req.seq.pending -= 1
             if req.finished is not None and req.seq.slot >= 0 and not req.in_step:
-                self.slots.release(req.seq.slot)
+                self.slots.release(req.seq.slot, self._kept(req))
                 req.seq.slot = -1
                 self._slot_freed.set()
                 self._wake.set()
+
+    def _kept(self, req: _Request) -> list[int]:
+        """What ``req``'s KV row keeps for a later prompt that starts the same
+        (prefix caching): its tokens in the cache, unless a step failed on it."""
+        return [] if req.finished == "error" or self._lost else req.seq.kv_tokens(self.max_model_len)
 
     # -- the loop -------------------------------------------------------------------
     def _on_lost(self, endpoints: list[str]) -> None:
@@ -411,7 +417,12 @@ class AsyncEngine:
     def _admit(self) -> None:
         while self._waiting and self.slots.free():
             req = self._waiting.pop(0)
-            req.seq.slot = self.slots.take()
+            seq = req.seq
+            seq.slot, reused = self.slots.take_for(seq.context)
+            seq.prefilled = min(reused, len(seq.context) - 1)   # the last token is fed: its logits sample
+            if seq.prefilled:
+                self.counters["prefix_hits"] += 1
+                self.counters["prefix_tokens"] += seq.prefilled
             req.seq.phase = "prefill"
             self._prefill.append(req)
 
@@ -595,6 +606,7 @@ class AsyncEngine:
         for info in inflight.values():
             self._landed(info)   # the old plans are uninstalled below: their steps write nothing more
         inflight.clear()
+        self.slots.forget()   # the cache is placed afresh: no row keeps a prefix
         self.counters["recoveries" if lost else "readmissions"] += 1
         if lost:
             log.warning("lost %s: re-placing on the survivors", lost)
