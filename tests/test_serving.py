@@ -288,7 +288,7 @@ async def test_the_engine_serves_once_its_largest_buckets_are_placed_the_rest_fo
     arrives before its own buckets are placed runs padded in those, with the
     tokens it gets once every bucket is in place; /health's progress counts
     the placements."""
-    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=128,
+    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=128, prefix_caching=False,
                decode_buckets=(1, 2), prefill_buckets=(8, 16, 24, 32, 48))
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     prompt = list(range(1, 21))                     # 20 tokens: a 24-token chunk once it is placed

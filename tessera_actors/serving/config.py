@@ -57,6 +57,7 @@ class EngineConfig:
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
     prefill_rows: tuple[int, ...] = (1, 4, 8)   # sequences a prompt-chunk step may carry (batched prefill)
     max_batched_tokens: int = 512   # prompt tokens (padded) of one step, as vLLM's max_num_batched_tokens
+    prefix_caching: bool = True     # a prompt that starts as a finished one did reuses its KV row (batch.SlotAllocator)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
     planner: str = "contiguous"
     planner_options: dict = field(default_factory=dict)   # keyword options of the planner (offload: policy, cpu_bps, ...)

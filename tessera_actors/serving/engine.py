@@ -418,7 +418,7 @@ class AsyncEngine:
         while self._waiting and self.slots.free():
             req = self._waiting.pop(0)
             seq = req.seq
-            seq.slot, reused = self.slots.take_for(seq.context)
+            seq.slot, reused = self.slots.take_for(seq.context) if self.cfg.prefix_caching else (self.slots.take(), 0)
             seq.prefilled = min(reused, len(seq.context) - 1)   # the last token is fed: its logits sample
             if seq.prefilled:
                 self.counters["prefix_hits"] += 1

@@ -48,6 +48,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                    help="memory for the KV cache: a size (512MiB, 2GiB), a fraction of the devices' memory (0.1), "
                         "'none' (no limit) or 'auto': 512MiB when every device is a CPU, else no limit; "
                         "--max-seqs is lowered to what fits (default: auto)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+                   help="do not reuse the KV row of a finished request for a prompt that starts with its tokens")
+    p.add_argument("--max-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"prompt tokens (padded) one prefill step may carry, over several prompts "
+                        f"(default: {d.max_batched_tokens})")
     p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming, "
                         "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
@@ -85,8 +90,9 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
         kw["devices"] = default_deployment().devices
     if trace_dir:
         kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "lookahead"):
-        if getattr(a, name) is not None:
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "lookahead",
+                 "prefix_caching", "max_batched_tokens"):
+        if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)
     if a.engine_seed is not None:
         kw["seed"] = a.engine_seed
