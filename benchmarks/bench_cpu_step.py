@@ -75,6 +75,7 @@ async def serve_round(devices: str, tokens: int, streams: int) -> dict:
 def kernel_breakdown(bucket: str, reps: int) -> dict:
     """The batch-1 decode bucket's kernels on this thread: loop time vs time inside aten."""
     from torch.profiler import ProfilerActivity, profile
+
     from tessera_actors.execution.program import AtenProgram
     from tessera_actors.serving.config import EngineConfig
     from tessera_actors.serving.deploy import load_served_model
