@@ -46,7 +46,7 @@ async def test_sixteen_concurrent_requests_on_two_node_processes_match_each_alon
 async def test_concurrent_prompts_are_prefilled_several_a_step_with_the_tokens_of_each_alone():
     greedy = SamplingParams(max_tokens=8, temperature=0.0)
     async with AsyncEngine(devices="cpu", max_seqs=16, prefill_rows=(1, 4, 8), max_batched_tokens=512,
-                           **SMALL) as eng:
+                           prefix_caching=False, **SMALL) as eng:
         await eng.wait_placed()
         alone = [(await _tokens(eng, p, greedy))[0] for p in PROMPTS]
         before = eng.stats()["prefill_steps"]

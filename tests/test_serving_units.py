@@ -4,24 +4,13 @@ import math
 import pytest
 import torch
 
-from tessera_actors.execution.sampling import sample_rows, uniform
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
-from tessera_actors.planning.pinning import (
-    pinned_assignment,
-    respects,
-    state_homes,
-    weight_homes,
-)
+from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes, weight_homes
 from tessera_actors.serving import InvalidRequest, SamplingParams
-from tessera_actors.serving.batch import (
-    Sequence,
-    SlotAllocator,
-    batch_prefill_inputs,
-    decode_inputs,
-    prefill_batch,
-    prefill_inputs,
-)
+from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_inputs, prefill_batch,
+                                          prefill_inputs)
 from tessera_actors.serving.config import EngineConfig
+from tessera_actors.execution.sampling import sample_rows, uniform
 
 
 def test_greedy_rows_take_the_argmax_of_their_own_row_and_column():

@@ -1,15 +1,7 @@
 """Serving: the continuous-batching engine and what it needs (sampling,
 tokenizer and chat template, bucket deployment)."""
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.params import (
-    EngineBusy,
-    EngineDead,
-    EngineError,
-    InvalidRequest,
-    RequestOutput,
-    SamplingParams,
-    Usage,
-)
+from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 
 
 def __getattr__(name):   # the engine pulls in torch and the actors: load it on first use

@@ -30,12 +30,7 @@ log = logging.getLogger("tessera.serve")
 
 
 def engine_errors():
-    from tessera_actors.serving import (
-        EngineBusy,
-        EngineDead,
-        EngineError,
-        InvalidRequest,
-    )
+    from tessera_actors.serving import EngineBusy, EngineDead, EngineError, InvalidRequest
     return InvalidRequest, EngineBusy, EngineDead, EngineError
 
 

@@ -24,9 +24,9 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,26 +36,20 @@ from actors.device import DeviceActor
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
 from actors.transfer import TransferActor
+from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.devices import parse_devices
 from tessera_actors.launch import registry
-from tessera_actors.plan import Plan, plan_from_dict
-from tessera_actors.planning.pinning import state_homes, weight_homes
-from tessera_actors.planning.registry import get_planner
-from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import (
-    Ping,
-    Place,
-    Register,
-    ReportLost,
-    RunStep,
-    Uninstall,
-)
+from tessera_actors.runtime.messages import (Ping, Place, Register, ReportLost, RunStep,
+                                             Uninstall)
+from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.planning.registry import get_planner
+from tessera_actors.planning.pinning import state_homes, weight_homes
+from transport.system import ActorSystem
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.deploy import Bucket, ServedModel, core_buckets
 from tessera_actors.serving.memory import give_back_freed_memory
 from tessera_actors.serving.params import EngineDead
-from transport.system import ActorSystem
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -233,9 +227,9 @@ class Deployment:
         in-process device (and measured links between them), keyed for the
         planner (``planners.graph_key``).  Blocking."""
         from tessera_actors.execution.backends import backend_for
-        from tessera_actors.execution.profile import measured_links, profile_kernels
-        from tessera_actors.planning.costs import CostTable
         from tessera_actors.planning.registry import graph_key
+        from tessera_actors.planning.costs import CostTable
+        from tessera_actors.execution.profile import measured_links, profile_kernels
         from tessera_actors.serving.deploy import bucket_inputs
         name = self.reference_bucket()
         graph, values = self.served.graphs[name], self.served.values[name]

@@ -43,40 +43,16 @@ from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
-from tessera_actors.serving.batch import (
-    Sequence,
-    SlotAllocator,
-    batch_prefill_inputs,
-    decode_inputs,
-    prefill_batch,
-    prefill_chunk,
-    smallest_bucket,
-)
+from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_inputs, prefill_batch,
+                                          prefill_chunk, smallest_bucket)
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.deploy import (
-    bucket_name,
-    decode_sizes,
-    load_served_model,
-    window_for,
-)
+from tessera_actors.serving.deploy import bucket_name, capture_kind, decode_sizes, load_served_model, window_for
+from tessera_actors.serving.gpu_capture import keep_compile_state_in_this_thread
+from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from tessera_actors.serving.deployment import Deployment, StepFailed
 from tessera_actors.serving.memory import memory_report
-from tessera_actors.serving.params import (
-    EngineBusy,
-    EngineDead,
-    EngineError,
-    InvalidRequest,
-    RequestOutput,
-    SamplingParams,
-    Usage,
-)
 from tessera_actors.serving.records import Records
-from tessera_actors.serving.text import (
-    ChatTemplate,
-    Detokenizer,
-    check_messages,
-    gguf_tokenizer,
-)
+from tessera_actors.serving.text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -176,6 +152,8 @@ class AsyncEngine:
         try:
             if launcher is not None:
                 self.cfg.launched = tuple(await launcher.prepare() or ())
+            if capture_kind(self.cfg) == "inductor":
+                keep_compile_state_in_this_thread()
             served = await asyncio.to_thread(load_served_model, self.cfg, True)
         except BaseException:
             if launcher is not None:
@@ -530,7 +508,7 @@ class AsyncEngine:
         except StepFailed as e:
             if self._lost or generation != self.deployment.generation:
                 return   # a loss is pending, or the step belonged to a placement since replaced: recovery redoes it
-            log.warning("%s", e)
+            log.warning("%s", e, exc_info=e)   # the device's own traceback rides the cause chain (in-process)
             self._lost_or_fail(reqs, e)
             return
         self.counters["steps"] += 1

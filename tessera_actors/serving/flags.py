@@ -9,6 +9,7 @@ from typing import Any
 
 from tessera_actors.launch.env import LAUNCHERS, job_place
 
+
 DEFAULT_MAX_BODY = 4 * 1024 * 1024   # bytes of a request body; larger bodies get 413
 
 

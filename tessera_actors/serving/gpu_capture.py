@@ -31,6 +31,18 @@ from tessera_actors.serving.config import EngineConfig
 log = logging.getLogger("tessera_actors.serving")
 
 
+def keep_compile_state_in_this_thread() -> None:
+    """Import inductor's CUDA-graph trees in the calling thread.
+
+    They keep their per-device managers in the thread-local storage of the
+    thread that first imports them.  The engine captures in a worker thread;
+    imported there first, ``torch.compile(mode="reduce-overhead")`` in the
+    program that embeds the engine would fail afterwards with a bare
+    ``AssertionError`` (``cudagraph_trees.get_obj``).  The engine calls this
+    from its event loop's thread before it captures."""
+    import torch._inductor.cudagraph_trees  # noqa: F401 - imported for its thread-local state
+
+
 def attention_form(cfg: EngineConfig, gpu: bool) -> str:
     """The GQA form of the attention modules: ``enable_gqa`` (cuDNN's kernel
     reads each KV head once) on GPU-only deployments, ``fold`` elsewhere."""
@@ -70,10 +82,10 @@ def gpu_twin(cfg: EngineConfig, real: torch.nn.Module, device: torch.device) -> 
 
 def capture_on_gpu(cfg: EngineConfig, real: torch.nn.Module, meta: torch.nn.Module, buckets, progress=None):
     """(graphs, captured unnamed values, capture kind) per bucket name."""
-    import torch._dynamo as dynamo
-
+    from tessera_actors.capture.errors import CaptureError
     from tessera_actors.capture.inductor import capture_inductor
     from tessera_actors.serving.deploy import bucket_inputs, capture_aten, shaped
+    import torch._dynamo as dynamo
     device = torch.device("cuda", torch.cuda.current_device())
     form = attention_form(cfg, gpu=True)
     set_attention_form(meta, form)
@@ -107,4 +119,4 @@ def capture_on_gpu(cfg: EngineConfig, real: torch.nn.Module, meta: torch.nn.Modu
     return graphs, captured, kinds
 
 
-__all__ = ["attention_form", "capture_on_gpu", "gpu_twin", "set_attention_form"]
+__all__ = ["attention_form", "capture_on_gpu", "gpu_twin", "keep_compile_state_in_this_thread", "set_attention_form"]

@@ -41,13 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from tessera_actors.serving.loadgen_report import (
-    Record,
-    summarize,
-    table,
-    write_json,
-    write_png,
-)
+from tessera_actors.serving.loadgen_report import Record, summarize, table, write_json, write_png
 
 WORDS = ("the of and to in is was for on with as by at from that this it are be have an not or one all "
          "time people year way day man thing woman life child world school state family student group "
@@ -117,7 +111,6 @@ class EngineClient:
 
     def __init__(self, engine: Any) -> None:
         import dataclasses
-
         from tessera_actors.serving import SamplingParams
         self.engine, self.sp = engine, SamplingParams
         self.has_ignore_eos = "ignore_eos" in {f.name for f in dataclasses.fields(SamplingParams)}
@@ -305,7 +298,6 @@ def burst_trace(n: int, seed: int, prompt=(40, 40), output=(32, 128)) -> list[Tr
 async def _launched(a: argparse.Namespace, session, trace: list[TraceRequest]) -> tuple[dict, dict]:
     """The trace through a ``tessera serve`` this benchmark starts (``--launch``)."""
     from dataclasses import asdict
-
     from tessera_actors.serving.launch import LaunchedServer
     server = LaunchedServer(a.launch, a.launch_from)
     try:

@@ -44,11 +44,7 @@ from aiohttp import web
 
 from tessera_actors.serving import completions as completions_
 from tessera_actors.serving import openai_api as oa
-from tessera_actors.serving.flags import (
-    DEFAULT_MAX_BODY,
-    default_deployment,
-    engine_kwargs,
-)
+from tessera_actors.serving.flags import DEFAULT_MAX_BODY, default_deployment, engine_kwargs
 from tessera_actors.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")

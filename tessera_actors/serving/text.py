@@ -35,8 +35,7 @@ class Tokenizer:
 
 def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """The tokenizer of a GGUF file's metadata (``tokenizer.ggml.model`` gpt2)."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"tokenizer.ggml.model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
