@@ -84,7 +84,7 @@ def kernel_breakdown(bucket: str, reps: int) -> dict:
     graph = served.graph(bucket)
     prog = AtenProgram(graph, torch.device("cpu"), graph.buffers)
     prog.load(served.values[bucket])
-    order = sorted(graph.kernels, key=lambda k: graph.kernels[k].index)
+    order = [k.id for k in graph.kernels]   # program order
     prog.run_kernels(order)   # bind and warm
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -130,10 +130,10 @@ def main() -> int:
                   flush=True)
     base = deps[0]
     ratios = {d: {k: statistics.median(rd[i][k] / rd[0][k] for rd in rounds)
-                  for k in ("batch1_tok_s", "streams_tok_s", "ttft_p99_s")} for i, d in enumerate(deps)}
+                  for k in ("batch1_tok_s", "streams_tok_s", "ttft_p99_s")} for i, d in enumerate(deps)} if rounds else {}
     parts = kernel_breakdown("decode:1@0~512", a.reps)
     print(f"\n{'deployment':12} {'batch-1 tok/s':>14} {'streams tok/s':>14} {'TTFT p99':>9}   (median ratio to {base})")
-    for i, d in enumerate(deps):
+    for i, d in enumerate(deps if rounds else []):
         med = {k: statistics.median(rd[i][k] for rd in rounds) for k in ("batch1_tok_s", "streams_tok_s", "ttft_p99_s")}
         print(f"{d:12} {med['batch1_tok_s']:8.1f} x{ratios[d]['batch1_tok_s']:.2f} {med['streams_tok_s']:8.1f} "
               f"x{ratios[d]['streams_tok_s']:.2f} {med['ttft_p99_s']:6.2f} s x{ratios[d]['ttft_p99_s']:.2f}")

@@ -416,7 +416,8 @@ class AsyncEngine:
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
             reqs, chunks, bucket = self._prefill_batch()
             b = self.deployment.served.buckets.get(bucket)
-            size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0], 1)
+            size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0],
+                                                                 1)
             inputs, sample = batch_prefill_inputs([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
             task = loop.create_task(self.deployment.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
             for r in reqs:
