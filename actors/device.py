@@ -83,6 +83,7 @@ class _Installed:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)   # a step was queued
     home_keys: dict = field(default_factory=dict)   # streamed buffer id -> (share group, name, "home")
     ring_lock: asyncio.Lock | None = None           # held around each step: the share group's staging ring
+    copied: int = 0                                 # streamed bytes copied in (PCIe) as of the last step answered
 
 
 class DeviceActor(Actor):
@@ -246,7 +247,8 @@ class DeviceActor(Actor):
         the loop while the worker counts)."""
         progs = [i.prog for i in self.plans.values() if getattr(i.prog, "streamed", None)]
         return {"streamed_copies": sum(p.copies for p in progs),
-                "streamed_copies_ahead_used": sum(p.ahead_used for p in progs)}
+                "streamed_copies_ahead_used": sum(p.ahead_used for p in progs),
+                "streamed_bytes": sum(p.copied_bytes for p in progs)}
 
     def _plan(self, plan_id: str) -> _Installed:
         try:
@@ -410,9 +412,14 @@ class DeviceActor(Actor):
         out = run.landed()
         self.steps_run += 1
         self.busy_s += run.busy
+        inst = self.plans.get(msg.plan_id)
+        copied = getattr(inst.prog, "copied_bytes", 0) if inst is not None else 0
+        moved = copied - inst.copied if inst is not None else 0
+        if inst is not None:
+            inst.copied = copied
         fut.set_result(StepDone(msg.plan_id, msg.step, run.step.device, out.outputs, out.data, run.busy,
                                 run.waited, out.tokens, out.logprobs, out.spans, **run.counts,
-                                top_logprobs=out.top_logprobs))
+                                top_logprobs=out.top_logprobs, streamed_bytes=moved))
 
     def _waiter(self) -> ThreadPoolExecutor:
         """The thread that waits for launched steps to land (the worker stays

@@ -1,7 +1,7 @@
 """One activation hand-off between two device actors of one process, as the
 offload planner measures it (``tessera_actors.bench.offload_measure.measure_switch``:
-a tiny model's decode step split into alternating runs, its extra time over
-the two devices alone, per device change).  Prints each repetition and the
+the tiny model's decode step served by ``AsyncEngine`` split by the ``af``
+planner, its extra time over each device alone, per device change).  Prints each repetition and the
 median; JSON (git commit, command line, machine) to ``--json``.
 
     python benchmarks/bench_handoff.py --devices "cpu?threads=1,cpu?threads=1"   # CPU box
@@ -15,8 +15,6 @@ import json
 import os
 import statistics
 import sys
-
-import torch
 
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.bench.offload_measure import measure_switch
@@ -33,8 +31,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     first, second = (DeviceSpec.parse(d) for d in a.devices.split(","))
-    dtype = getattr(torch, a.dtype)
-    runs = [asyncio.run(measure_switch(a.model, dtype, first, second, a.steps)) for _ in range(a.reps)]
+    runs = [asyncio.run(measure_switch(a.model, a.dtype, first, second, a.steps)) for _ in range(a.reps)]
     med = statistics.median(runs)
     print(f"{'devices':32} {'hand-off (median)':>18}  runs (us)")
     print(f"{a.devices:32} {med * 1e6:15.0f} us  {[round(r * 1e6) for r in runs]}")

@@ -1,6 +1,7 @@
 """Where one activation hand-off between two device actors spends its time
-(a diagnostic for the offload planner's ``switch_s``): a tiny model split
-into alternating runs of kernels between two devices, one step traced.
+(a diagnostic for the offload planner's ``switch_s``): the tiny model served
+by ``AsyncEngine``, split by the ``af`` planner (attention on one device, the
+rest on the other), one decode step traced.
 
 Each line is one worker call of a device actor: when the event loop
 submitted it, when the worker thread started and ended it, when the loop
@@ -11,6 +12,7 @@ Co-located device actors hand transfers over thread to thread
 own, it is inside the worker call; the devices' ``GetStats`` count them.
 
     python scripts/switch_trace.py --devices "cuda:0,cpu?threads=12" [--dtype bfloat16]
+(the step timed is the engine's whole request: its host turnaround included)
 """
 from __future__ import annotations
 
@@ -18,13 +20,9 @@ import argparse
 import asyncio
 import time
 
-import torch
-
-from tessera_actors.execution import inbox as inbox_mod
 from actors.device import DeviceActor
-from tessera_actors.bench.offload_measure import alternating_split
-from tessera_actors.bench.offload_run import deploy
-from transport.system import ActorSystem
+from tessera_actors.execution import inbox as inbox_mod
+from tessera_actors.serving import AsyncEngine, SamplingParams
 
 EVENTS: list[tuple] = []
 
@@ -59,22 +57,24 @@ async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", default="cpu?threads=1,cpu?threads=1")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--run", type=int, default=6, help="kernels per run before the device changes")
     a = ap.parse_args()
-    g, values, plan, assign = alternating_split("llama", getattr(torch, a.dtype), a.devices.split(","), a.run)
-    switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
     instrument()
-    async with ActorSystem("switch-trace") as system:
-        dep = await deploy(system, g, plan, values)
-        for i in range(10):
-            await dep.step({"input_ids": torch.tensor([[1 + i % 7]]), "positions": torch.tensor([i])}, outputs=False)
+    async with AsyncEngine(model="llama", size="tiny", devices=a.devices, planner="af", dtype=a.dtype, max_seqs=1,
+                           max_model_len=64, decode_buckets=(1,), prefill_buckets=(8,), kv_windows=(),
+                           mode="latency", embeddings=False) as eng:
+        await eng.wait_placed()
+        plan = eng.deployment.placed["decode:1@0"].plan
+        assign = list(plan.assignment)
+        switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
+        async for _ in eng.generate([1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True)):
+            pass
         EVENTS.clear()
         t0 = time.perf_counter()
-        await dep.step({"input_ids": torch.tensor([[3]]), "positions": torch.tensor([11])}, outputs=False)
+        async for _ in eng.generate([4], SamplingParams(max_tokens=1)):   # one prompt step: a decode-sized step
+            pass
         step = time.perf_counter() - t0
-        await dep.close()
     hops = [e for e in EVENTS if e[1] == "hop"]
-    print(f"{len(g.kernels)} kernels, {switches} device changes, step {step * 1e6:.0f} us "
+    print(f"{len(assign)} kernels, {switches} device changes, step {step * 1e6:.0f} us "
           f"({step / max(switches, 1) * 1e6:.0f} us per change, kernels included)")
     wake = [e[3] - e[2] for e in hops]
     back = [e[5] - e[4] for e in hops]

@@ -258,9 +258,13 @@ def offload_flags(b: argparse.ArgumentParser) -> None:
                    help="plan with the H200 host's reference rates (PCIe 55 GB/s, CPU GEMV 40 GB/s) and "
                         "--switch-us instead of measuring them")
     b.add_argument("--layers", type=int, default=0, help="only this many layers (a quick real-size check)")
-    b.add_argument("--ring", default="slots",
-                   help="staging ring: slots (one weight a slot) or bytes (packed); a list (slots,bytes) runs "
-                        "Tessera once more per further mode, as tessera_ring_<mode>")
+    b.add_argument("--ring", default="bytes",
+                   help="staging ring: bytes (packed, the default) or slots (one weight a slot); a list "
+                        "(bytes,slots) runs Tessera once per mode, rows tessera_<mode>_ring (the first is the "
+                        "headline, and the ring of the streaming row)")
+    b.add_argument("--tie-nats", type=float, default=0.0625,
+                   help="teacher-forced check: an argmax flip within this many nats of the reference's best "
+                        "is a tie")
     b.add_argument("--out", default="benchmarks/results/offload", help="result folder")
 
 

@@ -5,16 +5,21 @@ greedy tokens equal one device's, the budget holds (staging counted), and a
 throttled CPU device moves work to streaming at the next re-plan."""
 import dataclasses
 
+import msgpack
 import pytest
 import torch
 
+from actors.device import DeviceActor
+from actors.transfer import TransferActor
 from tessera_actors import models
 from tessera_actors.capture import capture_module
+from tessera_actors.devices import DeviceSpec
+from tessera_actors.execution.stepper import Engine, greedy_decode
 from tessera_actors.runtime.errors import RemoteError
-from tessera_actors.runtime.messages import GetStats
-from tessera_actors.bench.offload_run import adapt, deploy, greedy, predicted_busy
-from tessera_actors.plan import single_device_plan
+from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes
+from tessera_actors.plan import plan_to_dict, single_device_plan
 from tessera_actors.planning.offload import Offload, OffloadPlanner, estimate_rates
+from tessera_actors.planning.offload.adapt import adapt, predicted_busy
 from transport.system import ActorSystem
 
 PROMPT = [1, 2, 3]
@@ -41,9 +46,48 @@ def plan_for(g, devices, costs=None, ring="slots"):
     return OffloadPlanner(costs=costs, pcie_bps=PCIE, ring=ring).plan(g, devices), costs
 
 
-async def run(g, plan, values, new=8, prefix=""):
+@dataclasses.dataclass
+class Deployed:
+    """A plan on device actors (``tessera_actors.execution.stepper.Engine``),
+    each device's ``Installed`` reply and its busy seconds since ``reset``."""
+    engine: Engine
+    installed: list
+    busy_s: list = dataclasses.field(default_factory=list)
+    counted: int = 0
+
+    async def step(self, inputs):
+        out = await self.engine.step(inputs)
+        self.busy_s = [a + d.busy_s for a, d in zip(self.busy_s or [0.0] * len(self.engine.last), self.engine.last)]
+        self.counted += 1
+        return out
+
+    def reset(self):
+        self.busy_s, self.counted = [], 0
+
+
+async def deploy(system, graph, plan, values):
+    await system.spawn(TransferActor(), "transfer")
+    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), transfer="transfer"), f"device{i}")
+            for i, d in enumerate(plan.devices)]
+    routes = [[i, "", f"device{i}"] for i in range(len(refs))]
+    g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)
+    p_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
+    installed = [await ref.ask(InstallPlan("p", i, g_bytes, p_bytes, routes), timeout=300) for i, ref in enumerate(refs)]
+    await system.ref("transfer").ask(Routes("p", routes, list(plan.devices)))
+    for i, ref in enumerate(refs):
+        held = [b for b in plan.resident[i] if b in values]
+        await ref.ask(LoadValues("p", held, [values[b] for b in held]), timeout=300)
+    return Deployed(Engine(graph, plan, "p", refs, step_timeout=300), installed)
+
+
+async def greedy(dep, prompt, new):
+    tokens, logits = await greedy_decode(dep.step, prompt, new)
+    return tokens, [x.float() for x in logits]
+
+
+async def run(g, plan, values, new=8):
     async with ActorSystem("t") as system:
-        dep = await deploy(system, g, plan, values, prefix=prefix)
+        dep = await deploy(system, g, plan, values)
         tokens, logits = await greedy(dep, PROMPT, new)
         return tokens, logits, dep
 
@@ -80,7 +124,7 @@ async def test_hand_offs_between_co_located_devices_move_every_byte_once(tiny):
     async with ActorSystem("t") as system:
         dep = await deploy(system, g, plan, cap.values)
         tokens, logits = await greedy(dep, PROMPT, new)
-        stats = [(await ref.ask(GetStats())).values for ref in dep.refs]
+        stats = [(await ref.ask(GetStats())).values for ref in dep.engine.devices]
     assert tokens == want[:new]
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
     steps = len(PROMPT) + new
@@ -113,7 +157,7 @@ async def test_a_throttled_cpu_device_moves_its_share_to_streaming_at_the_next_r
             p = dataclasses.replace(plan, devices=devices)
             dep = await deploy(system, g, p, cap.values)
             await greedy(dep, PROMPT, 2)          # warm-up
-            dep.reset_counters()
+            dep.reset()
             tokens, _ = await greedy(dep, [4], 6)
             return [b / dep.counted for b in dep.busy_s], tokens
 
@@ -295,3 +339,27 @@ async def test_split_decode_in_bfloat16_equals_single_device():
     tokens, logits, _ = await run(g, plan, cap.values)
     assert tokens == want
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_capture_records_no_kernel_only_a_cpu_has(dtype):
+    """The ring tests run the CPU capture on CUDA too: attention is recorded
+    whole (``aten.scaled_dot_product_attention``), not as the CPU's flash kernel."""
+    from tessera_actors.execution.program import other_device_op
+    cap, _, _ = tiny_model(dtype)
+    names = {k.payload["op"] for k in cap.graph.kernels}
+    assert "aten.scaled_dot_product_attention.default" in names
+    assert [n for n in names if other_device_op(n, "cuda")] == []
+
+
+def test_a_kernel_of_another_device_type_is_refused_by_name(tiny):
+    from tessera_actors.execution.allow import KernelRefused
+    from tessera_actors.execution.program import AtenProgram
+    cap, _, _ = tiny
+    g = cap.graph
+    k = next(k for k in g.kernels if k.name == "scaled_dot_product_attention")
+    g2 = type(g).from_dict(g.to_dict())
+    g2.kernels[k.id].payload["op"] = "aten._scaled_dot_product_cudnn_attention.default"
+    prog = AtenProgram(g2, torch.device("cpu"), sorted(g2.buffers))
+    with pytest.raises(KernelRefused, match="cudnn.*is a cuda kernel, bound on cpu"):
+        prog.bind(k.id)

@@ -240,3 +240,35 @@ def test_the_packed_ring_planner_plans_within_the_budget_and_says_so():
     assert off["ring"] == "bytes" and off["gpu_bytes"] <= off["budget"]
     with pytest.raises(PlanError, match="ring"):
         OffloadPlanner(costs=costs, ring="pages")
+
+
+def test_expert_offload_puts_the_routed_experts_on_the_cpu_and_keeps_the_rest():
+    # two layers of attention, router and routed experts (llama.cpp -ot exps=CPU)
+    names = [f"layers.{i // 4}." + n for i, n in enumerate(["attn.wq.weight", "experts.router.weight",
+                                                            "experts.gate_up", "experts.down"] * 2)]
+    g = sized_chain([W] * 8, names)
+    devs = [f"cuda:0?mem={5 * W}", "cpu?threads=12"]
+    o = Offload(g, devs, rates(devs, [0.1] * 8, [1.0] * 8), pcie_bps=W / MS)
+    from tessera_actors.planning.offload import expert_offload, routed_experts
+    assert sorted(g.buffers[o.units[u][0]].name for u in routed_experts(o)) == [
+        "layers.0.experts.down", "layers.0.experts.gate_up", "layers.1.experts.down", "layers.1.experts.gate_up"]
+    p, st = expert_offload(o)
+    assert letters(p) == "RRCCRRCC" and p.streamed == []
+    assert st.step_s == pytest.approx((4 * 0.1 + 4 * 1.0) * MS)
+    # Tessera has it among its candidates: never slower on the model
+    assert choose_homes(o)[1].step_s <= st.step_s + 1e-12
+    # the rest over the budget, or a dense model: no expert offload
+    assert expert_offload(Offload(g, [f"cuda:0?mem={3 * W}", devs[1]], o.costs)) is None
+    assert expert_offload(offload(4, 4 * W, [0.1] * 4, [1.0] * 4)) is None
+    plan = OffloadPlanner(costs=o.costs, policy="expert_offload").plan(g, devs)
+    assert plan.name == "offload-expert_offload" and plan.meta["offload"]["choices"] == "RRCCRRCC"
+
+
+def test_the_step_models_terms_add_up_to_its_step():
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6, latency=0.05 * MS)
+    p, st = choose_homes(o)
+    t = st.terms(o.gpu)
+    assert t["gpu_kernels_s"] + t["cpu_kernels_s"] + t["handoff_s"] + t["copy_wait_s"] == pytest.approx(st.step_s)
+    assert t["handoffs"] == sum(p.assignment[k] != p.assignment[k - 1] for k in range(1, 6))
+    assert t["handoff_s"] == pytest.approx(t["handoffs"] * 0.05 * MS)
+    assert t["copy_engine_s"] == pytest.approx(len(p.streamed) * MS)

@@ -86,3 +86,89 @@ async def test_an_unknown_planner_option_or_policy_stops_the_engine_with_its_nam
     with pytest.raises(Exception, match="unknown offload policy 'fastest'"):
         async with AsyncEngine(devices=devices, planner="offload", planner_options={"policy": "fastest"}, **CFG):
             pass
+
+
+async def test_a_gpu_budget_serves_through_the_offload_plan_and_counts_the_bytes_streamed():
+    """``EngineConfig.gpu_budget``: the budget goes on the GPU (here the CPU
+    standing in for it), the offload planner places every bucket, and the
+    engine counts the weight bytes each step streams to it (PCIe on a GPU)."""
+    async with AsyncEngine(devices="cpu", **CFG) as single:
+        want = [await _greedy(single, p) for p in PROMPTS]
+    async with AsyncEngine(devices="cpu?threads=1,cpu", gpu_budget=budget(), planner_options=dict(OPTIONS, policy="streaming"),
+                           **CFG) as eng:
+        assert eng.cfg.planner == "offload" and eng.cfg.devices == f"cpu?threads=1&mem={budget()},cpu"
+        got = [await _greedy(eng, p) for p in PROMPTS]
+        stats = eng.stats()
+        placed = dict(eng.deployment.placed)
+    assert got == want
+    streamed = {name: sum(eng.served.graphs[name].buffers[b].nbytes for b in p.plan.meta["offload"]["streamed"])
+                for name, p in placed.items()}
+    assert all(streamed.values())
+    total = sum(c.get("streamed_bytes", 0) for c in stats["bucket_stats"].values())
+    assert stats["pcie_bytes"] == total > 0
+    assert stats["pcie_bytes_per_step"] == pytest.approx(total / stats["steps"])
+    # each step streams its bucket's weights once (a step's first copies are queued by the step before it)
+    assert min(streamed.values()) <= stats["pcie_bytes_per_step"] <= 2 * max(streamed.values())
+
+
+def test_gpu_budget_needs_a_gpu_and_a_cpu_and_one_budget():
+    from tessera_actors.serving.config import EngineConfig
+    c = EngineConfig(devices="cuda:0,cpu?threads=12", gpu_budget="8GiB")
+    assert c.devices == f"cuda:0?mem={8 << 30},cpu?threads=12" and c.planner == "offload"
+    for bad, why in ((dict(devices="cpu"), "a GPU and a CPU"), (dict(devices="cuda:0,cuda:1"), "a GPU and a CPU"),
+                     (dict(devices="cuda:0?mem=1GiB,cpu"), "give one"), (dict(devices="cuda:0,cpu", planner="milp"),
+                                                                          "offload planner"),
+                     (dict(devices="cuda:0,cpu", gpu_budget="lots"), "8GiB")):
+        with pytest.raises(ValueError, match=why):
+            EngineConfig(**{"gpu_budget": "8GiB", **bad})
+
+
+def test_serve_gpu_budget_flag_and_pcie_metrics():
+    """``tessera serve --gpu-budget``: a served model bigger than its budget;
+    /metrics shows the bytes streamed host -> device and both devices' busy time."""
+    import json
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    from tessera_actors.serving.testing import ServerProcess
+    args = ["--model", "llama", "--size", "tiny", "--devices", "cpu?threads=1,cpu", "--gpu-budget", str(2 * budget()),
+            "--planner-option", "policy=streaming", "--max-seqs", "4", "--max-model-len", "64"]
+    with ServerProcess(*args) as srv:
+        body = json.dumps({"model": "llama", "prompt": [1, 2, 3], "max_tokens": 6}).encode()
+        req = urllib.request.Request(srv.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 6
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+    got = {s.name: s for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+    assert got["tessera_pcie_bytes_total"].value > 0 and got["tessera_pcie_bytes_per_step"].value > 0
+    busy = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "tessera_device_busy_seconds_total"]
+    assert len(busy) == 2 and "mem=" in busy[0].labels["device"]
+
+
+async def test_a_mixture_of_experts_served_with_its_routed_experts_on_the_cpu():
+    """Expert offload (llama.cpp / KTransformers ``-ot exps=CPU``) as a served
+    policy: in every bucket the kernels reading a routed expert's weights run
+    on the CPU, the rest is resident, and the tokens are one device's."""
+    cfg = dict(CFG, model="moe")
+    async with AsyncEngine(devices="cpu", **cfg) as single:
+        want = [await _greedy(single, p) for p in PROMPTS]
+    async with AsyncEngine(devices="cpu?threads=1,cpu", gpu_budget=MOE_BUDGET,
+                           planner_options=dict(OPTIONS, policy="expert_offload"), **cfg) as eng:
+        got = [await _greedy(eng, p) for p in PROMPTS]
+        placed = dict(eng.deployment.placed)
+        graphs = eng.served.graphs
+    assert got == want
+    for name, p in placed.items():
+        g, plan = graphs[name], p.plan
+        assert plan.name == "offload-expert_offload" and not plan.meta["offload"]["streamed"], name
+        for k in g.kernels:
+            names = {g.buffers[a.buffer].name for a in k.accesses if g.buffers[a.buffer].role == "weight"}
+            heavy = {n for n in names if ".experts.gate_up" in n or n.endswith(".experts.down")}
+            if heavy:
+                assert plan.assignment[k.id] == 1, (name, k.name, heavy)   # on the CPU
+            elif any(".attn.w" in n for n in names):
+                assert plan.assignment[k.id] == 0, (name, k.name, names)   # resident on the budgeted device
+
+
+MOE_BUDGET = 6 << 20   # room for every bucket of the tiny MoE: the policy, not the budget, moves its experts

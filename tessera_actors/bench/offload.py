@@ -1,65 +1,64 @@
 """``tessera bench offload``: a model bigger than the GPU's budget, placed
 kernel by kernel between the GPU and its CPU, against the coarse policies,
-served by ``AsyncEngine``.
+every row measured through ``AsyncEngine`` (what ``tessera serve
+--gpu-budget`` runs).
 
-Every policy is one serving engine (in-process device actors: the GPU with
-its ``mem=`` budget and the CPU) whose buckets - a decode bucket per
-``--batch`` and a prompt chunk of ``--prefill`` tokens - the offload
-planner places (planner ``offload``, option ``policy``): layer offload
-(llama.cpp ``-ngl``), weight streaming (accelerate / FlexGen), Tessera
-(:mod:`tessera_actors.planning.offload`), and GPU-only when the model fits
-the budget.  The first bucket decides the GPU-resident weights and the
-staging ring; the others keep them and split the rest between CPU and
-streaming for their own shape.  Each workload goes through
-``AsyncEngine.generate``: decode tokens/s of ``B`` concurrent greedy
+Every row is one serving engine (``EngineConfig(devices="GPU,CPU",
+gpu_budget=...)``: in-process device actors, the GPU capped at the budget,
+every bucket placed by the ``offload`` planner with one ``policy``): layer
+offload (llama.cpp ``-ngl``), weight streaming (accelerate / FlexGen),
+expert offload for a mixture of experts (routed experts on the CPU, the
+rest resident: ``-ot exps=CPU``), Tessera
+(:mod:`tessera_actors.planning.offload`) once per staging ring of
+``--ring`` (rows ``tessera_<ring>_ring``; the first is the headline), and
+GPU-only when the model fits the budget.  Its buckets: a decode bucket per
+``--batch`` and a prompt chunk of ``--prefill`` tokens.  Each workload goes
+through ``AsyncEngine.generate``: decode tokens/s of ``B`` concurrent greedy
 requests over the window where all decode, prefill tokens/s from the time
-to the first token of a ``--prefill``-token prompt.  Also reported: the
-GPU allocator's peak, bytes over PCIe per token, each device's busy
-fraction (the engine's busy seconds over the workload's requests), the step model's
-prediction and the ideal bound from the same rates.
+to the first token of a ``--prefill``-token prompt.  Also reported: the GPU
+allocator's peak, the bytes the engine streamed over PCIe per step (its
+``pcie_bytes``), each device's busy fraction, the step model's prediction
+with its terms (GPU and CPU kernels, hand-offs, copy waits, the copy
+engine) and the ideal bound from the same rates.
 
-Correctness at batch 1: greedy tokens against an engine on the GPU alone
-without a budget (same weights), free-running; and, for Tessera, the
-logits of its engine's own batch-1 decode plan, teacher-forced with the
-reference's tokens on device actors (each step scores the same context as
-the reference's: a free-running comparison turns one argmax flip on a near
-tie - bf16 logits of random weights are often 1 ulp apart - into a
-different continuation, with nothing wrong in the placement): cosine and
-flips beyond a near tie.  Rates are measured first: one activation
-hand-off between the two device actors (median of three), and on a GPU the
+Correctness at batch 1, from the engines' outputs: a reference engine on the
+GPU alone without a budget (same weights) gives greedy tokens and their top
+log probabilities; every row's engine is checked teacher-forced against them
+(:func:`~tessera_actors.bench.offload_engine.forced`): argmax flips beyond a
+tie (``--tie-nats``), the largest log-probability error and the least cosine
+over the top ids.  Rates are measured first: one activation hand-off between
+the two device actors through an engine (median of three), and on a GPU the
 CPU's GEMV rate beside a pinned copy stream and that copy's rate (best of
 three windows); ``--no-measure``: the DESIGN.md numbers.
 
 Writes ``offload.json`` (git commit, command line, rates, every number) and
 ``offload.png`` to ``--out``; prints a table.  Runs on CPU only too
-(``--devices "cpu?threads=1,cpu"``: functional, for CI on a tiny model).
+(``--devices "cpu?threads=1,cpu"``: the budgeted CPU stands in for the GPU;
+functional, for CI on a tiny model).
 """
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from tessera_actors.devices import DeviceSpec, parse_bytes
+from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, first_difference, log, serve
 from tessera_actors.bench.offload_measure import measure_rates, measure_switch
-from tessera_actors.bench.offload_run import adapt, deploy, predicted_busy
-from tessera_actors.plan import single_device_plan
-from tessera_actors.serving import AsyncEngine, SamplingParams
+from tessera_actors.devices import DeviceSpec, parse_bytes
+from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal, routed_experts
+from tessera_actors.planning.offload.adapt import adapt, predicted_busy
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal
-from tessera_actors.runtime.messages import GetStats
-from transport.system import ActorSystem
 
-POLICIES = ("gpu_only", "layer_offload", "streaming", "tessera")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COARSE = ("layer_offload", "streaming", "expert_offload")   # the policies Tessera is compared with
 
 
 @dataclass
@@ -79,7 +78,8 @@ class OffloadConfig:
     switch_s: float = 200e-6
     measure: bool = True              # measure CPU GEMV and PCIe rates on a GPU machine
     layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
-    rings: tuple[str, ...] = ("slots",)   # staging ring modes: the first for every policy, others Tessera again
+    rings: tuple[str, ...] = ("bytes",)   # staging ring modes: the first for every policy, others Tessera again
+    tie_nats: float = TIE_NATS
 
     @property
     def build_device(self) -> str:
@@ -105,11 +105,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-def log(msg: str) -> None:
-    print(f"[offload {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# -- engines -------------------------------------------------------------------
 def engine_fields(cfg: OffloadConfig) -> dict:
     """``EngineConfig`` fields every engine of the run shares: one decode
     bucket per ``--batch`` (rows 0..B-1), a short prompt chunk and one of
@@ -134,89 +129,6 @@ def budget_bytes(cfg: OffloadConfig, graph) -> int:
     return int(frac * held)
 
 
-async def _stream(eng: AsyncEngine, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens of one request and the time each arrived."""
-    ids, times = [], []
-    async for out in eng.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)):
-        ids += out.token_ids
-        times += [time.perf_counter()] * len(out.token_ids)
-    return ids, times
-
-
-async def time_decode(eng: AsyncEngine, batch: int, steps: int, warm: int = 3) -> dict:
-    """``batch`` concurrent greedy requests of ``warm + steps`` tokens: the
-    tokens/s over the window where all of them decode (after each one's
-    ``warm``-th token, before the first one ends); row 0's tokens."""
-    busy0 = dict(eng.deployment.busy_s)
-    prompts = [[1 + r, 2 + r, 3 + r] for r in range(batch)]
-    t0 = time.perf_counter()
-    got = await asyncio.gather(*(_stream(eng, p, warm + steps) for p in prompts))
-    called = time.perf_counter() - t0
-    start = max(t[warm - 1] for _, t in got)
-    end = min(t[-1] for _, t in got)
-    n = sum(sum(1 for x in t if start < x <= end) for _, t in got)
-    wall = max(end - start, 1e-9)
-    busy = [(eng.deployment.busy_s.get(d, 0.0) - busy0.get(d, 0.0)) / called for d in sorted(eng.deployment.busy_s)]
-    return {"tok_s": n / wall, "step_s": wall / max(n / batch, 1e-9), "tokens": got[0][0],
-            "busy_fraction": busy, "window_s": wall}
-
-
-async def time_prefill(eng: AsyncEngine, tokens: int, reps: int, vocab: int) -> dict:
-    """Time to the first token of a ``tokens``-token prompt (one chunk),
-    after one warm-up; the median over ``reps``."""
-    ids = [int((i * 7919 + 1) % vocab) for i in range(tokens)]
-    times, busy = [], []
-    for i in range(reps + 1):
-        busy0 = dict(eng.deployment.busy_s)
-        t0 = time.perf_counter()
-        await _stream(eng, ids[:-1] + [int((ids[-1] + i) % vocab)], 1)
-        if i:
-            times.append(time.perf_counter() - t0)
-            busy.append([eng.deployment.busy_s.get(d, 0.0) - busy0.get(d, 0.0) for d in sorted(eng.deployment.busy_s)])
-    ttft = sorted(times)[len(times) // 2]
-    return {"tok_s": tokens / ttft, "step_s": ttft, "ttft_runs_s": times,
-            "busy_fraction": [sum(b[d] for b in busy) / sum(times) for d in range(len(busy[0]))] if busy else []}
-
-
-# the budgeted device's counters a result row carries (GetStats): how its segments and streamed pieces ran
-GPU_STATS = ("captures", "replays", "eager_runs", "capture_failures", "last_capture_error", "streamed_copies",
-             "streamed_copies_ahead_used", "direct_transfers", "taken_on_worker", "taken_on_loop")
-
-
-async def serve(cfg: OffloadConfig, devices: str, planner: str, options: dict, gpu: DeviceSpec,
-                label: str) -> dict:
-    """One engine (``devices``, ``planner``): every workload of the run
-    through ``AsyncEngine.generate``, the GPU allocator's peak, the plans."""
-    cuda = gpu.kind == "cuda"
-    await settle_gpu(gpu, quiet=True)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(gpu.index)
-    t0 = time.perf_counter()
-    out: dict = {}
-    conf = EngineConfig(devices=devices, planner=planner, planner_options=options, **engine_fields(cfg))
-    async with AsyncEngine(config=conf) as eng:
-        await eng.wait_placed()
-        log(f"{label}: engine on {devices} placed {len(eng.deployment.placed)} buckets in "
-            f"{time.perf_counter() - t0:.1f} s")
-        gc.collect()
-        gc.freeze()   # CUDA graph capture runs gc.collect() each time: keep it to the new objects
-        try:
-            for b in cfg.batches:
-                out[f"decode_b{b}"] = await time_decode(eng, b, cfg.steps)
-            if cfg.prefill:
-                out["prefill"] = await time_prefill(eng, cfg.prefill, cfg.prefill_steps, eng.served.vocab_size)
-        finally:
-            gc.unfreeze()
-        out["plans"] = {name: p.plan for name, p in eng.deployment.placed.items()}
-        out["served"] = eng.served
-        st = (await eng.deployment.system.ref("device0").ask(GetStats())).values
-        out["gpu_allocated_bytes"] = st["allocated_bytes"]   # the budgeted device: all buckets' buffers
-        out["gpu_stats"] = {k: st[k] for k in GPU_STATS if k in st}
-    out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
-    await settle_gpu(gpu)
-    return out
-
-
 def bucket_of(cfg: OffloadConfig, work: str) -> str:
     return "prefill:%d" % cfg.prefill if work == "prefill" else f"decode:{tokens_per_step(cfg, work)}@0"
 
@@ -226,83 +138,6 @@ def tokens_per_step(cfg: OffloadConfig, work: str) -> int:
     return cfg.prefill if work == "prefill" else int(work[len("decode_b"):])
 
 
-# -- the teacher-forced check -----------------------------------------------------
-def step_inputs(pos: int, token: int) -> dict:
-    return {"input_ids": torch.tensor([[token]], dtype=torch.int64), "positions": torch.tensor([pos])}
-
-
-async def forced_logits(graph, plan, values, prompt: list[int], tokens: list[int], gpu: DeviceSpec) -> list:
-    """The last logits of each of ``len(tokens)`` greedy steps of ``plan``
-    (a batch-1 decode graph) on device actors, fed ``tokens`` (the
-    reference's) whatever it would pick: every step scores the same context
-    as the reference's."""
-    logits = []
-    async with ActorSystem("offload-check") as system:
-        dep = await deploy(system, graph, plan, values, prefix="check-")
-        out = None
-        pos = 0
-        for tok in prompt + tokens[:-1]:
-            out, _ = await dep.step(step_inputs(pos, tok))
-            pos += 1
-            if pos >= len(prompt):
-                logits.append(out[0].reshape(-1, out[0].shape[-1])[-1].float().cpu())
-        await dep.close()
-    await settle_gpu(gpu)
-    return logits
-
-
-def free_gpu(gpu: DeviceSpec) -> int:
-    """Drop what a finished deployment left (its actors are gone); returns
-    the bytes still allocated.  cuBLAS keeps a workspace per stream it ran
-    on (32 MiB on an H200), and every deployment has new streams: those go
-    too."""
-    gc.collect()
-    if gpu.kind != "cuda":
-        return 0
-    torch.cuda.synchronize(gpu.index)
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
-    return torch.cuda.memory_allocated(gpu.index)
-
-
-async def settle_gpu(gpu: DeviceSpec, quiet: bool = False, wait_s: float = 5.0) -> None:
-    """:func:`free_gpu`, again every 0.1 s for up to ``wait_s`` while more
-    than 64 MiB stay allocated (a stopped deployment's worker threads let go
-    of their arenas a moment after the actors stopped: on an H200 the
-    unbudgeted reference's 15 GB once outlived its actor system into the
-    next policy's budget), and say if anything stays: it would count
-    against the next budget."""
-    left, t0 = free_gpu(gpu), time.perf_counter()
-    while left > 64 << 20 and time.perf_counter() - t0 < wait_s:
-        await asyncio.sleep(0.1)
-        left = free_gpu(gpu)
-    if left > 64 << 20 and not quiet:
-        log(f"warning: {left / 2**20:.0f} MiB still allocated on {gpu.name} after a deployment")
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
-
-
-def real_flips(tokens: list[int], ref_tokens: list[int], ref_logits: list[torch.Tensor], rel: float = 1e-2) -> int:
-    """Steps whose argmax differs from the reference's by more than a near
-    tie: the token taken scores below the reference's best by more than
-    ``rel`` of the reference's logit range (bf16 logits differ by an ulp
-    between CPU and GPU kernels, and ties at one ulp are common)."""
-    n = 0
-    for t, r, lg in zip(tokens, ref_tokens, ref_logits):
-        if t != r and float(lg[r] - lg[t]) > rel * float(lg.max() - lg.min()):
-            n += 1
-    return n
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
-
-
-# -- the run ------------------------------------------------------------------------
 def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     """[out, in] of the matrices of the model's first block (its linear layers)."""
     mats = [tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and ".0." in n]
@@ -317,154 +152,184 @@ async def measured_rates(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec, s
         log(f"measured: CPU GEMV {rates['cpu_gemv_bps'] / 1e9:.1f} GB/s on the model's layer shapes beside a "
             f"pinned copy at {rates['pcie_bps'] / 1e9:.1f} GB/s (best of {rates['windows']} windows)")
     if cfg.measure:   # before any budget caps the GPU's allocator
-        runs = [await measure_switch(cfg.model, DTYPES[cfg.dtype], gpu, cpu) for _ in range(3)]
+        runs = [await measure_switch(cfg.model, cfg.dtype, gpu, cpu) for _ in range(3)]
         rates["switch_runs_s"] = runs
         rates["switch_s"] = sorted(runs)[1]
         log(f"measured: one CPU<->GPU hand-off between device actors {rates['switch_s'] * 1e6:.0f} us "
-            f"(median of {[round(r * 1e6) for r in runs]} us)")
+            f"(median of {[round(r * 1e6) for r in runs]} us, through AsyncEngine)")
     rates["planned_switch_s"] = max(rates["switch_s"], 20e-6) if cfg.measure else cfg.switch_s
     return rates
+
+
+# -- the run ------------------------------------------------------------------------
+def ring_row(ring: str) -> str:
+    return f"tessera_{ring}_ring"
+
+
+async def _engine(cfg: OffloadConfig, conf: EngineConfig, label: str, **kw) -> dict:
+    return await serve(conf, cfg.batches, cfg.steps, cfg.prefill, cfg.prefill_steps, label, **kw)
+
+
+def _rows(cfg: OffloadConfig, plain: str, budgeted: str, cpu: str, budget: int, options: dict, moe: bool,
+          fits: bool) -> list[tuple[str, EngineConfig]]:
+    """(row name, engine) of every row: GPU-only when the model fits, the
+    coarse policies, then Tessera once per staging ring."""
+    base = engine_fields(cfg)
+    rows = [("gpu_only", EngineConfig(devices=budgeted, **base))] if fits else []
+    pols = [p for p in COARSE if moe or p != "expert_offload"]
+    rows += [(pol, EngineConfig(devices=f"{plain},{cpu}", gpu_budget=budget, planner_options=dict(
+        options, policy=pol, ring=cfg.rings[0]), **base)) for pol in pols]
+    rows += [(ring_row(r), EngineConfig(devices=f"{plain},{cpu}", gpu_budget=budget, planner_options=dict(
+        options, policy="tessera", ring=r), **base)) for r in cfg.rings]
+    return rows
+
+
+def row_info(cfg: OffloadConfig, w: str, got: dict, model: Offload) -> dict:
+    """One row's numbers for workload ``w`` from its engine's run ``got``."""
+    plan = got["plans"][bucket_of(cfg, w)]
+    g = model.graph
+    per = tokens_per_step(cfg, w)
+    r = got[w]
+    off = plan.meta.get("offload") or {}
+    streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
+    busy = list(r["busy_fraction"]) + [0.0, 0.0]
+    choices = off.get("choices", "")
+    st = model.simulate(_placement(plan)) if off else None
+    info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": plan.predicted_step_s,
+            "step_model_error": (r["step_s"] / plan.predicted_step_s - 1) if plan.predicted_step_s else None,
+            "predicted_terms": st.terms(model.gpu) if st else None,
+            "planned_pcie_bytes_per_token": streamed / per,
+            "pcie_bytes_per_token": r["pcie_bytes_per_step"] / per if "pcie_bytes_per_step" in r else None,
+            "activation_bytes_per_token": plan.bytes_per_step() / per,
+            "gpu_busy": min(1.0, busy[0]), "cpu_busy": min(1.0, busy[1]) if len(plan.devices) > 1 else 0.0,
+            "gpu_peak_bytes": got["gpu_peak_bytes"], "gpu_allocated_bytes": got["gpu_allocated_bytes"],
+            "gpu_stats": got.get("gpu_stats", {}), "devices": got["devices"], "plan": plan.name,
+            "ring": off.get("ring"), "choices": choices,
+            "homes": {h: choices.count(h) for h in "RSC"},   # what the placement really is, whatever its policy
+            "slots": off.get("slots", 0), "slot_bytes": off.get("slot_bytes", 0),
+            "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
+    if w == "decode_b1" and "check" in got:
+        info.update(got["check"])
+    return info
+
+
+def _placement(plan):
+    from tessera_actors.planning.offload import Placement
+    off = plan.meta["offload"]
+    return Placement(list(plan.assignment), list(off.get("streamed", ())), int(off.get("slots", 0)),
+                     int(off.get("slot_bytes", 0)), ring=str(off.get("ring", "bytes")))
 
 
 async def bench(cfg: OffloadConfig) -> dict:
     gpu, cpu = cfg.device_pair()
     reserve = parse_bytes(cfg.reserve) if gpu.kind == "cuda" else 0
-    plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name if gpu.kind == "cuda" else cpu.name
+    plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name
     work = [f"decode_b{b}" for b in cfg.batches] + (["prefill"] if cfg.prefill else [])
+    b1 = 1 in cfg.batches
 
     # the reference first (GPU alone, no budget: before any budget caps the allocator), then the rates
-    ref = await serve(cfg, plain, "contiguous", {}, gpu, "reference")
+    ref = await _engine(cfg, EngineConfig(devices=plain, **engine_fields(cfg)), "reference",
+                        score=cfg.steps if b1 else 0)
     served = ref.pop("served")
     rates = await measured_rates(cfg, gpu, cpu, layer_shapes(served.model))
-    switch_s = rates["planned_switch_s"]
     graphs = {w: served.graphs[bucket_of(cfg, w)] for w in work}
-    ref_bucket = f"decode:{max(cfg.batches)}@0"
-    budget = budget_bytes(cfg, served.graphs[ref_bucket])
-    gspec = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads, budget, gpu.price, gpu.label)
-    devices = [gspec.name, cpu.name]
-    b1 = "decode_b1" if 1 in cfg.batches else None
-    ref_logits = []
-    if b1:
-        g1 = graphs[b1]
-        ref_logits = await forced_logits(g1, single_device_plan(g1, plain), served.values[bucket_of(cfg, b1)],
-                                         [1, 2, 3], ref[b1]["tokens"], gpu)
+    budget = budget_bytes(cfg, served.graphs[f"decode:{max(cfg.batches)}@0"])
+    budgeted = dataclasses.replace(DeviceSpec.parse(plain), mem=budget).name
+    devices = [budgeted, cpu.name]
     log(f"reference on {plain} (no budget): " + ", ".join(f"{w} {ref[w]['tok_s']:.1f} tok/s" for w in work)
         + f"; peak {ref['gpu_peak_bytes']} B")
 
     # the step model and the bound of every workload, from the same rates
-    options = {"pcie_bps": rates["pcie_bps"], "cpu_bps": rates["cpu_gemv_bps"], "switch_s": switch_s,
+    options = {"pcie_bps": rates["pcie_bps"], "cpu_bps": rates["cpu_gemv_bps"], "switch_s": rates["planned_switch_s"],
                "reserve": reserve}
-    models_of = {}
-    for w, g in graphs.items():
-        costs = estimate_rates(g, devices, switch_s, rates["cpu_gemv_bps"])
-        models_of[w] = Offload(g, devices, costs, rates["pcie_bps"], reserve)
-    fits = gpu_only(models_of[f"decode_b{max(cfg.batches)}"]) is not None
+    models_of = {w: Offload(g, devices, estimate_rates(g, devices, options["switch_s"], options["cpu_bps"]),
+                            rates["pcie_bps"], reserve, ring=cfg.rings[0]) for w, g in graphs.items()}
+    top = models_of[f"decode_b{max(cfg.batches)}"]
+    fits = gpu_only(top) is not None
     results: dict = {w: {"gpu_budget_bytes": budget, "ideal_step_s": ideal(models_of[w]), "policies": {},
-                         "reference_tok_s": ref[w]["tok_s"], "reference_device": plain} for w in work}
+                         "reference_tok_s": ref[w]["tok_s"], "reference_device": plain,
+                         "gpu_only_tok_s": None, "headline": ring_row(cfg.rings[0])} for w in work}
     for w in work:
-        per = tokens_per_step(cfg, w)
-        results[w]["ideal_tok_s"] = per / results[w]["ideal_step_s"]
+        results[w]["ideal_tok_s"] = tokens_per_step(cfg, w) / results[w]["ideal_step_s"]
+    check = (list(PROMPT), *ref["scored"], cfg.tie_nats) if b1 else None
+    rows = _rows(cfg, plain, budgeted, cpu.name, budget, options, bool(routed_experts(top)), fits)
+    await run_rows(cfg, rows, results, models_of, check, {w: ref[w].get("tokens") for w in work})
+    return {"rates": rates, "reference_tokens": ref["scored"][0] if b1 else [], **results}
 
-    runs = [("gpu_only", gspec.name, "contiguous", {})] if fits else []
-    runs += [(pol, ",".join(devices), "offload", {**options, "policy": pol, "ring": cfg.rings[0]})
-             for pol in ("layer_offload", "streaming", "tessera")]
-    # Tessera with another staging ring, side by side in the same run (its own row, not the headline)
-    runs += [(f"tessera_ring_{r}", ",".join(devices), "offload", {**options, "policy": "tessera", "ring": r})
-             for r in cfg.rings[1:]]
-    first = work[0]
-    if not fits:
-        for w in work:
-            results[w]["gpu_only_tok_s"] = None
-    for pol, devs, planner, opts in runs:
+
+async def run_rows(cfg: OffloadConfig, rows: list, results: dict, models_of: dict, check, ref_tokens: dict) -> None:
+    """Every row's engine (one failing, e.g. out of memory, does not lose
+    the others), and one load-aware re-plan of the headline Tessera row;
+    ``ref_tokens``: per workload the reference's row-0 greedy tokens."""
+    work = list(ref_tokens)
+    first, head = work[0], ring_row(cfg.rings[0])
+    for name, conf in rows:
         try:
-            got = await serve(cfg, devs, planner, opts, gpu, pol)
-        except Exception as e:   # one policy failing (e.g. out of memory) must not lose the others
-            error = f"{type(e).__name__}: {e}"
-        else:
-            error = None
-        if error is not None:
-            log(f"{pol}: FAILED: {error}")
+            got = await _engine(cfg, conf, name, check=check)
+        except Exception as e:
+            log(f"{name}: FAILED: {type(e).__name__}: {e}")
             for w in work:
-                results[w]["policies"][pol] = {"error": error}
-                results[w][f"{pol}_tok_s"] = None
-            await settle_gpu(gpu)
+                results[w]["policies"][name] = {"error": f"{type(e).__name__}: {e}"}
+                results[w][f"{name}_tok_s"] = None
             continue
-        plans = got["plans"]
         for w in work:
-            plan = plans[bucket_of(cfg, w)]
-            g = graphs[w]
-            per = tokens_per_step(cfg, w)
-            r = got[w]
-            off = plan.meta.get("offload") or {}
-            streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
-            busy = list(r["busy_fraction"]) + [0.0, 0.0]
-            info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": plan.predicted_step_s,
-                    "pcie_bytes_per_token": streamed / per,
-                    "activation_bytes_per_token": plan.bytes_per_step() / per,
-                    "gpu_busy": min(1.0, busy[0]), "cpu_busy": min(1.0, busy[1]) if len(plan.devices) > 1 else 0.0,
-                    "gpu_peak_bytes": got["gpu_peak_bytes"], "gpu_allocated_bytes": got["gpu_allocated_bytes"],
-                    "gpu_stats": got.get("gpu_stats", {}),
-                    "plan": plan.name,
-                    "choices": off.get("choices", ""), "slots": off.get("slots", 0),
-                    "slot_bytes": off.get("slot_bytes", 0),
-                    "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
-            if w == b1:
-                info["tokens_equal_reference"] = r["tokens"] == ref[w]["tokens"]   # free-running, greedy
-                info["first_difference"] = first_difference(r["tokens"], ref[w]["tokens"])
-                if pol.startswith("tessera"):
-                    values = got["served"].values[bucket_of(cfg, w)]
-                    lg = await forced_logits(g, plan, values, [1, 2, 3], ref[w]["tokens"], gpu)
-                    forced = [int(x.argmax()) for x in lg]
-                    info["forced_tokens_equal_reference"] = forced == ref[w]["tokens"]
-                    info["argmax_flips_beyond_ties"] = real_flips(forced, ref[w]["tokens"], ref_logits)
-                    info["min_logits_cosine"] = min((cosine(a, b) for a, b in zip(lg, ref_logits)), default=None)
-            results[w]["policies"][pol] = info
-            results[w][f"{pol}_tok_s"] = r["tok_s"]
-            if pol == "tessera" and w == first and len(plan.devices) > 1:
-                # load-aware re-plan (ATSInfer's dynamic transfer): the devices' busy time against the step
-                # model's; a CPU slower than planned moves its share to streaming in Tessera's next plan
-                want = predicted_busy(models_of[w], plan)
-                seen = [busy[0] * r["step_s"], busy[1] * r["step_s"]]
-                _, factors = adapt(models_of[w].costs, want, seen)
-                info["adapt_factors"] = factors
-                if factors[1] != 1.0 and rates["cpu_gemv_bps"]:
-                    slower = {**opts, "cpu_bps": rates["cpu_gemv_bps"] / factors[1]}
-                    log(f"tessera: the CPU ran {factors[1]:.2f}x its planned time; re-planning at "
-                        f"{slower['cpu_bps'] / 1e9:.1f} GB/s")
-                    runs.append(("tessera_replanned", devs, planner, slower))
-            if pol == "tessera_replanned" and r["tok_s"] > (results[w].get("tessera_tok_s") or 0):
-                results[w]["tessera_tok_s"] = r["tok_s"]   # Tessera after one re-plan from this run's measurements
-                results[w]["tessera_from"] = pol
-            log(f"{w} {pol}: {r['tok_s']:.1f} tok/s (step {r['step_s'] * 1e3:.1f} ms, predicted "
-                f"{(plan.predicted_step_s or 0) * 1e3:.1f}), peak {got['gpu_peak_bytes']} B")
-    replanned = next((o for p, _, _, o in runs if p == "tessera_replanned"), None)
+            info = row_info(cfg, w, got, models_of[w])
+            if ref_tokens[w] is not None:   # free-running, greedy: row 0 of the decode workload
+                info["tokens_equal_reference"] = got[w]["tokens"] == ref_tokens[w]
+                info["first_difference"] = first_difference(got[w]["tokens"], ref_tokens[w])
+            results[w]["policies"][name] = info
+            results[w][f"{name}_tok_s"] = info["tok_s"]
+            log(f"{w} {name}: {info['tok_s']:.1f} tok/s (step {info['step_s'] * 1e3:.1f} ms, predicted "
+                f"{(info['predicted_step_s'] or 0) * 1e3:.1f}), peak {info['gpu_peak_bytes']} B")
+        if name == head:
+            replan = replanned(cfg, got, models_of[first], first, conf)
+            if replan is not None:
+                rows.append((f"{head}_replanned", replan))
     for w in work:
-        t = results[w]["policies"].get(results[w].get("tessera_from", "tessera"), {})
-        results[w]["gpu_peak_bytes"] = t.get("gpu_peak_bytes")
-        results[w]["gpu_allocated_bytes"] = t.get("gpu_allocated_bytes")
-        if replanned is not None:   # the bound again at the CPU rate the devices showed
-            costs = estimate_rates(graphs[w], devices, switch_s, replanned["cpu_bps"])
-            per = tokens_per_step(cfg, w)
-            step = ideal(Offload(graphs[w], devices, costs, rates["pcie_bps"], reserve))
-            results[w]["ideal_at_observed_cpu_step_s"] = step
-            results[w]["ideal_at_observed_cpu_tok_s"] = per / step
-    return {"rates": rates, **results}
+        row = results[w]
+        best = max((row.get(f"{p}_tok_s") or 0 for p in COARSE), default=0)
+        runs = {r: row.get(f"{r}_tok_s") or 0 for r in (head, f"{head}_replanned")}
+        row["tessera_from"] = max(runs, key=runs.get)   # the headline ring, after one re-plan when that was faster
+        t = runs[row["tessera_from"]]
+        row["tessera_tok_s"] = t or None
+        row["tessera_x_best_coarse"] = t / best if best else None
+        row["tessera_of_ideal"] = t / row["ideal_tok_s"] if t else None
+        row["gpu_peak_bytes"] = row["policies"].get(head, {}).get("gpu_peak_bytes")
+
+
+def replanned(cfg: OffloadConfig, got: dict, model: Offload, w: str, conf: EngineConfig) -> EngineConfig | None:
+    """Load-aware re-plan (ATSInfer's dynamic transfer): the devices' busy
+    time against the step model's; a CPU slower than planned moves its
+    share to streaming in Tessera's next plan (None: no change)."""
+    plan = got["plans"][bucket_of(cfg, w)]
+    r = got[w]
+    if len(plan.devices) < 2 or not conf.planner_options.get("cpu_bps"):
+        return None
+    busy = list(r["busy_fraction"]) + [0.0, 0.0]
+    _, factors = adapt(model.costs, predicted_busy(model, plan), [busy[0] * r["step_s"], busy[1] * r["step_s"]])
+    if factors[1] == 1.0:
+        return None
+    opts = dict(conf.planner_options, cpu_bps=conf.planner_options["cpu_bps"] / factors[1])
+    log(f"tessera: the CPU ran {factors[1]:.2f}x its planned time; re-planning at {opts['cpu_bps'] / 1e9:.1f} GB/s")
+    return dataclasses.replace(conf, planner_options=opts)
 
 
 def table(res: dict) -> str:
-    lines = [f"{'workload':<11} {'gpu-only':>9} {'layer':>9} {'stream':>9} {'tessera':>9} {'ideal':>9} "
-             f"{'x best':>7} {'% ideal':>7}  (tok/s)"]
-    for name, row in res.items():
-        if not isinstance(row, dict) or "ideal_tok_s" not in row:
-            continue
+    names = [n for n, r in res.items() if isinstance(r, dict) and "ideal_tok_s" in r]
+    cols = []
+    for n in names:
+        for p in res[n]["policies"]:
+            if p not in cols:
+                cols.append(p)
+    lines = [f"{'workload':<11} " + " ".join(f"{c[:18]:>18}" for c in cols) + f" {'ideal':>9} {'x best':>7} "
+             f"{'% ideal':>7}  (tok/s)"]
+    for n in names:
+        row = res[n]
 
-        def f(v):
-            return f"{v:9.1f}" if v else f"{'-':>9}"
-        best = max(row.get("layer_offload_tok_s") or 0, row.get("streaming_tok_s") or 0)
-        t = row.get("tessera_tok_s") or 0
-        lines.append(f"{name:<11} {f(row.get('gpu_only_tok_s'))} {f(row.get('layer_offload_tok_s'))} "
-                     f"{f(row.get('streaming_tok_s'))} {f(t)} {f(row['ideal_tok_s'])} "
-                     f"{t / best if best else 0:7.2f} {100 * t / row['ideal_tok_s']:6.1f}%")
+        def f(v, w=18):
+            return f"{v:{w}.1f}" if v else f"{'-':>{w}}"
+        lines.append(f"{n:<11} " + " ".join(f(row.get(f"{c}_tok_s")) for c in cols) + f" {f(row['ideal_tok_s'], 9)} "
+                     f"{row.get('tessera_x_best_coarse') or 0:7.2f} {100 * (row.get('tessera_of_ideal') or 0):6.1f}%")
     return "\n".join(lines)
 
 
@@ -476,14 +341,15 @@ def plot(res: dict, path: Path) -> bool:
     except ImportError:
         return False
     names = [n for n, r in res.items() if isinstance(r, dict) and "ideal_tok_s" in r]
-    pols = ["layer_offload", "streaming", "tessera", "ideal"]
-    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.8), squeeze=False)
     for ax, n in zip(axes[0], names):
+        pols = [p for p in res[n]["policies"] if p != "gpu_only"] + ["ideal"]
         vals = [res[n].get(f"{p}_tok_s") or 0 for p in pols]
-        ax.bar(pols, vals, color=["#999", "#69c", "#c33", "#ddd"])
+        ax.bar(pols, vals, color=["#c33" if p.startswith("tessera") else "#999" if p != "ideal" else "#ddd"
+                                  for p in pols])
         ax.set_title(n)
         ax.set_ylabel("tokens/s")
-        ax.tick_params(axis="x", rotation=30)
+        ax.tick_params(axis="x", rotation=35)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -495,12 +361,18 @@ def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"git_commit": git_commit(), "command": " ".join(argv if argv is not None else sys.argv),
-           "config": asdict(cfg), **res}
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(cfg), "config": asdict(cfg), **res}
     (out / "offload.json").write_text(json.dumps(doc, indent=1, default=str))
     print(table(res))
     drew = plot(res, out / "offload.png")
     log(f"wrote {out / 'offload.json'}" + (f" and {out / 'offload.png'}" if drew else " (no matplotlib: no PNG)"))
     return doc
+
+
+def machine(cfg: OffloadConfig) -> str:
+    gpu, _ = cfg.device_pair()
+    name = torch.cuda.get_device_name(gpu.index) if gpu.kind == "cuda" else "no GPU"
+    return f"{name}, {os.cpu_count()} CPUs"
 
 
 def rings_of(text: str) -> tuple[str, ...]:
@@ -513,13 +385,12 @@ def rings_of(text: str) -> tuple[str, ...]:
 
 
 def main(args) -> int:
-    # batch 1 first: its unbudgeted GPU-only reference must run before a budget caps the allocator
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
                         args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
-                        rings_of(args.ring))
+                        rings_of(args.ring), args.tie_nats)
     run_offload_bench(cfg)
     return 0
 
 
-__all__ = ["OffloadConfig", "main", "measure_rates", "run_offload_bench", "table"]
+__all__ = ["OffloadConfig", "main", "run_offload_bench", "table"]

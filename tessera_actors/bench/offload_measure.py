@@ -1,8 +1,8 @@
 """Rates for offload planning, measured on the machine: the CPU's GEMV
 DRAM rate beside a pinned host-to-device copy stream and that copy's rate
 (GPU machines), and the cost of one activation hand-off between two device
-actors.  Called by ``tessera bench offload`` before any memory budget caps
-the GPU's allocator."""
+actors (through ``AsyncEngine``).  Called by ``tessera bench offload``
+before any memory budget caps the GPU's allocator."""
 from __future__ import annotations
 
 import threading
@@ -10,12 +10,10 @@ import time
 
 import torch
 
-from tessera_actors import models
-from tessera_actors.capture import capture_module
+from tessera_actors.bench.offload_engine import time_decode
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.bench.offload_run import deploy
-from tessera_actors.plan import single_device_plan
-from transport.system import ActorSystem
+from tessera_actors.serving import AsyncEngine
+from tessera_actors.serving.config import EngineConfig
 
 
 def measure_rates(threads: int | None, gpu_index: int, seconds: float = 0.6, windows: int = 3,
@@ -70,52 +68,26 @@ def measure_rates(threads: int | None, gpu_index: int, seconds: float = 0.6, win
     return {**best, "windows": windows}
 
 
-def alternating_split(model: str, dtype: torch.dtype, devices: list[str], run: int = 6):
-    """A tiny model's decode graph (captured on the meta device: device-
-    neutral kernels - a CPU capture would record CPU-only fused ops), its
-    weight and state values, and a plan over ``devices`` (two) that changes
-    device after every ``run`` kernels where a cut is legal; returns
-    ``(graph, values, plan, assignment)``."""
-    from tessera_actors.plan import build_plan, legal_cuts
-    from tessera_actors.capture.aten import storage_bytes
-    m = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64)
-    meta = models.get(model, "tiny", dtype=dtype, seed=0, max_seq=64, device="meta")
-    g = capture_module(meta, {k: v.to("meta") for k, v in m.example_inputs("decode", batch=1).items()}).graph
-    named = dict(m.named_parameters())
-    named.update(dict(m.named_buffers()))
-    values = {b.id: storage_bytes(named[b.name]) for b in g.buffers.values()
-              if b.role in ("weight", "state") and b.name in named}
-    ok = legal_cuts(g)
-    assign, d, n = [], 0, 0
-    for k in range(len(g.kernels)):
-        if n >= run and ok[k]:
-            d, n = 1 - d, 0
-        assign.append(d)
-        n += 1
-    return g, values, build_plan(g, list(devices), assign, name="switch"), assign
-
-
-async def measure_switch(model: str, dtype: torch.dtype, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:
-    """Seconds one activation hand-off between the two device actors costs:
-    a tiny model's decode step alone on each device and split into many
-    alternating runs (:func:`alternating_split`); the extra time of the
-    split over the kernel-weighted mean of the two, per device change."""
+async def measure_switch(model: str, dtype: str, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:
+    """Seconds one activation hand-off between the two device actors costs,
+    through ``AsyncEngine``: the tiny model's batch-1 decode step on each
+    device alone and split by the ``af`` planner (attention on one device,
+    the rest on the other: two device changes a layer); the extra time of
+    the split over the kernel-weighted mean of the two, per device change."""
     plain = DeviceSpec(gpu.kind, gpu.index, gpu.sms, gpu.threads).name
-    g, values, split, assign = alternating_split(model, dtype, [plain, cpu.name])
+    fields = dict(model=model, size="tiny", dtype=dtype, max_seqs=1, max_model_len=64, decode_buckets=(1,),
+                  prefill_buckets=(8,), kv_windows=(), mode="latency", embeddings=False,
+                  capture="aten")   # one capture for the three engines: only the hand-offs differ
+    times, split = [], None
+    for devices, planner in ((plain, "contiguous"), (cpu.name, "contiguous"), (f"{plain},{cpu.name}", "af")):
+        async with AsyncEngine(config=EngineConfig(devices=devices, planner=planner, **fields)) as eng:
+            await eng.wait_placed()
+            times.append((await time_decode(eng, 1, steps))["step_s"])
+            split = eng.deployment.placed["decode:1@0"].plan
+    assign = list(split.assignment)
     switches = sum(assign[k] != assign[k - 1] for k in range(1, len(assign)))
-    times = []
-    for plan in (single_device_plan(g, plain), single_device_plan(g, cpu.name), split):
-        async with ActorSystem("offload-switch") as system:
-            dep = await deploy(system, g, plan, values)
-            for i in range(3 + steps):
-                if i == 3:
-                    dep.reset_counters()
-                await dep.step({"input_ids": torch.tensor([[1 + i % 7]]), "positions": torch.tensor([i])},
-                               outputs=False)
-            times.append(dep.wall_s / dep.counted)
-            await dep.close()
     f = assign.count(1) / len(assign)
     return max(times[2] - ((1 - f) * times[0] + f * times[1]), 0.0) / max(switches, 1)
 
 
-__all__ = ["alternating_split", "measure_rates", "measure_switch"]
+__all__ = ["measure_rates", "measure_switch"]

@@ -67,7 +67,10 @@ async def served_decode(case: ServedCase) -> dict[str, Any]:
     try:
         bucket = bucket_name("decode", case.batch, 0, 0)
         vocab = eng.served.vocab_size
-        params = SamplingParams(max_tokens=case.decode_tokens, ignore_eos=True, temperature=0.0)
+        # requests are admitted over up to ``batch`` prefill steps while the first ones decode: each asks for
+        # ``decode_tokens`` more than that, so the window (every row decoding, until the first finishes) is there
+        out_tokens = min(case.decode_tokens + 2 * case.batch, case.cache - case.decode_prompt)
+        params = SamplingParams(max_tokens=out_tokens, ignore_eos=True, temperature=0.0)
         first = [asyncio.Event() for _ in range(case.batch)]
         done = asyncio.Event()
         marks: dict[str, tuple[float, int]] = {}
@@ -91,10 +94,13 @@ async def served_decode(case: ServedCase) -> dict[str, Any]:
         made, _ = await asyncio.gather(asyncio.gather(*(one(i) for i in range(case.batch))), window())
         wall = time.perf_counter() - t1
         (ts, ns), (te, ne) = marks["start"], marks["end"]
-        steps = max(ne - ns, 1)
+        steps = ne - ns
+        if steps <= 0:
+            raise RuntimeError(f"{bucket}: no decode step ran with all {case.batch} rows (the first request ended "
+                               f"before the last one started); raise decode_tokens")
         step_s = (te - ts) / steps
         return {"bucket": bucket, "served_step_s": step_s, "window_steps": steps, "served_tok_s": case.batch / step_s,
-                "trace_tok_s": sum(made) / wall, "start_s": started, "capture": eng.served.captures.get(bucket),
+                "trace_tok_s": sum(made) / wall, "out_tokens": out_tokens, "start_s": started, "capture": eng.served.captures.get(bucket),
                 "bucket_stats": eng.stats()["bucket_stats"].get(bucket, {}), "graph": eng.served.graphs[bucket]}
     finally:
         await eng.stop()

@@ -57,6 +57,20 @@ def out_variant(op):
     return found
 
 
+# op names only one device type has a kernel for: a capture on a CPU records the CPU's fused
+# kernels (a GPU capture its own) where it does not record the composite whole (capture/fused.py)
+_ONLY_ON = {"cpu": ("_for_cpu", "mkldnn", "onednn", "_cpu_"),
+            "cuda": ("cudnn", "_flash_attention", "_efficient_attention", "_cutlass", "_cufft")}
+
+
+def other_device_op(name: str, device_type: str) -> str | None:
+    """The device type whose kernel ``name`` (``aten.x.overload``) is, when
+    that is not ``device_type``; else None."""
+    op = name.split(".")[1] if name.count(".") >= 1 else name
+    kind = next((kind for kind, marks in _ONLY_ON.items() if any(m in op for m in marks)), None)   # cpu first
+    return kind if kind not in (None, device_type) else None
+
+
 def resolve_op(name: str):
     """``aten.mm.default`` -> ``torch.ops.aten.mm.default``, for ops on the
     allow-list only (``tessera_actors.execution.allow``; else ``KernelRefused``)."""
@@ -204,6 +218,11 @@ class AtenProgram:
     def _bind(self, kid: int) -> Callable[[], None]:
         k = self.graph.kernels[kid]
         p = k.payload
+        other = other_device_op(p["op"], self.device.type)
+        if other is not None:
+            raise KernelRefused(f"kernel {kid} ({p['op']}) is a {other} kernel, bound on {self.device}: the "
+                                f"graph was captured on a {other} device (capture on meta, or record the "
+                                "composite whole: tessera_actors/capture/fused.py)")
         op = resolve_op(p["op"])
         args = self._arg(p["args"])
         kwargs = {n: self._arg(v) for n, v in p["kwargs"].items()}

@@ -201,7 +201,10 @@ class StepDone:
     this device's runs of kernels in the step replayed as CUDA graphs, run
     eagerly (a first run, a CPU, graphs off, or a capture that failed), and
     captures that failed.  ``top_logprobs``: when an entry's record asked
-    for them, per entry ``[[id, logprob], ...]`` of the most likely ids."""
+    for them, per entry ``[[id, logprob], ...]`` of the most likely ids.
+    ``streamed_bytes``: weight bytes copied into this device's staging ring
+    from host memory (PCIe on a GPU) since its previous answered step of
+    the plan (copies queued a step ahead count in the step that queued them)."""
     plan_id: str
     step: int
     device: int
@@ -216,6 +219,7 @@ class StepDone:
     eager_runs: int = 0
     capture_failures: int = 0
     top_logprobs: list = dataclasses.field(default_factory=list)
+    streamed_bytes: int = 0
 
 
 @message

@@ -37,7 +37,15 @@ class EngineConfig:
     which the device feeds from the previous step (1: the host turnaround
     between steps overlaps the devices' work).  Faults: a node
     that misses pings for ``lost_after_s`` is lost; the deployment is
-    re-placed on the survivors and requests continue there."""
+    re-placed on the survivors and requests continue there.
+
+    A model bigger than the GPU: ``gpu_budget`` (bytes or a size such as
+    ``"8GiB"``) caps the memory of the deployment's GPU (its first non-CPU
+    device; on a CPU-only deployment the first device, the GPU's stand-in)
+    and places every bucket with the ``offload`` planner: weights resident
+    on the GPU, streamed to it per step over PCIe, or computed on the
+    deployment's CPU device (``devices`` is then a GPU and a CPU, e.g.
+    ``"cuda:0,cpu?threads=12"``)."""
 
     model: str = "smollm2"
     size: str = "real"
@@ -82,6 +90,7 @@ class EngineConfig:
     embeddings: bool = True   # an embed bucket for /v1/embeddings (placed last, in the background)
     regions: str = "auto"   # inductor: per repeated block (auto, blocks) or the whole model as one graph
     gqa: str = "auto"       # attention's GQA form: auto (enable_gqa on GPUs: cuDNN's kernel), fold, enable_gqa
+    gpu_budget: int | str | None = None   # bytes the GPU may hold: the offload planner serves a bigger model
 
     def __post_init__(self) -> None:
         def bad(why: str) -> ValueError:
@@ -129,6 +138,8 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 raise bad(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         kv_budget(self.kv_cache_memory)   # a bad value fails here, before anything is built
+        if self.gpu_budget is not None:
+            self._apply_gpu_budget(bad)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -148,6 +159,34 @@ class EngineConfig:
             raise bad(f"expect_nodes needs listen, the tcp:// endpoint the nodes register at, got {self.listen!r}")
         if self.listen and not self.expect_nodes:
             raise bad("listen is for nodes that register by themselves (expect_nodes)")
+
+    def _apply_gpu_budget(self, bad) -> None:
+        """``gpu_budget`` as a ``mem=`` budget on the deployment's GPU and the
+        ``offload`` planner (see the class docstring)."""
+        import dataclasses
+        from tessera_actors.devices import DeviceSpecError, parse_bytes, parse_devices
+        if self.nodes or self.ray or self.expect_nodes:
+            raise bad("gpu_budget is for in-process devices (a GPU and a CPU), not nodes")
+        try:
+            budget = parse_bytes(self.gpu_budget) if isinstance(self.gpu_budget, str) else int(self.gpu_budget)
+        except (DeviceSpecError, TypeError, ValueError) as e:
+            raise bad(f"gpu_budget must be bytes or a size such as '8GiB', got {self.gpu_budget!r} ({e})") from None
+        if budget < 1:
+            raise bad(f"gpu_budget must be positive, got {self.gpu_budget!r}")
+        specs = parse_devices(self.devices)
+        gpus = [i for i, s in enumerate(specs) if s.kind != "cpu"] or [0]
+        if len(specs) != 2 or len(gpus) != 1 or specs[1 - gpus[0]].kind != "cpu":
+            raise bad(f"gpu_budget needs two devices, a GPU and a CPU (e.g. 'cuda:0,cpu?threads=12'), "
+                      f"got {self.devices!r}")
+        g = specs[gpus[0]]
+        if g.mem is not None and g.mem != budget:   # (equal: this config again, dataclasses.replace)
+            raise bad(f"gpu_budget and a mem= budget on {self.devices!r}: give one")
+        if self.planner not in ("contiguous", "offload"):
+            raise bad(f"gpu_budget places with the offload planner, not {self.planner!r}")
+        specs[gpus[0]] = dataclasses.replace(g, mem=budget)
+        self.devices = ",".join(s.name for s in specs)
+        self.planner = "offload"
+        self.gpu_budget = budget
 
     def device_specs(self) -> list:
         """Every device of the deployment: the in-process ones, or every

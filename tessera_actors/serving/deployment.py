@@ -56,7 +56,8 @@ log = logging.getLogger("tessera_actors.serving")
 BUSY_WINDOW_S = 10.0   # the busy fraction the chat page and /metrics show: over the last 10 s
 
 
-RUN_COUNTS = ("replays", "eager_runs", "capture_failures")   # a step's runs of kernels, over its devices
+# a step's runs of kernels over its devices, and the weight bytes streamed host -> device (PCIe)
+RUN_COUNTS = ("replays", "eager_runs", "capture_failures", "streamed_bytes")
 
 
 class StepFailed(RuntimeError):

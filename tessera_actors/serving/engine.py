@@ -651,7 +651,14 @@ class AsyncEngine:
                 "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.buckets) if rt else 0,
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},
                 "memory": memory_report(self.served if rt else None, self.cfg),
-                "bucket_stats": self._bucket_stats(), **self.counters}
+                "bucket_stats": self._bucket_stats(), **self._pcie(), **self.counters}
+
+    def _pcie(self) -> dict:
+        """Weight bytes streamed host -> device (PCIe) over every bucket's
+        steps since placement, and per step (an offload plan's streamed weights)."""
+        counts = self.deployment.bucket_counts.values() if self.deployment else ()
+        moved = sum(c.get("streamed_bytes", 0) for c in counts)
+        return {"pcie_bytes": moved, "pcie_bytes_per_step": moved / max(self.counters["steps"], 1)}
 
     def _bucket_stats(self) -> dict[str, dict]:
         """Per bucket: how it was captured (``inductor`` | ``aten``, or why

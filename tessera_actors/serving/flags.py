@@ -11,6 +11,9 @@ from tessera_actors.launch.env import LAUNCHERS, job_place
 
 
 DEFAULT_MAX_BODY = 4 * 1024 * 1024   # bytes of a request body; larger bodies get 413
+# --gpu-budget without --devices: the first GPU beside the CPU at 12 threads (DESIGN.md: on a 16-core
+# H200 host 12 GEMV threads keep 46 GB/s beside a copy stream, 16 collapse to 14.5)
+GPU_BUDGET_DEVICES = "cuda:0,cpu?threads=12"
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") -> None:
@@ -54,8 +57,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     p.add_argument("--max-batched-tokens", type=int, default=None, metavar="N",
                    help=f"prompt tokens (padded) one prefill step may carry, over several prompts "
                         f"(default: {d.max_batched_tokens})")
+    p.add_argument("--gpu-budget", default=None, metavar="SIZE",
+                   help="serve a model bigger than the GPU: the GPU holds at most SIZE (8GiB); the offload "
+                        "planner keeps weights resident, streams them over PCIe or computes them on the CPU "
+                        "(--devices a GPU and a CPU; default then: cuda:0,cpu?threads=12)")
     p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming, "
+                   help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming|expert_offload, ring=bytes|slots, "
                         "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
     p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, metavar="N",
                    help=f"engine seed: random weights and unseeded sampling (default: {d.seed})")
@@ -87,7 +94,10 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
         kw["expect_nodes"], kw["listen"] = place.world, place.scheduler
     elif a.devices:
         kw["devices"] = a.devices
-    else:
+    if getattr(a, "gpu_budget", None):
+        kw["gpu_budget"] = a.gpu_budget
+        kw.setdefault("devices", GPU_BUDGET_DEVICES)
+    if not {"devices", "nodes", "ray", "expect_nodes"} & set(kw):
         kw["devices"] = default_deployment().devices
     if trace_dir:
         kw["trace_dir"] = trace_dir

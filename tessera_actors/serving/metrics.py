@@ -4,7 +4,7 @@ Two kinds: what the HTTP layer observes per request (counters of requests by
 endpoint and status, prompt and generated tokens, TTFT / TPOT / end-to-end
 latency histograms) is recorded as it happens; what the engine knows (queue
 depth, KV slots, plan in use and switches, per-device busy fraction, bytes
-moved between devices, node health, memory) is read from ``engine.stats()`` and
+moved between devices and streamed over PCIe, node health, memory) is read from ``engine.stats()`` and
 ``engine.health()`` at scrape time by a collector, so it is never stale.
 
 Each server gets its own ``CollectorRegistry``: several servers (tests) in
@@ -99,6 +99,11 @@ class _EngineCollector:
         yield kern
         yield gauge("tessera_bytes_moved_per_step", "bytes moved between devices per engine step",
                     s.get("bytes_moved_per_step", place.get("bytes_per_step")))
+        c = CounterMetricFamily("tessera_pcie_bytes", "weight bytes streamed host -> device (PCIe) by offload plans")
+        c.add_metric([], float(s.get("pcie_bytes") or 0))
+        yield c
+        yield gauge("tessera_pcie_bytes_per_step", "weight bytes streamed host -> device per engine step (mean)",
+                    s.get("pcie_bytes_per_step"))
         yield gauge("tessera_healthy", "1 while every node is up (or re-placed)", 1 if h.get("ok", True) else 0)
         yield gauge("tessera_nodes_lost", "nodes lost and not yet re-placed", len(h.get("lost") or []))
         mem = s.get("memory") or {}

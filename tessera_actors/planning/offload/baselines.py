@@ -2,11 +2,14 @@
 model as :func:`~tessera_actors.planning.offload.choose.choose_homes`: GPU-only (None
 when it does not fit), layer offload (the first N layers resident, the rest
 on the CPU, as llama.cpp ``-ngl``), weight streaming (every non-resident
-weight over PCIe per step, as accelerate / FlexGen) and :func:`ideal`, a
+weight over PCIe per step, as accelerate / FlexGen), expert offload (a
+mixture of experts' routed experts on the CPU, the rest resident: llama.cpp
+and KTransformers ``-ot exps=CPU``) and :func:`ideal`, a
 relaxed bound (fractional residency and CPU/PCIe split, no staging, no
 links, no slot limits).  Pure Python."""
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from tessera_actors.planning.offload.model import Offload, Placement, StepTime, fastest
@@ -31,6 +34,26 @@ def layer_offload(o: Offload) -> tuple[Placement, StepTime] | None:
             break
         best = (p, o.simulate(p))
     return best
+
+
+# a routed expert's weights (``layers.3.experts.gate_up``; not the router, which every token runs)
+ROUTED_EXPERT = re.compile(r"(^|\.)experts\.(?!router\b)")
+
+
+def routed_experts(o: Offload) -> set[int]:
+    """The heavy units whose weights are a mixture of experts' routed experts."""
+    return {u for u, bs in o.units.items() if any(ROUTED_EXPERT.search(o.graph.buffers[b].name or "") for b in bs)}
+
+
+def expert_offload(o: Offload) -> tuple[Placement, StepTime] | None:
+    """Every routed expert on the CPU, every other heavy unit (attention,
+    router, embeddings, head) resident; None for a model without routed
+    experts or when the rest does not fit the budget."""
+    experts = routed_experts(o)
+    if not experts:
+        return None
+    p = o.placement({u: "C" if u in experts else "R" for u in o.units}, 0)
+    return (p, o.simulate(p)) if o.gpu_bytes(p) <= o.budget else None
 
 
 def streaming(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8)) -> tuple[Placement, StepTime] | None:

@@ -12,7 +12,7 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan, PlanError, build_plan
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.pinning import state_homes
-from tessera_actors.planning.offload.baselines import layer_offload, streaming
+from tessera_actors.planning.offload.baselines import expert_offload, layer_offload, streaming
 from tessera_actors.planning.offload.mixes import class_chooser
 from tessera_actors.planning.offload.model import PCIE_BPS, SWITCH_S, Offload, Placement, StepTime, cpu_runs, estimate_rates, fastest
 from tessera_actors.planning.offload.staging import RING_MODES
@@ -122,10 +122,11 @@ def choose_homes(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs
              if o.ring == "bytes" and b else [])
     # the coarse plans are candidates too
     return fastest([o.fit(_chooser(o, s, b, polish, runs), s, s * b, limit=b), *(r for _, r in tried), *mixes,
-                  layer_offload(o), streaming(o, slot_options)])
+                  layer_offload(o), streaming(o, slot_options), expert_offload(o)])
 
 
-POLICIES = ("tessera", "layer_offload", "streaming")
+POLICIES = ("tessera", "layer_offload", "streaming", "expert_offload")
+BASELINES = {"layer_offload": layer_offload, "expert_offload": expert_offload}   # placements of no ring
 
 
 def _effective(o: Offload, p: Placement) -> dict[int, str]:
@@ -160,7 +161,8 @@ def follow(o: Offload, homes: dict[str, str], slots: int, slot_bytes: int, polic
     (``slots`` of ``slot_bytes``), and splits the other weights between CPU
     and streaming for this graph: by ``policy`` - ``tessera`` on the step
     model (a prompt chunk streams what decode computes on the CPU),
-    ``streaming`` every one that fits a slot, ``layer_offload`` none."""
+    ``streaming`` every one that fits a slot, ``layer_offload`` and
+    ``expert_offload`` none."""
     if policy not in POLICIES:
         raise PlanError(f"unknown offload policy {policy!r}; known: {', '.join(POLICIES)}")
     resident = set()
@@ -215,9 +217,10 @@ class OffloadPlanner:
     """``Planner`` for a budgeted GPU beside a CPU.  ``costs``: a measured
     table (None: :func:`estimate_rates` per graph, with ``cpu_bps`` - the
     CPU's measured DRAM rate - and ``switch_s``); ``policy``: ``tessera``
-    (:func:`choose_homes`), ``layer_offload`` or ``streaming`` (the baselines);
-    ``ring``: how streamed weights fill the staging ring, ``slots`` (one per
-    slot) or ``bytes`` (packed; :mod:`~tessera_actors.planning.offload.staging`).
+    (:func:`choose_homes`), ``layer_offload``, ``streaming`` or
+    ``expert_offload`` (the baselines); ``ring``: how streamed weights fill
+    the staging ring, ``bytes`` (packed, the default) or ``slots`` (one
+    weight per slot; :mod:`~tessera_actors.planning.offload.staging`).
 
     A served model is several graphs (batch sizes, prompt chunks) in one
     share group: the first graph planned decides which weights are resident
@@ -228,7 +231,7 @@ class OffloadPlanner:
 
     def __init__(self, costs: CostTable | None = None, pcie_bps: float = PCIE_BPS, reserve: int = 0,
                  slot_options: Sequence[int] = (2, 3, 4, 6, 8), cpu_bps: float | None = None,
-                 switch_s: float = SWITCH_S, policy: str = "tessera", ring: str = "slots") -> None:
+                 switch_s: float = SWITCH_S, policy: str = "tessera", ring: str = "bytes") -> None:
         if policy not in POLICIES:
             raise PlanError(f"unknown offload policy {policy!r}; known: {', '.join(POLICIES)}")
         if ring not in RING_MODES:
@@ -262,7 +265,8 @@ class OffloadPlanner:
         if self.policy == "tessera":
             got = choose_homes(o, self.slot_options)
         else:
-            got = layer_offload(o) if self.policy == "layer_offload" else streaming(o, self.slot_options)
+            base = BASELINES.get(self.policy)
+            got = base(o) if base is not None else streaming(o, self.slot_options)
             if got is None:
                 raise PlanError(f"offload: no {self.policy} placement fits {o.devices[o.gpu]} "
                                 f"(budget {o.budget} bytes)")

@@ -95,10 +95,27 @@ class Placement:
 
 @dataclass(frozen=True)
 class StepTime:
+    """One step on the model, and its terms: ``step_s`` is the chain's end,
+    the sum of every kernel's time on its device (``busy_s``: the GPU's and
+    the CPU's kernels), ``handoff_s`` over ``handoffs`` device changes
+    (latency plus activation bytes over the link) and ``copy_wait_s``, the
+    time kernels waited for their streamed weight's copy beyond the chain;
+    the copy engine ran ``pcie_s`` (``pcie_bytes`` at the PCIe rate),
+    overlapped with the kernels except for those waits."""
     step_s: float
     busy_s: tuple[float, ...]     # per device
     pcie_s: float
     pcie_bytes: int
+    handoffs: int = 0
+    handoff_s: float = 0.0
+    copy_wait_s: float = 0.0
+
+    def terms(self, gpu: int = 0) -> dict:
+        """The step's terms by name (``gpu``: the budgeted device's index);
+        the kernels, hand-offs and copy waits add up to ``step_s``."""
+        return {"gpu_kernels_s": self.busy_s[gpu], "cpu_kernels_s": self.busy_s[1 - gpu], "handoff_s": self.handoff_s,
+                "handoffs": self.handoffs, "copy_wait_s": self.copy_wait_s, "copy_engine_s": self.pcie_s,
+                "pcie_bytes": self.pcie_bytes, "step_s": self.step_s}
 
 
 class Offload:
@@ -239,6 +256,7 @@ class Offload:
         busy = [0.0, 0.0]
         arrived: set = set()
         end, prev = 0.0, None
+        hand, hands, wait = 0.0, 0, 0.0
         for k in g.kernels:
             d = a[k.id]
             t = end
@@ -248,18 +266,22 @@ class Offload:
                     arrived.add((e.src, d, e.buffer))
                     moved += e.nbytes
             if moved or (prev is not None and prev != d):
-                t += costs.comm_s(1 - d, d, moved)
+                link = costs.comm_s(1 - d, d, moved)
+                t += link
+                hand += link
+                hands += 1
             u = unit_of.get(k.id) if d == gpu else None
             mine = [idx[b] for b in units[u] if b in idx] if u is not None else ()
-            for i in mine:
-                t = max(t, copy_end[i])
+            ready = max((copy_end[i] for i in mine), default=t)
+            wait += max(ready - t, 0.0)
+            t = max(t, ready)
             end = t + costs.times[k.id][d]
             busy[d] += costs.times[k.id][d]
             for i in mine:
                 issue(i, end)
             prev = d
         pcie_bytes = sum(nbytes)
-        return StepTime(end, tuple(busy), pcie_bytes / self.pcie_bps, pcie_bytes)
+        return StepTime(end, tuple(busy), pcie_bytes / self.pcie_bps, pcie_bytes, hands, hand, wait)
 
     # -- choosing --------------------------------------------------------
     def resident_fill(self, capacity: int, order: Sequence[int] | None = None,
