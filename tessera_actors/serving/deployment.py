@@ -312,7 +312,7 @@ class Deployment(Measuring):
         best = None
         for name in self.placed:
             c = self.served.buckets.get(name)
-            if c is None or c.kind != b.kind or c.size < b.size:
+            if c is None or c.kind != b.kind or c.size < b.size or c.rows != b.rows:
                 continue
             if c.window and (not b.window or c.window < b.window):
                 continue

@@ -38,6 +38,7 @@ class Replacing:
         for info in inflight.values():
             self._landed(info)   # the old plans are uninstalled below: their steps write nothing more
         inflight.clear()
+        self.slots.forget()   # the cache is placed afresh: no row keeps a prefix
         self.counters["recoveries" if lost else "readmissions"] += 1
         if lost:
             log.warning("lost %s: re-placing on the survivors", lost)
