@@ -31,7 +31,7 @@ import torch
 from tessera_actors.bench.roofline import (RooflineConfig, build, compiled_baseline, measured_bandwidth,
                                            measured_gemm_rate, step_bytes, step_flops)
 from tessera_actors.bench.served import ServedCase, served_decode
-from tessera_actors.serving.loadgen_report import provenance
+from tessera_actors.provenance import provenance
 
 
 def run_case(a, batch: int, bandwidth: float | None, gemm: float | None) -> dict:

@@ -18,7 +18,7 @@ import sys
 
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.bench.offload_measure import measure_switch
-from tessera_actors.serving.loadgen_report import provenance
+from tessera_actors.provenance import provenance
 
 
 def main() -> int:

@@ -22,7 +22,8 @@ import aiohttp
 
 from tessera_actors.serving import RequestOutput, Usage
 from tessera_actors.serving.loadgen import HttpClient
-from tessera_actors.serving.loadgen_report import Record, provenance
+from tessera_actors.provenance import provenance
+from tessera_actors.serving.loadgen_report import Record
 from tessera_actors.serving.server import make_app, start_site
 
 

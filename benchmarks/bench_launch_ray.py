@@ -30,7 +30,7 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # before ray: every address on loopback
 
 from tessera_actors import AsyncEngine, SamplingParams  # noqa: E402
-from tessera_actors.serving.loadgen_report import provenance  # noqa: E402
+from tessera_actors.provenance import provenance  # noqa: E402
 
 
 async def stream(eng, prompt, params, stamps: list) -> list[int]:

@@ -38,6 +38,7 @@ from tessera_actors.runtime.actor import Actor, handler  # noqa: E402
 from tessera_actors.runtime.messages import Ok, Ping, Pong, message  # noqa: E402
 from transport.system import ActorSystem  # noqa: E402
 from transport.shm import ShmConfig  # noqa: E402
+from tessera_actors.provenance import provenance  # noqa: E402
 
 TARGETS = {"in_process_p50_us": 20.0, "cross_process_p50_us": 150.0, "frames_64mib_gbps": 1.5}
 FRAME_BYTES = 64 << 20
@@ -252,6 +253,7 @@ def main() -> None:
     rows = report(results)
     results["targets"] = TARGETS
     results["all_targets_met"] = all(row[-1] for row in rows)
+    results.update(provenance())
     results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "platform": platform.platform(),
                           "load_avg_1min_before_after": [load_before, os.getloadavg()[0]]}

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from tessera_actors.planning.advise import buckets_of, evaluate, kernel_terms, load_graph, load_params  # noqa: E402
 from tessera_actors.planning.whatif import predict  # noqa: E402
-from tessera_actors.serving.loadgen_report import provenance  # noqa: E402
+from tessera_actors.provenance import provenance  # noqa: E402
 
 MODELS = ("llama", "moe", "mamba2", "vlm", "dit")      # the paper's five
 

@@ -33,7 +33,7 @@ from tessera_actors.planning.bound import placement_bound  # noqa: E402
 from tessera_actors.planning.costs import CostTable, costs_path_for  # noqa: E402
 from tessera_actors.planning.planner import MilpPlanner, PlannerConfig  # noqa: E402
 from tessera_actors.planning.synthetic import random_costs, transformer_graph  # noqa: E402
-from tessera_actors.serving.loadgen_report import provenance  # noqa: E402
+from tessera_actors.provenance import provenance  # noqa: E402
 
 TARGETS = {(1000, 2): (0.5, None), (1000, 4): (2.0, 0.01), (1000, 16): (30.0, 0.02)}
 

@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 
 from ptx import analyze, parse, report  # noqa: E402
 from ptx.batch import report_many  # noqa: E402
+from tessera_actors.provenance import provenance  # noqa: E402
 
 _HEADER = re.compile(r"^\s*\.(version|target|address_size)\b[^\n]*$", re.M)
 
@@ -128,7 +129,7 @@ def main() -> int:
     print(f"load average during the run: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as fh:
-        json.dump({"repeat": a.repeat, "loadavg": os.getloadavg()[0],
+        json.dump({**provenance(), "repeat": a.repeat, "loadavg": os.getloadavg()[0],
                    "python": platform.python_version(), "machine": platform.machine(),
                    "cpus": os.cpu_count(), "target_seconds": 2.0, "rows": rows}, fh, indent=1)
     print(f"wrote {a.out}")

@@ -53,6 +53,7 @@ import zmq  # noqa: E402
 import fuzz_codec_main as fuzz  # noqa: E402
 from tessera_actors import AsyncEngine, SamplingParams  # noqa: E402
 from tessera_actors.cluster import LocalCluster  # noqa: E402
+from tessera_actors.provenance import git_commit  # noqa: E402
 from tessera_actors.runtime.messages import GetStats, Ping, Pong  # noqa: E402
 from transport.system import ActorSystem  # noqa: E402
 from transport import auth, codec  # noqa: E402
@@ -286,14 +287,6 @@ async def part_pauses(args) -> dict:
             runs.append({"run": run, "rows": rows, "error": eng.health()["error"]})
     return {"model": args.model, "size": args.size, "streams": len(PROMPTS), "tokens": args.tokens, "runs": runs,
             "ok": all(r["ok"] for run in runs for r in run["rows"])}
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ import time
 
 from tessera_actors import AsyncEngine, SamplingParams
 from tessera_actors.serving import InvalidRequest
-from tessera_actors.serving.loadgen_report import provenance
+from tessera_actors.provenance import provenance
 
 
 async def stream(eng, prompt, params, stamps: list | None = None) -> list[int]:

@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tessera_actors.graph import KernelGraph  # noqa: E402
+from tessera_actors.provenance import git_commit  # noqa: E402
 from tessera_actors.planning import whatif as W  # noqa: E402
 
 DEFAULT_DIRS = [ROOT / "benchmarks" / "results" / "whatif_h200", ROOT / "benchmarks" / "results" / "arena_h200x2_inductor"]
@@ -173,13 +173,6 @@ def leave_one_out(profiles: list[W.Profile]) -> list[dict]:
     return rows
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
 def table(rows: list[dict]) -> str:
     lines = ["| graph | held-out SMs | kernels | median (roofline) | p90 (roofline) | step (roofline) "
              "| median (corrected) | p90 (corrected) | step (corrected) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -223,7 +216,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = "bench_whatif_synthetic" if args.synthetic else (
         f"bench_whatif_{Path(args.profiles[0]).name}" if args.profiles else "bench_whatif")
-    doc = {"commit": git_commit(), "command": " ".join(sys.argv), "source": source, "rows": rows, "worst": worst}
+    doc = {"git_commit": git_commit(), "command": " ".join(sys.argv), "source": source, "rows": rows, "worst": worst}
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     (out / f"{name}.md").write_text(f"Leave-one-SM-count-out ({source})\n\n{text}\n")
     if args.write_params and not args.synthetic:
@@ -244,7 +237,7 @@ def main() -> int:
             c["error"] = c["predicted_s"] / c["measured_s"] - 1
             print(f"  {c['what']:<38} {c['sms']:>4} SMs: predicted {c['predicted_s'] * 1e6:9.0f} us, measured "
                   f"{c['measured_s'] * 1e6:9.0f} us ({c['error'] * 100:+.1f}%)")
-        (out / "fit_checks.json").write_text(json.dumps({"commit": git_commit(), "command": " ".join(sys.argv),
+        (out / "fit_checks.json").write_text(json.dumps({"git_commit": git_commit(), "command": " ".join(sys.argv),
                                                          "checks": checks}, indent=1))
         from tessera_actors.planning.advise import PARAMS_FILE
         PARAMS_FILE.write_text(json.dumps({"commit": git_commit(), "source": source,

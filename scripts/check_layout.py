@@ -36,15 +36,16 @@ MAX_FUNCTION = 80
 # runtime's messages, its endpoints are actor refs; the runtime reaches it only through the remote
 # interface it is handed); the executor core sits under the actors that drive it.
 LAYERS = (
-    ("model", ("ptx", "tessera_actors.graph", "tessera_actors.plan", "tessera_actors.devices")),
+    ("model", ("ptx", "tessera_actors.graph", "tessera_actors.plan", "tessera_actors.devices",
+               "tessera_actors.provenance")),
     ("planning", ("tessera_actors.planning",)),
     ("runtime", ("tessera_actors.runtime",)),
     ("transport", ("transport",)),
     ("models and capture", ("tessera_actors.models", "tessera_actors.capture")),
     ("execution", ("tessera_actors.execution",)),
-    ("actors", ("actors", "tessera_actors.cluster")),
+    ("actors", ("actors", "tessera_actors.cluster", "tessera_actors.node", "tessera_actors.launch.env")),
     ("serving", ("tessera_actors.serving", "tessera_actors.launch")),
-    ("commands", ("tessera_actors.cli", "tessera_actors.capture.cli", "tessera_actors.node", "tessera_actors.demo", "tessera_actors.bench",
+    ("commands", ("tessera_actors.cli", "tessera_actors.capture.cli", "tessera_actors.demo", "tessera_actors.bench",
                   "tessera_actors.check", "tessera_actors.testing", "tessera_actors")),
 )
 

@@ -43,6 +43,8 @@ def elapsed() -> float:
 def write_report(out_dir: str) -> str:
     path = os.path.join(out_dir, "gpu_capture_check.json")
     REPORT["elapsed_s"] = round(elapsed(), 1)
+    from tessera_actors.provenance import provenance
+    REPORT.update(provenance())
     with open(path, "w") as fh:
         json.dump(REPORT, fh, indent=1, default=str)
     return path

@@ -25,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tessera_actors.provenance import provenance  # noqa: E402
+
 
 def signatures(tgraph: Path) -> list[str]:
     from tessera_actors.graph import KernelGraph
@@ -49,6 +51,7 @@ def merge(runs: list[Path], out: Path) -> dict[str, int]:
             if signatures(other / f"{tag}.tgraph") != sig:
                 odoc = json.loads(opj.read_text())
                 odoc["runs"], odoc["merged_from"] = 1, [other.name]
+                odoc.update(provenance())
                 (out / f"{tag}-{other.name}.profile.json").write_text(json.dumps(odoc))
                 shutil.copyfile(other / f"{tag}.tgraph", out / f"{tag}-{other.name}.tgraph")
                 merged[f"{tag}-{other.name}"] = 1
@@ -60,6 +63,7 @@ def merge(runs: list[Path], out: Path) -> dict[str, int]:
             used.append(other.name)
         doc["step_s"] = {s: sum(v) for s, v in doc["times"].items()}
         doc["runs"], doc["merged_from"] = len(used), used
+        doc.update(provenance())   # the merge: its command names the runs merged
         (out / pj.name).write_text(json.dumps(doc))
         shutil.copyfile(last / f"{tag}.tgraph", out / f"{tag}.tgraph")
         merged[tag] = len(used)

@@ -78,6 +78,7 @@ def main() -> int:
     from tessera_actors.capture.aten import capture_module
     from tessera_actors.capture.inductor_buckets import bucket_name, parse_bucket
     from tessera_actors.execution.profile import profile_kernels
+    from tessera_actors.provenance import provenance
     if not torch.cuda.is_available():
         print("profile_sms: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -88,7 +89,7 @@ def main() -> int:
     counts = [int(s) for s in args.sms.split(",")]
     backends = {s: backend_for("cuda:0" if s >= full else f"cuda:0?sms={s}") for s in counts}
     run = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "sms_full": full,
-           "command": " ".join(sys.argv), "graphs": {}, "errors": {}}
+           **provenance(), "graphs": {}, "errors": {}}
     for name in args.models.split(","):
         for bucket in BUCKETS[name]:
             tag = None
@@ -110,7 +111,7 @@ def main() -> int:
                                                                progress=False, program_cls=AtenProgram)
                 doc = {"gpu": "H200" if "H200" in torch.cuda.get_device_name(0) else torch.cuda.get_device_name(0),
                        "model": name, "bucket": bucket, "layers": args.layers, "sms": sorted(int(k) for k in times),
-                       "times": times, "step_s": {k: sum(v) for k, v in times.items()}}
+                       "times": times, "step_s": {k: sum(v) for k, v in times.items()}, **provenance()}
                 (out / f"{tag}.profile.json").write_text(json.dumps(doc))
                 run["graphs"][tag] = {"kernels": len(res.graph.kernels), "seconds": time.perf_counter() - t0,
                                       "step_us": {k: v * 1e6 for k, v in doc["step_s"].items()}}

@@ -7,33 +7,21 @@ scheduler, place every bucket over their devices, serve the same requests
 through them; print the placement, bytes moved and tokens; compare.  Exit
 status 0 only if the split tokens (and every token's log probability,
 bitwise on CPU) equal the single-device ones.
-
-``split_on_nodes`` deploys one given graph over node processes (a plan of
-any model, stepped by ``Engine``): the harness the data-plane tests use.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Sequence
 
-import msgpack
 import torch
 
-from actors.graph import GraphActor
-from actors.scheduler import SchedulerActor
 from actors.transfer_config import DATA_PLANES
-from tessera_actors.cluster import LocalCluster
 from tessera_actors.devices import parse_bytes, parse_devices
-from tessera_actors.execution.stepper import Engine
 from tessera_actors.graph import KernelGraph
-from tessera_actors.runtime.messages import GetStats, Place
-from tessera_actors.plan import Plan, plan_from_dict
-from tessera_actors.planning.registry import get_planner
-from transport.system import ActorSystem
+from tessera_actors.runtime.messages import GetStats
+from tessera_actors.plan import Plan
 
 
 @dataclass
@@ -159,48 +147,6 @@ async def _collect(eng, prompt, params) -> tuple[list[int], list[float]]:
         toks += o.token_ids
         lps += o.logprobs
     return toks, lps
-
-
-@dataclass
-class SplitRun:
-    """A plan deployed over node processes; ``engine`` steps it."""
-    system: ActorSystem
-    cluster: LocalCluster
-    routes: list          # [plan device, endpoint, actor]
-    plan: Plan
-    engine: Engine
-
-    async def transfer_stats(self) -> dict[str, dict]:
-        """``GetStats`` of the transfer actor of every node the plan uses, by endpoint."""
-        out = {}
-        for ep in sorted({ep for _, ep, _ in self.routes}):
-            out[ep] = (await (await self.system.remote_ref(ep, "transfer")).ask(GetStats())).values
-        return out
-
-
-@asynccontextmanager
-async def split_on_nodes(graph: KernelGraph, values: dict, nodes: Sequence[str], planner: str = "contiguous",
-                         mode: str = "latency", node_args: Sequence[str] = (), plan_id: str = "demo",
-                         step_timeout: float = 60.0, register_timeout: float = 30.0):
-    """Start one node process per entry of ``nodes`` (its device specs), let
-    them register with a scheduler in this process, place ``graph`` (initial
-    bytes ``values``) over all their devices and deploy it; yields a
-    ``SplitRun``.  On exit the nodes are stopped (exit codes in
-    ``cluster.nodes``) and the actor system shut down."""
-    async with ActorSystem("demo") as system:
-        address = await system.listen("tcp://127.0.0.1:0")
-        await system.spawn(GraphActor(graph), "graph")
-        sched = await system.spawn(SchedulerActor(get_planner(planner), values), "scheduler")
-        async with LocalCluster(nodes, scheduler=address, node_args=node_args) as cluster:
-            deadline = time.monotonic() + register_timeout
-            while len((await sched.ask(GetStats())).values["nodes"]) < len(nodes):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nodes did not register with the scheduler within {register_timeout:g} s")
-                await asyncio.sleep(0.05)
-            dep = await sched.ask(Place(plan_id, mode), timeout=120)
-            plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
-            refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]
-            yield SplitRun(system, cluster, dep.routes, plan, Engine(graph, plan, plan_id, refs, step_timeout))
 
 
 def node_args(cfg: DemoConfig) -> list[str]:

@@ -11,8 +11,7 @@ import torch
 from tessera_actors.execution.spans import chunk_spans
 from tessera_actors import models
 from tessera_actors.capture import capture_module
-from tessera_actors.demo import split_on_nodes
-from tessera_actors.execution.stepper import StepFailed, greedy_decode
+from plan_stepper import StepFailed, greedy_decode, split_on_nodes
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.runtime.messages import RunStep
 from tessera_actors.plan import single_device_plan

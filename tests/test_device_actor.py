@@ -20,7 +20,7 @@ from actors.transfer import TransferActor
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.execution.stepper import Engine, greedy_decode
+from plan_stepper import Engine, greedy_decode
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes, Uninstall

@@ -140,7 +140,7 @@ def test_every_bucket_of_a_real_size_llama_follows_the_first_ones_homes():
     import torch
     from tessera_actors.planning.pinning import respects, state_homes
     from tessera_actors.serving.config import EngineConfig
-    from tessera_actors.serving.deploy import bucket_inputs, buckets_for, shaped
+    from tessera_actors.serving.buckets import bucket_inputs, buckets_for, shaped
     from tessera_actors import models
     from tessera_actors.capture import capture_module
     cfg = EngineConfig(model="llama", size="real", devices="cuda:0?mem=8GiB,cpu?threads=12", dtype="bfloat16",

@@ -1,9 +1,8 @@
 """Baseline policies as plans, and the `tessera plan` command."""
 import pytest
 
-from tessera_actors.planning.baselines import (af_assignment, is_attention, layer_split_assignment,
-                                               pd_throughput, request_distribution,
-                                               single_graph_baselines, workload_throughput)
+from tessera_actors.planning.baselines import (af_assignment, is_attention, layer_split_assignment, pd_rate,
+                                               request_distribution, single_graph_baselines)
 from tessera_actors.planning.cli import plan_command
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.planner import MilpPlanner
@@ -51,16 +50,12 @@ def test_layer_split_cuts_at_layer_boundaries_in_proportion():
     assert g.kernels[cut].layer == 6                # 6 of 8 layers on the 3x faster device
 
 
-def test_pd_pair_and_workload_comparison():
-    pre = transformer_graph(4, hidden=256, tokens=256)
-    dec = transformer_graph(4, hidden=256, tokens=8)
-    cp, cd = CostTable.estimate(pre, DEVS), CostTable.estimate(dec, DEVS)
-    pd = pd_throughput(pre, dec, DEVS, cp, cd, decode_steps=16)
-    assert pd.throughput is not None and len(pd.plans) == 2
-    p_step, d_step = pd.plans[0].predicted_step_s, pd.plans[1].predicted_step_s
-    assert pd.throughput == pytest.approx(min(1 / max(p_step, pd.step_s - p_step - 16 * d_step),
-                                              1 / (16 * d_step)))
-    assert workload_throughput(100.0, 1000.0, 10) == pytest.approx(50.0)
+def test_pd_rate_is_the_slower_of_its_two_devices():
+    """PD's one formula: prefills (or their state crossing the link, whichever
+    is slower) on one device, ``decode_steps`` decode steps on the other."""
+    assert pd_rate(0.010, 0.002, 0.001, 16) == pytest.approx(1 / 0.016)     # decode bound
+    assert pd_rate(0.010, 0.002, 0.001, 4) == pytest.approx(1 / 0.010)      # prefill bound
+    assert pd_rate(0.010, 0.030, 0.001, 4) == pytest.approx(1 / 0.030)      # the link bound
 
 
 def test_baselines_are_legal_plans_with_predictions():

@@ -51,3 +51,27 @@ def test_events_are_recorded_in_order():
     pred = simulate(plan, costs, inflight=1, record=True)
     assert [(e.resource, e.kind, round(e.start / MS, 6), round(e.end / MS, 6)) for e in pred.events] == [
         ("cuda:0", "run", 0.0, 2.0), ("cuda:0->cuda:1", "xfer", 2.0, 3.5), ("cuda:1", "run", 3.5, 6.5)]
+
+
+def test_two_plans_share_a_device_in_admission_order():
+    """The one step-time model over [(plan, slots)]: two jobs on one device,
+    one slot each; the device runs whichever micro-batch was admitted first."""
+    from tessera_actors.planning.timing import Programs, run
+    a = Programs([[("run", 0)]], [2 * MS], {})
+    b = Programs([[("run", 0)]], [3 * MS], {})
+    r = run([(a, 1), (b, 1)], [2, 2])
+    got = sorted((j, round(f / MS, 6)) for j, f in zip(r.job, r.finish))
+    assert got == [(0, 2.0), (0, 7.0), (1, 5.0), (1, 10.0)]
+    assert r.busy == pytest.approx([10 * MS])
+
+
+def test_a_copy_engine_runs_copies_in_order_beside_the_kernels():
+    """Copies on a copy-engine channel overlap the device's kernels; a reader
+    waits for its copy; the second copy is sent once the first reader ran."""
+    from tessera_actors.planning.timing import Programs, run
+    prog = [("send", 0), ("recv", 0), ("run", 0), ("send", 1), ("recv", 1), ("run", 1)]
+    p = Programs([prog], [2 * MS, 2 * MS], {0: ("copy", 0, 1 * MS), 1: ("copy", 0, 3 * MS)})
+    r = run([(p, 1)], [1], record=True)
+    assert r.finish[0] == pytest.approx(8 * MS)        # copy 0-1, run 1-3, copy 3-6, run 6-8
+    assert [(e.kind, round(e.start / MS, 6)) for e in r.events] == [
+        ("xfer", 0.0), ("run", 1.0), ("xfer", 3.0), ("run", 6.0)]

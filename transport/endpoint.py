@@ -33,7 +33,7 @@ from tessera_actors.runtime.actor import ActorRef, LocalRef
 from tessera_actors.runtime.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
 from tessera_actors.runtime.messages import ErrorReply, Ok
-from transport import auth, codec, guard, shm
+from transport import auth, codec, guard, shm, shm_frames
 from transport.channel import Channel
 from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,
                              Envelope)
@@ -313,7 +313,7 @@ class Peer:
         pool = self._shm_pool
         if pool is None or len(frames) < 3:
             return frames, ()
-        return shm.to_shm(frames, pool, self._shm_config.threshold)
+        return shm_frames.to_shm(frames, pool, self._shm_config.threshold)
 
     def _unsent(self, tokens) -> None:
         """A message was dropped before ZeroMQ took it: free its segments."""
@@ -344,7 +344,7 @@ class Peer:
         frames = codec.encode(msg, _envelope((op, rid, target)))
         tokens = ()
         if self._shm_pool is not None and len(frames) > 2:
-            frames, tokens = shm.to_shm(frames, self._shm_pool, self._shm_config.threshold)
+            frames, tokens = shm_frames.to_shm(frames, self._shm_pool, self._shm_config.threshold)
         loop = self._loop
         fut = loop.create_future()
         pending = self._pending

@@ -36,7 +36,8 @@ import torch
 
 from tessera_actors.serving import AsyncEngine, EngineConfig
 from tessera_actors.serving.loadgen import EngineClient, TraceRequest, replay
-from tessera_actors.serving.loadgen_report import provenance, summarize
+from tessera_actors.provenance import provenance
+from tessera_actors.serving.loadgen_report import summarize
 
 
 @dataclass

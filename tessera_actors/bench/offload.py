@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 import dataclasses
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from tessera_actors.provenance import git_commit
 from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, first_difference, log, serve
 from tessera_actors.bench.offload_measure import measure_rates, measure_switch
 from tessera_actors.devices import DeviceSpec, parse_bytes
@@ -93,16 +93,6 @@ class OffloadConfig:
         if len(parts) != 2:
             raise ValueError(f"--devices takes two devices, GPU,CPU; got {text!r}")
         return DeviceSpec.parse(parts[0]), DeviceSpec.parse(parts[1])
-
-
-def git_commit() -> str:
-    if os.environ.get("TESSERA_GIT_COMMIT"):
-        return os.environ["TESSERA_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def engine_fields(cfg: OffloadConfig) -> dict:
@@ -360,7 +350,7 @@ def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict
     res = asyncio.run(bench(cfg))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"git_commit": git_commit(), "command": " ".join(argv if argv is not None else sys.argv),
+    doc = {"git_commit": git_commit() or "unknown", "command": " ".join(argv if argv is not None else sys.argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(cfg), "config": asdict(cfg), **res}
     (out / "offload.json").write_text(json.dumps(doc, indent=1, default=str))
     print(table(res))

@@ -40,6 +40,8 @@ from typing import Any, Callable
 
 import torch
 
+from tessera_actors.provenance import git_commit
+
 MODELS = ("llama", "moe", "mamba2", "vlm", "dit")
 
 
@@ -253,12 +255,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _git_commit() -> str:
-    """The commit, as every result file records it (``TESSERA_GIT_COMMIT`` first)."""
-    from tessera_actors.serving.loadgen_report import provenance
-    return provenance()["git_commit"] or "unknown"
-
-
 def main(args) -> int:
     run_roofline(RooflineConfig(tuple(args.models.split(",")), args.layers, args.batch, args.cache, args.prompt,
                                 args.dtype, args.steps, args.device, args.out, args.gqa, args.regions))
@@ -275,7 +271,7 @@ def run_roofline(cfg: RooflineConfig) -> list[dict[str, Any]]:
           f"{cfg.dtype} GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"git_commit": _git_commit(), "command": sys.argv, "gpu": torch.cuda.get_device_name(device),
+    meta = {"git_commit": git_commit() or "unknown", "command": sys.argv, "gpu": torch.cuda.get_device_name(device),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "config": asdict(cfg), "bandwidth_Bps": bandwidth, "gemm_flops": gemm}
     path = out / "roofline.json"

@@ -59,7 +59,7 @@ def engine_for(case: ServedCase, kind: str):
 async def served_decode(case: ServedCase) -> dict[str, Any]:
     """Seconds per served decode step of ``batch`` rows (module docstring)."""
     from tessera_actors import SamplingParams
-    from tessera_actors.serving.deploy import bucket_name
+    from tessera_actors.serving.buckets import bucket_name
     eng = engine_for(case, "decode")
     t0 = time.perf_counter()
     await eng.start()
@@ -109,7 +109,7 @@ async def served_decode(case: ServedCase) -> dict[str, Any]:
 async def served_prefill(case: ServedCase) -> dict[str, Any]:
     """Seconds from a ``prompt``-token request to its first token (median)."""
     from tessera_actors import SamplingParams
-    from tessera_actors.serving.deploy import bucket_name
+    from tessera_actors.serving.buckets import bucket_name
     eng = engine_for(case, "prefill")
     t0 = time.perf_counter()
     await eng.start()

@@ -25,6 +25,7 @@ random ops that draw numbers (dropout > 0 in training mode).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -287,6 +288,57 @@ def _pack_temps(records: list[dict], storages: list[dict]) -> dict[int, tuple[in
     return {b: (s, slot_size[s]) for b, s in slot_of.items()}
 
 
+@contextlib.contextmanager
+def _module_scopes(module: torch.nn.Module | None, scope: list[str]):
+    """While inside: ``scope[-1]`` is the path of the innermost module of
+    ``module`` whose forward runs (hooks on every module; removed after)."""
+    if module is None:
+        yield
+        return
+    names = {m: n for n, m in module.named_modules()}
+
+    def enter(m, args) -> None:
+        scope.append(names.get(m, scope[-1]))
+
+    def leave(m, args, out) -> None:  # must return None: a value would replace the output
+        if len(scope) > 1:
+            scope.pop()
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+             torch.nn.modules.module.register_module_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _buffers(storages: list[dict], packed: dict, base: int, remap: dict[int, int]) -> dict[int, Buffer]:
+    """The graph's buffers: every storage not packed into a temp slot, then the slots."""
+    buffers: dict[int, Buffer] = {}
+    for s in storages:
+        if s["id"] in remap:
+            continue
+        buffers[s["id"]] = Buffer(s["id"], s["nbytes"], s["role"], s["name"], s["dtype"], s["shape"])
+    for b, (slot, size) in packed.items():
+        bid = base + slot
+        if bid not in buffers:
+            buffers[bid] = Buffer(bid, size, "temp", f"slot{slot}", "uint8", (size,))
+    return buffers
+
+
+def _kernels(records: list[dict], remap: dict[int, int]) -> list[Kernel]:
+    """One kernel per recorded op, its accesses and payload on the packed buffers."""
+    kernels = []
+    for i, r in enumerate(records):
+        acc = tuple(Access(remap.get(b, b), s, e, m) for b, s, e, m in r["accesses"])
+        payload = _remap_payload({"op": r["op"], "args": r["args"], "kwargs": r["kwargs"], "outs": r["outs"]}, remap)
+        m = re.search(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)", r["scope"])
+        kernels.append(Kernel(i, r["qual"].removeprefix("aten::"), "library", acc, False, r["flops"],
+                              float(sum(a.nbytes for a in acc)), r["sig"], int(m.group(1)) if m else -1,
+                              r["scope"], payload))
+    return kernels
+
+
 def capture(fn: Callable[..., Any], inputs: dict[str, Any], *,
             params: dict[str, torch.Tensor] | None = None,
             state: dict[str, torch.Tensor] | None = None,
@@ -315,27 +367,12 @@ def capture(fn: Callable[..., Any], inputs: dict[str, Any], *,
     for name, t in inputs.items():
         roles[t.untyped_storage()._cdata] = ("input", name)
     scope = [""]
-    hooks = []
-    if module is not None:
-        names = {m: n for n, m in module.named_modules()}
-
-        def enter(m, args) -> None:
-            scope.append(names.get(m, scope[-1]))
-
-        def leave(m, args, out) -> None:  # must return None: a value would replace the output
-            if len(scope) > 1:
-                scope.pop()
-        hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(enter))
-        hooks.append(torch.nn.modules.module.register_module_forward_hook(leave))
     rec = _Recorder(roles, scope)
-    try:
+    with _module_scopes(module, scope):
         for name, t in list((params or {}).items()) + list((state or {}).items()) + list(inputs.items()):
             rec._storage(t, producing=False)
         with torch.no_grad(), python_level_reads(rec.guard_tolist), rec, whole_ops(rec):
             result = fn(**rebuild(inputs))
-    finally:
-        for h in hooks:
-            h.remove()
     named = flatten_outputs(result)
     if not named:
         raise CaptureError(f"the captured call returned no tensor (got {type(result).__name__})")
@@ -352,23 +389,8 @@ def capture(fn: Callable[..., Any], inputs: dict[str, Any], *,
     packed = _pack_temps(rec.records, storages) if reuse_temps else {}
     base = len(storages)
     remap = {b: base + slot for b, (slot, _) in packed.items()}
-    buffers: dict[int, Buffer] = {}
-    for s in storages:
-        if s["id"] in remap:
-            continue
-        buffers[s["id"]] = Buffer(s["id"], s["nbytes"], s["role"], s["name"], s["dtype"], s["shape"])
-    for b, (slot, size) in packed.items():
-        bid = base + slot
-        if bid not in buffers:
-            buffers[bid] = Buffer(bid, size, "temp", f"slot{slot}", "uint8", (size,))
-    kernels = []
-    for i, r in enumerate(rec.records):
-        acc = tuple(Access(remap.get(b, b), s, e, m) for b, s, e, m in r["accesses"])
-        payload = _remap_payload({"op": r["op"], "args": r["args"], "kwargs": r["kwargs"], "outs": r["outs"]}, remap)
-        m = re.search(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)", r["scope"])
-        kernels.append(Kernel(i, r["qual"].removeprefix("aten::"), "library", acc, False, r["flops"],
-                              float(sum(a.nbytes for a in acc)), r["sig"], int(m.group(1)) if m else -1,
-                              r["scope"], payload))
+    buffers = _buffers(storages, packed, base, remap)
+    kernels = _kernels(rec.records, remap)
     views = {"input_views": {n: _remap_payload(rec._ref(t), remap)["t"] for n, t in inputs.items()},
              "output_views": [_remap_payload(rec._ref(t), remap)["t"] for t in outs]}
     views["output_names"] = [n for n, _ in named]

@@ -317,6 +317,58 @@ def _unique_graphs() -> int:
         return -1
 
 
+def _compiled_and_warm(model, inputs, compiled, regions: str, warmup: int, device: torch.device,
+                       times: dict[str, float], t0: float, say, restore) -> tuple[Callable[..., Any], str]:
+    """(the compiled model, warmed up; why its regions were chosen).  A whole
+    graph chosen for its host reads that does not compile is compiled per
+    block after all, its host reads guarded."""
+    reason = ""
+    if compiled is None:
+        say("choosing regions")
+        regions, reason = choose_regions(model, inputs, regions)
+        restore()
+    say("compiling")
+    given = compiled
+    if compiled is None:
+        compiled = compile_model(model, regions=regions)
+    try:
+        _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
+    except CaptureError as e:
+        if not reason or given is not None:
+            raise
+        reason += f"; the whole graph failed ({e}): compiled per block, host reads guarded"
+        log.info("%s", reason)
+        restore()
+        compiled = compile_model(model, regions="blocks")
+        _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
+    return compiled, reason
+
+
+def _record(compiled, inputs, params: dict, state: dict, tensors: dict, keep_ptx: bool, fresh_state: bool,
+            device: torch.device):
+    """(the recorder, the result) of one recorded run of the warmed-up
+    ``compiled``; ``CaptureError`` when that run recompiled."""
+    roles: dict[int, tuple[str, str]] = {}
+    for name, t in params.items():
+        roles[t.untyped_storage()._cdata] = ("weight", name)
+    for name, t in state.items():
+        roles[t.untyped_storage()._cdata] = ("state", name)
+    for name, t in tensors.items():
+        roles[t.untyped_storage()._cdata] = ("input", name)
+    rec = _InductorRecorder(roles, [""], keep_ptx)
+    rec.snapshot_named = not fresh_state
+    for t in list(params.values()) + list(state.values()) + list(tensors.values()):
+        rec._storage(t, producing=False)
+    graphs_before = _unique_graphs()
+    with torch.no_grad(), hooks.run_hook(rec.on_launch), python_level_reads(rec.guard_tolist), rec:
+        result = compiled(**inputs)
+    _sync(device)
+    if graphs_before >= 0 and _unique_graphs() != graphs_before:
+        raise CaptureError("the model was recompiled during the recorded run (guards failed): "
+                           "the recorded program would not be the warmed-up one")
+    return rec, result
+
+
 def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                      state_names: list[str] | None = None, meta: dict[str, Any] | None = None, *,
                      warmup: int = 2, reuse_temps: bool = True, keep_ptx: bool = True,
@@ -364,48 +416,13 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
                     t.copy_(saved[n])
     try:
         t0 = time.perf_counter()
-        reason = ""
-        if compiled is None:
-            say("choosing regions")
-            regions, reason = choose_regions(model, inputs, regions)
-            restore()
-        say("compiling")
-        given = compiled
-        if compiled is None:
-            compiled = compile_model(model, regions=regions)
-        try:
-            _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
-        except CaptureError as e:
-            if not reason or given is not None:
-                raise
-            # the whole graph did not compile: blocks after all, the host reads become guards
-            reason += f"; the whole graph failed ({e}): compiled per block, host reads guarded"
-            log.info("%s", reason)
-            restore()
-            compiled = compile_model(model, regions="blocks")
-            _warm_up(compiled, inputs, warmup, device, times, t0, type(model).__name__)
+        compiled, reason = _compiled_and_warm(model, inputs, compiled, regions, warmup, device, times, t0, say,
+                                              restore)
         times["warmup_s"] = time.perf_counter() - t0 - times.get("compile_s", 0.0)
         restore()
         say("recording")
         t1 = time.perf_counter()
-        roles: dict[int, tuple[str, str]] = {}
-        for name, t in params.items():
-            roles[t.untyped_storage()._cdata] = ("weight", name)
-        for name, t in state.items():
-            roles[t.untyped_storage()._cdata] = ("state", name)
-        for name, t in tensors.items():
-            roles[t.untyped_storage()._cdata] = ("input", name)
-        rec = _InductorRecorder(roles, [""], keep_ptx)
-        rec.snapshot_named = not fresh_state
-        for t in list(params.values()) + list(state.values()) + list(tensors.values()):
-            rec._storage(t, producing=False)
-        graphs_before = _unique_graphs()
-        with torch.no_grad(), hooks.run_hook(rec.on_launch), python_level_reads(rec.guard_tolist), rec:
-            result = compiled(**inputs)
-        _sync(device)
-        if graphs_before >= 0 and _unique_graphs() != graphs_before:
-            raise CaptureError("the model was recompiled during the recorded run (guards failed): "
-                               "the recorded program would not be the warmed-up one")
+        rec, result = _record(compiled, inputs, params, state, tensors, keep_ptx, fresh_state, device)
         times["record_s"] = time.perf_counter() - t1
         warnings = []
         if device.type == "cuda" and rec.launches == 0:

@@ -29,10 +29,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from transport import auth
 
-from tessera_actors.launch import Notice
+if TYPE_CHECKING:
+    from tessera_actors.launch import Notice
 
 log = logging.getLogger("tessera_actors.launch.ray")
 

@@ -8,11 +8,11 @@ processes the graph's batch: multiply by its tokens for tokens/s).
   device whose memory holds the whole graph, requests routed in proportion
   to speed; throughput = the sum of the replicas' throughputs.  It is several
   plans, one per device, with the request share in ``plan.meta["share"]``.
-* **PD** (:func:`pd_throughput`): the prefill graph on one device, the decode
-  graph on the other, the prefill graph's state (KV cache) bytes sent over
-  the link after each prefill step; requests/s of the pair for a workload
-  of ``decode_steps`` decode steps per prefill step.  Compare single-graph
-  policies on the same workload with :func:`workload_throughput`.
+* **PD** (:func:`pd_rate`, the one PD formula; ``tessera advise`` applies it
+  in ``policies.py``): the prefill graph on one device, the decode graph on
+  the other, the prefill graph's state (KV cache) bytes sent over the link
+  after each prefill step; requests/s of the pair for a workload of
+  ``decode_steps`` decode steps per prefill step.
 * **AF** (:func:`af_plan`): attention kernels on one device, everything else
   (FFN/MLP/experts, norms, embeddings) on the other, two micro-batches
   ping-ponging.  A kernel is attention when its ``scope`` has a module path
@@ -208,36 +208,6 @@ def pd_rate(prefill_s: float, link_s: float, decode_s: float, decode_steps: floa
     crossing the link while the next prefill runs (``max``), decode steps of
     ``decode_s`` on the other, ``decode_steps`` of them per request."""
     return min(1.0 / max(prefill_s, link_s, 1e-30), 1.0 / max(decode_s * decode_steps, 1e-30))
-
-
-def pd_throughput(prefill: KernelGraph, decode: KernelGraph, devices: Sequence[str],
-                  costs_prefill: CostTable, costs_decode: CostTable, decode_steps: float = 1.0) -> BaselineResult:
-    """Requests/s of prefill on one device and decode on another (both
-    orientations tried, the better returned; :func:`pd_rate`).  Each graph
-    must fit on its device (whole graph resident)."""
-    if len(devices) < 2:
-        return BaselineResult("pd", None, None, note="needs two devices")
-    kv = sum(b.nbytes for b in prefill.buffers.values() if b.role == "state")
-    best = BaselineResult("pd", None, None, note="neither orientation fits in memory")
-    a, b = _fastest_two(costs_decode)
-    for p_dev, d_dev in ((a, b), (b, a)):
-        pp = homo_plan(prefill, devices, p_dev, costs_prefill)
-        dp = homo_plan(decode, devices, d_dev, costs_decode)
-        if any(fits(prefill, pp, costs_prefill)) or any(fits(decode, dp, costs_decode)):
-            continue
-        link = costs_prefill.comm_s(p_dev, d_dev, kv)
-        thr = pd_rate(pp.predicted_step_s, link, dp.predicted_step_s, decode_steps)
-        if best.throughput is None or thr > best.throughput:
-            best = BaselineResult("pd", thr, pp.predicted_step_s + link + dp.predicted_step_s * decode_steps,
-                                  [pp, dp], f"prefill on {devices[p_dev]}, decode on {devices[d_dev]}")
-    return best
-
-
-def workload_throughput(prefill_throughput: float, decode_throughput: float, decode_steps: float = 1.0) -> float:
-    """Requests/s of one policy that time-shares its devices between one
-    prefill step and ``decode_steps`` decode steps per request (the same
-    workload :func:`pd_throughput` measures)."""
-    return 1.0 / (1.0 / prefill_throughput + decode_steps / decode_throughput)
 
 
 def single_graph_baselines(graph: KernelGraph, devices: Sequence[str], costs: CostTable) -> list[BaselineResult]:

@@ -13,7 +13,7 @@ from tessera_actors.graph import GraphError, KernelGraph
 from tessera_actors.plan import Plan, PlanError
 from tessera_actors.planning.baselines import BaselineResult, single_graph_baselines
 from tessera_actors.planning.bound import placement_bound
-from tessera_actors.planning.costs import CostTable, costs_path_for
+from tessera_actors.planning.costs import CostTable, Roofline, costs_path_for
 from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
 from tessera_actors.planning.timeline import TimelineUnavailable, render_png
 
@@ -33,7 +33,7 @@ def load_costs(graph: KernelGraph, graph_path: str, devices: Sequence[str],
             return costs
     elif costs_path:
         raise PlanError(f"cost table {path} does not exist")
-    return CostTable.estimate(graph, devices)
+    return Roofline().table(graph, devices)
 
 
 def _fmt_bytes(n: float | None) -> str:

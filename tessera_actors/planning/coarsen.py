@@ -131,6 +131,50 @@ def tied_positions(graph: KernelGraph, blocks: int = 1) -> list[tuple[int, int] 
     return out
 
 
+def _comm_groups(graph: KernelGraph, kclass: np.ndarray) -> list[CommGroup]:
+    """Communication: per producer kernel and buffer, the consumer classes;
+    the bytes each (producer class, consumer classes) group may move."""
+    need: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+    cons: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for e in graph.edges:
+        if e.kind != "RAW":
+            continue
+        p, c = int(kclass[e.src]), int(kclass[e.dst])
+        if p == c:
+            continue
+        need[(e.src, e.buffer)].extend(e.ranges)
+        cons[(e.src, e.buffer)].add(c)
+    comm_acc: dict[tuple[int, frozenset], list[float]] = {}
+    for key, ranges in need.items():
+        nb = sum(b - a for a, b in _merge(ranges))
+        gk = (int(kclass[key[0]]), frozenset(cons[key]))
+        acc = comm_acc.setdefault(gk, [0.0, 0])
+        acc[0] += nb
+        acc[1] += 1
+    comm = [CommGroup(p, cs, v[0], int(v[1])) for (p, cs), v in sorted(
+        comm_acc.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1])))]
+    return comm
+
+
+def _memory(graph: KernelGraph, kclass: np.ndarray, ncls: int) -> tuple[np.ndarray, list[MemGroup]]:
+    """Memory: each buffer is held once on every device running a class
+    using it; (bytes of the buffers one class alone uses, the shared ones)."""
+    users: dict[int, set[int]] = defaultdict(set)
+    for k in graph.kernels:
+        for a in k.accesses:
+            users[a.buffer].add(int(kclass[k.id]))
+    class_mem = np.zeros(ncls)
+    mem_acc: dict[frozenset, int] = defaultdict(int)
+    for b, cs in users.items():
+        nb = graph.buffers[b].nbytes
+        if len(cs) == 1:
+            class_mem[next(iter(cs))] += nb
+        else:
+            mem_acc[frozenset(cs)] += nb
+    mem_groups = [MemGroup(cs, nb) for cs, nb in sorted(mem_acc.items(), key=lambda kv: sorted(kv[0]))]
+    return class_mem, mem_groups
+
+
 def build_problem(graph: KernelGraph, costs: CostTable, max_units: int = 300,
                   tie_layers: bool = True, tie_blocks: int | None = None) -> Problem:
     """See the module docstring. ``max_units`` bounds the number of distinct
@@ -198,41 +242,8 @@ def build_problem(graph: KernelGraph, costs: CostTable, max_units: int = 300,
     cost = np.zeros((ncls, ndev))
     np.add.at(cost, kclass, times)
 
-    # Communication: per producer kernel and buffer, the consumer classes.
-    need: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-    cons: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for e in graph.edges:
-        if e.kind != "RAW":
-            continue
-        p, c = int(kclass[e.src]), int(kclass[e.dst])
-        if p == c:
-            continue
-        need[(e.src, e.buffer)].extend(e.ranges)
-        cons[(e.src, e.buffer)].add(c)
-    comm_acc: dict[tuple[int, frozenset], list[float]] = {}
-    for key, ranges in need.items():
-        nb = sum(b - a for a, b in _merge(ranges))
-        gk = (int(kclass[key[0]]), frozenset(cons[key]))
-        acc = comm_acc.setdefault(gk, [0.0, 0])
-        acc[0] += nb
-        acc[1] += 1
-    comm = [CommGroup(p, cs, v[0], int(v[1])) for (p, cs), v in sorted(
-        comm_acc.items(), key=lambda kv: (kv[0][0], sorted(kv[0][1])))]
-
-    # Memory: each buffer is held once on every device running a class using it.
-    users: dict[int, set[int]] = defaultdict(set)
-    for k in graph.kernels:
-        for a in k.accesses:
-            users[a.buffer].add(int(kclass[k.id]))
-    class_mem = np.zeros(ncls)
-    mem_acc: dict[frozenset, int] = defaultdict(int)
-    for b, cs in users.items():
-        nb = graph.buffers[b].nbytes
-        if len(cs) == 1:
-            class_mem[next(iter(cs))] += nb
-        else:
-            mem_acc[frozenset(cs)] += nb
-    mem_groups = [MemGroup(cs, nb) for cs, nb in sorted(mem_acc.items(), key=lambda kv: sorted(kv[0]))]
+    comm = _comm_groups(graph, kclass)
+    class_mem, mem_groups = _memory(graph, kclass, ncls)
     stats = {"kernels": n, "chunks": len(chunks), "classes": ncls, "comm_groups": len(comm),
              "mem_groups": len(mem_groups), "tied_kernels": sum(t is not None for t in tie)}
     return Problem(ndev, chunks, chunk_class, cost, comm, class_mem, mem_groups, stats)

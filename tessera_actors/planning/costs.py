@@ -12,14 +12,21 @@ Two constructors: :meth:`CostTable.from_profiles` takes measured per-kernel
 times (one list per device, as the runtime's profiler produces them) and
 :meth:`CostTable.estimate` derives a roofline estimate from each kernel's
 ``flops``/``bytes`` and a :class:`DeviceModel` per device, so graphs without
-profiles can be planned.  Pure Python; no torch.
+profiles can be planned.
+
+Every source of kernel times is a :class:`CostModel` (``table(graph,
+devices) -> CostTable``): :class:`Roofline` (the presets here),
+``registry.Measured`` (profiled tables by graph, a roofline for the others),
+``offload.model.HostRoofline`` (CPU rates while a copy stream runs, gathers
+read what they write) and ``whatif.Fitted`` (the fitted what-if roofline of
+simulated GPUs).  Pure Python; no torch.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
@@ -213,8 +220,10 @@ class CostTable:
         return cls(list(d["devices"]), d["times"], d["latency"], bw, list(d["mem"]), d.get("source", "profile"))
 
     def save(self, path: str | Path) -> None:
-        """JSON (readable, diffable; a 1000x4 table is ~100 kB)."""
-        Path(path).write_text(json.dumps(self.to_dict()))
+        """JSON (readable, diffable; a 1000x4 table is ~100 kB), stamped with
+        where it was measured (``git_commit``, ``command``: ignored on load)."""
+        from tessera_actors.provenance import provenance
+        Path(path).write_text(json.dumps({**self.to_dict(), **provenance()}))
 
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
@@ -222,6 +231,25 @@ class CostTable:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except (ValueError, KeyError, TypeError) as e:
             raise PlanError(f"{path}: not a cost table ({e})") from e
+
+
+class CostModel(Protocol):
+    """Where a plan's kernel times come from."""
+
+    def table(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
+        """The cost table of ``graph`` on ``devices`` (device spec strings)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Roofline estimates from each device's :class:`DeviceModel`
+    (``models``: one per device, or preset names; None: :func:`device_model`
+    of each spec)."""
+    models: tuple | None = None
+
+    def table(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
+        return CostTable.estimate(graph, devices, self.models)
 
 
 def costs_path_for(graph_path: str | Path) -> Path:

@@ -9,30 +9,16 @@ of the requests finished within the last ``window_s`` seconds.  Ratio >=
 below it the latency plan.  The initial mode is ``latency``; with no request
 in the window the mode stays what it was.
 
-:class:`PlanSwitcher` applies the mode at step boundaries only.  Contract
-for the engine:
-
-1. call :meth:`PlanSwitcher.begin_step` before dispatching a step; it returns
-   a :class:`StepTicket` whose plan the *whole* step (all its micro-batches)
-   runs with, or ``None`` while a switch is draining;
-2. call :meth:`PlanSwitcher.end_step` with the ticket when the step's
-   results are delivered (or it failed and its requests were requeued);
-3. on ``None`` keep the requests queued and try again after the next
-   ``end_step``: a switch waits until every step of the old plan finished,
-   then the first step of the new plan starts.
-
-Requests are never handed to the switcher, so it cannot drop or duplicate
-one: every request belongs to exactly one step and every step to exactly
-one plan.
+The engine applies the mode at step boundaries only (``serving/engine.py``:
+once the monitor asks for the other plan no decode step starts until those
+in flight have landed).
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import Callable
 
-P = TypeVar("P")
 MODES = ("latency", "throughput")
 
 
@@ -91,45 +77,3 @@ class Monitor:
         if r is not None:
             self._mode = "throughput" if r >= self.beta else "latency"
         return self._mode
-
-
-@dataclass(frozen=True)
-class StepTicket(Generic[P]):
-    step: int
-    mode: str
-    plan: P
-
-
-class PlanSwitcher(Generic[P]):
-    """Hands out the plan per step; swaps plans only between steps (see the
-    module docstring for the engine's contract)."""
-
-    def __init__(self, plans: dict[str, P], monitor: Monitor) -> None:
-        missing = [m for m in MODES if m not in plans]
-        if missing:
-            raise MonitorError(f"PlanSwitcher needs a plan for every mode; missing {missing}")
-        self.plans, self.monitor = dict(plans), monitor
-        self.current = monitor.mode()
-        self.switches = 0
-        self._next_step = 0
-        self._inflight: dict[int, str] = {}
-
-    def begin_step(self) -> StepTicket[P] | None:
-        want = self.monitor.mode()
-        if want != self.current:
-            if self._inflight:
-                return None            # draining the old plan's steps
-            self.current = want
-            self.switches += 1
-        ticket = StepTicket(self._next_step, self.current, self.plans[self.current])
-        self._inflight[ticket.step] = ticket.mode
-        self._next_step += 1
-        return ticket
-
-    def end_step(self, ticket: StepTicket[P]) -> None:
-        if self._inflight.pop(ticket.step, None) is None:
-            raise MonitorError(f"step {ticket.step} is not in flight (ended twice?)")
-
-    @property
-    def inflight(self) -> int:
-        return len(self._inflight)

@@ -40,7 +40,7 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan, PlanError, build_plan
 from tessera_actors.planning.baselines import candidate_assignments
 from tessera_actors.planning.coarsen import build_problem
-from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.costs import CostTable, Roofline
 from tessera_actors.planning.inflight import annotate, choose_inflight, default_inflight, fits, memory_inflight
 from tessera_actors.planning.milp import Solution, objective_of, solve_or_explain
 from tessera_actors.planning.simulate import Prediction, simulate
@@ -104,7 +104,7 @@ class MilpPlanner:
     """Latency and throughput plans from the MILP (see module docstring).
 
     ``costs`` is the cost table of the graph on the devices passed to
-    :meth:`plan` (same order); without one, :meth:`CostTable.estimate` is used.
+    :meth:`plan` (same order); without one, the :class:`~.costs.Roofline` estimate is used.
     """
 
     def __init__(self, costs: CostTable | None = None, config: PlannerConfig | None = None) -> None:
@@ -112,7 +112,7 @@ class MilpPlanner:
         self.config = config or PlannerConfig()
 
     def _costs(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
-        costs = self.costs or CostTable.estimate(graph, devices)
+        costs = self.costs or Roofline().table(graph, devices)
         if len(costs.devices) != len(devices):
             raise PlanError(f"cost table is for {len(costs.devices)} devices, asked to plan on {len(devices)}")
         costs.check_graph(graph)

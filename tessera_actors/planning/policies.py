@@ -10,7 +10,7 @@ the number of sequences a policy decodes at once (a plan's batch times its
 micro-batches in flight; the replicas' batches summed).
 
 Workload: a batch of ``b`` requests costs ``b`` prefills and ``out_tokens``
-decode steps (:func:`.baselines.workload_throughput`); PD is
+decode steps (:func:`unit_s`, time sharing); PD is
 :func:`.baselines.pd_rate`.  Policies: Homo-L / Homo-R (every GPU of one
 type alone, a replica each), Request Distribution (a replica on every GPU
 that holds one, its own best batch each), PD (prefill on one GPU, decode on
@@ -39,7 +39,7 @@ from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
 from tessera_actors.planning.reference import Workload, batch_of, decode_buckets, graph_path, load_graph, load_params
 from tessera_actors.planning.specs import get_spec
 from tessera_actors.planning.symmetry import device_types, type_table
-from tessera_actors.planning.whatif import predict
+from tessera_actors.planning.whatif import Fitted
 
 POLICIES = ("Homo-L", "Homo-R", "Request Distribution", "PD", "AF", "Layer split", "Tessera")
 
@@ -139,7 +139,7 @@ class _Cell:
         self.prefill: tuple[KernelGraph, CostTable] | None = None
         if not (self.ssm or self.dit):
             gp = load_graph(model, "prefill-b1-t1024", data)
-            self.prefill = (gp, predict(gp, self.gpus, params))
+            self.prefill = (gp, Fitted(params).table(gp, self.gpus))
 
     def decode(self):
         """(batch, graph, costs) of every decode bucket there is a graph of
@@ -150,7 +150,7 @@ class _Cell:
                                     "(run scripts/capture_advise_graphs.py)")
         for bucket in have:
             g = load_graph(self.model, bucket, self.data)
-            c = predict(g, self.gpus, self.params)
+            c = Fitted(self.params).table(g, self.gpus)
             if _holds(g, c):
                 yield batch_of(bucket), g, c
 

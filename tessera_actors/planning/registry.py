@@ -27,16 +27,28 @@ def graph_key(graph: KernelGraph) -> tuple:
             round(sum(k.flops for k in graph.kernels), 3))
 
 
-class _CostsPlanner:
-    def __init__(self, name: str, costs: Mapping[tuple, object] | None) -> None:
-        self.name, self.costs = name, dict(costs or {})
+class Measured:
+    """The :class:`~tessera_actors.planning.costs.CostModel` of profiled
+    tables (by :func:`graph_key`), for the devices they were measured on; a
+    roofline estimate for any other graph or devices."""
 
-    def _table(self, graph: KernelGraph, devices: Sequence[str]):
-        from tessera_actors.planning.costs import CostTable
-        table = self.costs.get(graph_key(graph))
+    def __init__(self, tables: Mapping[tuple, object] | None = None) -> None:
+        self.tables = dict(tables or {})
+
+    def table(self, graph: KernelGraph, devices: Sequence[str]):
+        from tessera_actors.planning.costs import Roofline
+        table = self.tables.get(graph_key(graph))
         if table is not None and list(table.devices) == list(devices):
             return table
-        return CostTable.estimate(graph, devices)
+        return Roofline().table(graph, devices)
+
+
+class _CostsPlanner:
+    def __init__(self, name: str, costs: Mapping[tuple, object] | None) -> None:
+        self.name, self.costs = name, Measured(costs)
+
+    def _table(self, graph: KernelGraph, devices: Sequence[str]):
+        return self.costs.table(graph, devices)
 
     def plan(self, graph: KernelGraph, devices: Sequence[str], mode: str = "latency") -> Plan:
         from tessera_actors.planning.baselines import af_plan, layer_split_plan

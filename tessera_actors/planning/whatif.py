@@ -309,5 +309,17 @@ def step_time(graph: KernelGraph, gpu: str, sms: int | None, params: Params, cor
     return sum(kernel_time(f, spec, sms or spec.sms, params, corrected) for f in graph_features(graph))
 
 
-__all__ = ["CLASSES", "KernelFeatures", "Params", "Profile", "StepProfile", "correction", "fit", "graph_features",
+@dataclass(frozen=True)
+class Fitted:
+    """The :class:`~tessera_actors.planning.costs.CostModel` of
+    :func:`predict`: the fitted what-if roofline of simulated GPUs
+    (``devices``: GPU names)."""
+    params: "Params"
+    corrected: bool = True
+
+    def table(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
+        return predict(graph, devices, self.params, self.corrected)
+
+
+__all__ = ["CLASSES", "Fitted", "KernelFeatures", "Params", "Profile", "StepProfile", "correction", "fit", "graph_features",
            "kernel_features", "kernel_time", "predict", "roofline_time", "step_time"]

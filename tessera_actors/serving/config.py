@@ -25,7 +25,9 @@ class EngineConfig:
     limit.  When ``max_seqs`` rows do not fit, the engine keeps as many as
     do (at least one, else an error) and says so.  Decode runs at ``decode_buckets`` batch
     sizes (rows padded up), prompts are prefilled in chunks of
-    ``prefill_buckets`` tokens.  ``mode``: ``latency`` (one decode step of
+    ``prefill_buckets`` tokens, the chunks of up to ``prefill_rows``
+    sequences in one step (padded to a row count of it) within
+    ``max_batched_tokens`` padded tokens a step.  ``mode``: ``latency`` (one decode step of
     all rows at a time), ``throughput`` (the rows in ``groups`` micro-batch
     groups, one step of each in flight, so the devices of a split
     pipeline), or ``auto`` (the online monitor switches: window
@@ -63,6 +65,9 @@ class EngineConfig:
     kv_cache_memory: int | float | str | None = None
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
+    prefill_rows: tuple[int, ...] = (1, 4, 8)   # sequences a prompt-chunk step may carry (batched prefill)
+    max_batched_tokens: int = 512   # prompt tokens (padded) of one step, as vLLM's max_num_batched_tokens
+    prefix_caching: bool = True     # a prompt that starts as a finished one did reuses its KV row (batch.SlotAllocator)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
     planner: str = "contiguous"
     planner_options: dict = field(default_factory=dict)   # keyword options of the planner (offload: policy, cpu_bps, ...)
@@ -107,6 +112,11 @@ class EngineConfig:
         if not self.decode_buckets or self.decode_buckets[0] < 1:
             raise bad(f"decode_buckets must be positive sizes, got {self.decode_buckets}")
         self.decode_buckets = tuple(b for b in self.decode_buckets if b < self.max_seqs) + (self.max_seqs,)
+        self.prefill_rows = tuple(sorted({1} | {int(r) for r in self.prefill_rows}))
+        if self.prefill_rows[0] < 1:
+            raise bad(f"prefill_rows must be positive counts, got {self.prefill_rows}")
+        if self.max_batched_tokens < 1:
+            raise bad(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
         if any(b < 1 for b in self.prefill_buckets):
             raise bad(f"prefill_buckets must be positive sizes, got {self.prefill_buckets}")
         self.prefill_buckets = tuple(b for b in self.prefill_buckets if b < self.max_model_len)

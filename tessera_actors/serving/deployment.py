@@ -31,7 +31,6 @@ import asyncio
 from collections import deque
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import msgpack
@@ -50,48 +49,18 @@ from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
 from transport.system import ActorSystem
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.deploy import Bucket, ServedModel, core_buckets
+from tessera_actors.serving.buckets import Bucket, core_buckets
+from tessera_actors.serving.deploy import ServedModel
+from tessera_actors.serving.deployment_measure import Measuring
+from tessera_actors.serving.inflight import PlacedBucket, StepFailed, StepResult
 from tessera_actors.serving.detector import Suspects, answers
 from tessera_actors.serving.memory import give_back_freed_memory
 from tessera_actors.serving.params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
 
-BUSY_WINDOW_S = 10.0   # the busy fraction the chat page and /metrics show: over the last 10 s
-
-
 # a step's runs of kernels over its devices, and the weight bytes streamed host -> device (PCIe)
 RUN_COUNTS = ("replays", "eager_runs", "capture_failures", "streamed_bytes")
-
-
-class StepFailed(RuntimeError):
-    """A step could not be completed; the message names the device and why."""
-
-
-@dataclass
-class PlacedBucket:
-    """A bucket's deployed plan: its id, the plan, a ref per plan device."""
-    plan_id: str
-    plan: Plan
-    refs: list[ActorRef]
-    routes: list
-    steps: int = 0
-    feeds: int | None = None   # the plan device that reads input_ids and samples: it can take tokens on the device
-
-
-@dataclass
-class StepResult:
-    tokens: list[int]
-    seconds: float
-    logprobs: list[float] = field(default_factory=list)
-    busy_s: list[float] = field(default_factory=list)
-    spans: list = field(default_factory=list)
-    top_logprobs: list = field(default_factory=list)   # per sampled entry, when asked: [[id, logprob], ...]
-    outputs: list = field(default_factory=list)        # step(outputs=True): [buffer, start, end, bytes] of each
-
-    def top(self, i: int) -> list | None:
-        """Sampled entry ``i``'s top log probabilities (None: not asked)."""
-        return self.top_logprobs[i] if i < len(self.top_logprobs) else None
 
 
 def _feeding_device(graph, plan: Plan) -> int | None:
@@ -116,7 +85,7 @@ def _background_order(b: Bucket) -> tuple:
     return (b.kind == "embed", b.kind != "decode", not b.window, b.window, b.base, b.size)
 
 
-class Deployment:
+class Deployment(Measuring):
     def __init__(self, cfg: EngineConfig, served: ServedModel, on_lost: Callable[[list[str]], None],
                  trace=None, launcher=None, on_back: Callable[[str], None] | None = None,
                  progress: Callable[[int, int], None] | None = None) -> None:
@@ -221,25 +190,6 @@ class Deployment:
             await self.launcher.stop()
         if self.system is not None:
             await self.system.shutdown()
-
-    def profile_reference(self) -> dict:
-        """Measured per-kernel times of the reference bucket on every
-        in-process device (and measured links between them), keyed for the
-        planner (``planners.graph_key``).  Blocking."""
-        from tessera_actors.execution.backends import backend_for
-        from tessera_actors.planning.registry import graph_key
-        from tessera_actors.planning.costs import CostTable
-        from tessera_actors.execution.profile import measured_links, profile_kernels
-        from tessera_actors.serving.deploy import bucket_inputs
-        name = self.reference_bucket()
-        graph, values = self.served.graphs[name], self.served.values[name]
-        specs = [s.name for s in parse_devices(self.cfg.devices)]
-        backends = [backend_for(s) for s in specs]
-        profiles = [profile_kernels(graph, values, bucket_inputs(self.served.buckets[name], be.device), be)
-                    for be in backends]
-        self.profiles = profiles
-        links = measured_links(backends) if len(backends) > 1 else None
-        return {graph_key(graph): CostTable.from_profiles(graph, specs, profiles, links)}
 
     # -- placement ----------------------------------------------------------
     def reference_bucket(self) -> str:
@@ -362,7 +312,7 @@ class Deployment:
         best = None
         for name in self.placed:
             c = self.served.buckets.get(name)
-            if c is None or c.kind != b.kind or c.size < b.size:
+            if c is None or c.kind != b.kind or c.size < b.size or c.rows != b.rows:
                 continue
             if c.window and (not b.window or c.window < b.window):
                 continue
@@ -514,25 +464,6 @@ class Deployment:
         return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
                           [r.busy_s for r in results], top_logprobs=holder.top_logprobs if holder else [],
                           outputs=[[*rng, data] for r in results for rng, data in zip(r.ranges, r.data)])
-
-    def _note_busy(self) -> None:
-        now = time.monotonic()
-        self._busy_log.append((now, dict(self.busy_s)))
-        while len(self._busy_log) > 1 and self._busy_log[1][0] <= now - BUSY_WINDOW_S:
-            self._busy_log.popleft()   # keep the last entry at or before the window's start
-
-    def busy_fractions(self, window_s: float = BUSY_WINDOW_S) -> dict[int, float]:
-        """Each plan device's fraction of the last ``window_s`` seconds (of
-        the placement, when it is younger) spent on steps."""
-        now = time.monotonic()
-        start = max(now - window_s, self.since)
-        before = {}
-        for t, busy in self._busy_log:
-            if t > start:
-                break
-            before = busy
-        span = max(now - start, 1e-9)
-        return {d: min(1.0, max(0.0, (b - before.get(d, 0.0)) / span)) for d, b in self.busy_s.items()}
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:

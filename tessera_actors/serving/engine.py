@@ -38,48 +38,29 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
-from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
+from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_inputs,
+                                          prefill_chunk, smallest_bucket)
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.serving.deploy import bucket_name, capture_kind, decode_sizes, load_served_model, window_for
+from tessera_actors.serving.buckets import bucket_name, decode_sizes, window_for
+from tessera_actors.serving.deploy import capture_kind, load_served_model
 from tessera_actors.serving.gpu_capture import keep_compile_state_in_this_thread
 from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from tessera_actors.serving.deployment import Deployment, StepFailed
-from tessera_actors.serving.memory import memory_report
+from tessera_actors.serving.engine_admit import Admitting
+from tessera_actors.serving.engine_replace import Replacing
+from tessera_actors.serving.inflight import Request as _Request, Step as _Step
+from tessera_actors.serving.engine_report import Reporting
 from tessera_actors.serving.records import Records
-from tessera_actors.serving.text import ChatTemplate, Detokenizer, check_messages, gguf_tokenizer
+from tessera_actors.serving.text import ChatTemplate, Detokenizer, encode_prompt, gguf_tokenizer
 
 log = logging.getLogger("tessera_actors.serving")
 
 
-class _Request:
-    def __init__(self, seq: Sequence, detok: Detokenizer | None) -> None:
-        self.seq, self.detok = seq, detok
-        self.out: asyncio.Queue = asyncio.Queue()
-        self.finished: str | None = None
-        self.in_step = 0   # steps in flight that carry its row: its KV slot is freed only when they landed
-
-
-@dataclass
-class _Step:
-    """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
-    sampling-entry order), the prompt tokens it feeds (prefill), its bucket,
-    the placement generation, the launch order, and its step number when its
-    tokens can feed the next step on the device (``Deployment.reserve``)."""
-    key: str
-    reqs: list
-    chunk: int
-    bucket: str
-    generation: int
-    order: int
-    number: int | None = None
-
-
-class AsyncEngine:
+class AsyncEngine(Admitting, Reporting, Replacing):
     def __init__(self, model: str = "smollm2", devices: str = "cpu,cpu", nodes=None,
                  config: EngineConfig | None = None, **fields) -> None:
         """``config`` or its fields as keywords (``max_seqs=8``, ...);
@@ -107,7 +88,8 @@ class AsyncEngine:
         self._order = itertools.count()   # launch order of steps: they land in it
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                          "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "readmissions": 0,
-                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0}
+                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0,
+                         "prefix_hits": 0, "prefix_tokens": 0}   # prompts (tokens) found in a kept KV row
         self.groups = 1 if config.mode != "throughput" else config.groups
         self.monitor = Monitor(config.monitor_window_s, config.monitor_beta,
                                initial="throughput" if config.mode == "throughput" else "latency")
@@ -194,32 +176,11 @@ class AsyncEngine:
             await self.deployment.stop()
         self.write_trace()
 
-    def write_trace(self) -> str | None:
-        """Write the trace of the steps so far to ``trace_dir/trace.json``
-        (also done at stop); returns the path, None when not tracing."""
-        if self.trace is None:
-            return None
-        import os
-        return self.trace.write(os.path.join(self.cfg.trace_dir, "trace.json"))
-
     # -- requests -----------------------------------------------------------------
     def encode_prompt(self, prompt) -> list[int]:
         """Token ids of ``prompt``: a string as it is, a list of chat messages
-        through the model's chat template."""
-        if isinstance(prompt, str):
-            text = prompt
-        else:
-            check_messages(prompt)
-            if self.template is None:
-                raise InvalidRequest(f"model {self.model_name!r} has no chat template", "messages")
-            text = self.template.render(prompt)
-        if self.tokenizer is None:   # a model without a tokenizer: bytes as ids
-            ids = [b % max(self.served.vocab_size, 1) for b in text.encode()]
-        else:
-            ids = self.tokenizer.encode(text)
-        if not ids:
-            raise InvalidRequest("the prompt is empty", "prompt")
-        return ids
+        through the model's chat template (:func:`.text.encode_prompt`)."""
+        return encode_prompt(prompt, self.template, self.tokenizer, self.served.vocab_size, self.model_name)
 
     def count_tokens(self, prompt) -> int:
         return len(self.encode_prompt(prompt))
@@ -309,7 +270,7 @@ class AsyncEngine:
                 lst.remove(req)
         self._requests.pop(seq.rid, None)
         if seq.slot >= 0 and not req.in_step:
-            self.slots.release(seq.slot)
+            self.slots.release(seq.slot, self._kept(req))
             seq.slot = -1
             self._slot_freed.set()
         self._wake.set()
@@ -322,24 +283,12 @@ class AsyncEngine:
             if step.key != "prefill":
                 req.seq.pending -= 1
             if req.finished is not None and req.seq.slot >= 0 and not req.in_step:
-                self.slots.release(req.seq.slot)
+                self.slots.release(req.seq.slot, self._kept(req))
                 req.seq.slot = -1
                 self._slot_freed.set()
                 self._wake.set()
 
     # -- the loop -------------------------------------------------------------------
-    def _on_lost(self, endpoints: list[str]) -> None:
-        self._lost.extend(e for e in endpoints if e not in self._lost)
-        self._wake.set()
-
-    def _on_back(self, endpoint: str) -> None:
-        """A restarted node took its old place, or a suspected one answers
-        again: re-place on every live node (the same path as a loss, so no
-        stream loses or repeats a token)."""
-        self._back.add(endpoint)
-        self._readmit = True
-        self._wake.set()
-
     async def _loop(self) -> None:
         inflight: dict[asyncio.Task, _Step] = {}
         try:
@@ -388,13 +337,6 @@ class AsyncEngine:
                                              Usage(len(req.seq.prompt), generated), [logprob],
                                              [top[:req.seq.params.top_logprobs]] if top else []))
 
-    def _admit(self) -> None:
-        while self._waiting and self.slots.free():
-            req = self._waiting.pop(0)
-            req.seq.slot = self.slots.take()
-            req.seq.phase = "prefill"
-            self._prefill.append(req)
-
     def _group_rows(self) -> list[list[_Request]]:
         rows = [[] for _ in self.slots.bounds]
         for req in self._requests.values():
@@ -405,13 +347,15 @@ class AsyncEngine:
     def _launch(self, inflight: dict[asyncio.Task, _Step]) -> None:
         loop = asyncio.get_running_loop()
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
-            req = self._prefill[0]
-            bucket = self.deployment.runnable(self._prefill_bucket(req))
-            _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
-                                                  self._rows_of(bucket))
-            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [req.seq.rid]))
-            req.in_step += 1
-            inflight[task] = _Step("prefill", [req], n, bucket, self.deployment.generation, next(self._order))
+            reqs, chunks, bucket = self._prefill_batch()
+            b = self.deployment.served.buckets.get(bucket)
+            size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0],
+                                                                 1)
+            inputs, sample = batch_prefill_inputs([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
+            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            for r in reqs:
+                r.in_step += 1
+            inflight[task] = _Step("prefill", reqs, chunks, bucket, self.deployment.generation, next(self._order))
         if self._catchup:
             return
         for g, rows in enumerate(self._group_rows()):
@@ -459,16 +403,11 @@ class AsyncEngine:
             r.seq.pending += 1
         if prev is not None:
             self.counters["lookahead_steps"] += 1
-        return task, _Step(key, reqs, 0, bucket, self.deployment.generation, next(self._order), number)
+        return task, _Step(key, reqs, [], bucket, self.deployment.generation, next(self._order), number)
 
     def _rows_of(self, bucket: str) -> int | None:
         b = self.deployment.served.buckets.get(bucket)
         return b.size if b is not None else None
-
-    def _prefill_bucket(self, req: _Request) -> str:
-        """The bucket of the next prompt chunk of ``req`` (its own, before any stand-in)."""
-        size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
-        return bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1, size))
 
     def _complete(self, task: asyncio.Task, info: _Step) -> None:
         key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
@@ -489,17 +428,22 @@ class AsyncEngine:
         acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
         if key == "prefill":
-            req = reqs[0]
-            if req.finished is not None:
-                return
-            req.seq.prefilled += n
-            req.seq.exec_s += result.seconds
-            if req.seq.prefilled < len(req.seq.context):
-                return
-            self._prefill.remove(req)
-            self._catchup.discard(req.seq.rid)
-            req.seq.phase = "decode"
-            self._accept(req, result.tokens[0], result.logprobs[0], result.top(0))
+            entry = 0   # the step's sampled entries: one per sequence whose prompt it ended, in row order
+            for req, m in zip(reqs, n):
+                seq = req.seq
+                ends = seq.prefilled + m == len(seq.context)
+                if req.finished is not None:
+                    entry += ends
+                    continue
+                seq.prefilled += m
+                seq.exec_s += result.seconds
+                if not ends:
+                    continue
+                self._prefill.remove(req)
+                self._catchup.discard(seq.rid)
+                seq.phase = "decode"
+                self._accept(req, result.tokens[entry], result.logprobs[entry], result.top(entry))
+                entry += 1
             return
         for i, (req, tok, lp) in enumerate(zip(reqs, result.tokens, result.logprobs)):
             if req.finished is None:
@@ -542,129 +486,6 @@ class AsyncEngine:
         self._retire(req)
         self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
         self._wake.set()
-
-    async def _recover(self, inflight: dict) -> None:
-        lost, self._lost, self._readmit = list(self._lost), [], False
-        for t in inflight:
-            t.cancel()
-        await asyncio.gather(*inflight, return_exceptions=True)
-        for info in inflight.values():
-            self._landed(info)   # the old plans are uninstalled below: their steps write nothing more
-        inflight.clear()
-        self.counters["recoveries" if lost else "readmissions"] += 1
-        if lost:
-            log.warning("lost %s: re-placing on the survivors", lost)
-        else:
-            log.warning("a node is back (%s): re-placing on every live node", sorted(self._back))
-        t0 = time.monotonic()
-        for req in list(self._requests.values()):
-            seq = req.seq
-            if seq.phase in ("prefill", "decode"):
-                seq.context = list(seq.prompt) + list(seq.generated)
-                seq.prefilled = 0
-                seq.tail = None
-                if seq.phase == "decode":
-                    seq.phase = "prefill"
-                    self._prefill.append(req)
-        self._prefill.sort(key=lambda r: r.seq.arrival)
-        # every stream stalls until its context is back: re-prefill them all first (the longest
-        # gap is then the loss plus the re-prefills, not plus the decode steps between them)
-        self._catchup = {r.seq.rid for r in self._prefill}
-        try:   # the re-prefills' first buckets at once; decode steps stand in on the reference bucket
-            await self.deployment.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
-        except Exception as e:
-            raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
-        self._back -= set(self.deployment.node_endpoints())   # back and placed on already: no second re-placement
-        self._readmit = self._readmit and bool(self._back)
-        log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
-        async with self.placement_changed:
-            self.placement_changed.notify_all()
-
-    def _maybe_switch(self, inflight: dict) -> None:
-        self._switching = False
-        if self.cfg.mode != "auto":
-            return
-        want = self.cfg.groups if self.monitor.mode() == "throughput" else 1
-        if want == self.groups:
-            return
-        if any(s.key.startswith("decode") for s in inflight.values()):
-            self._switching = True   # no decode step starts meanwhile, so the ones in flight drain
-            return   # switch at a step boundary: wait for the decode steps to land
-        self.groups = want
-        self.slots.set_groups(self.cfg.group_bounds(want))
-        self.counters["plan_switches"] += 1
-
-    # -- introspection -------------------------------------------------------------
-    def plan_in_use(self) -> str:
-        return "throughput" if self.groups > 1 else "latency"
-
-    def stats(self) -> dict:
-        rt = self.deployment
-        ref = rt.placed.get(rt.reference_bucket()) if rt else None
-        placement, devices = {}, []
-        if ref is not None:
-            placement = {"plan": ref.plan.name, "devices": list(ref.plan.devices),
-                         "kernels_per_device": ref.plan.kernels_per_device(),
-                         "bytes_per_step": ref.plan.bytes_per_step()}
-            elapsed = max(time.monotonic() - rt.since, 1e-9)
-            recent = rt.busy_fractions()   # over the last 10 s: what the chat page and /metrics show
-            devices = [{"name": spec, "kernels": n, "busy_s": rt.busy_s.get(d, 0.0),
-                        "busy_fraction": min(1.0, rt.busy_s.get(d, 0.0) / elapsed), "busy_recent": recent.get(d, 0.0)}
-                       for d, (spec, n) in enumerate(zip(ref.plan.devices, ref.plan.kernels_per_device()))]
-        return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
-                "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
-                "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
-                "lost": sorted(rt.lost) if rt else [],
-                "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.buckets) if rt else 0,
-                "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},
-                "memory": memory_report(self.served if rt else None, self.cfg),
-                "bucket_stats": self._bucket_stats(), **self._pcie(), **self.counters}
-
-    def _pcie(self) -> dict:
-        """Weight bytes streamed host -> device (PCIe) over every bucket's
-        steps since placement, and per step (an offload plan's streamed weights)."""
-        counts = self.deployment.bucket_counts.values() if self.deployment else ()
-        moved = sum(c.get("streamed_bytes", 0) for c in counts)
-        return {"pcie_bytes": moved, "pcie_bytes_per_step": moved / max(self.counters["steps"], 1)}
-
-    def _bucket_stats(self) -> dict[str, dict]:
-        """Per bucket: how it was captured (``inductor`` | ``aten``, or why
-        inductor was not used), and over the steps served so far its runs of
-        kernels replayed as CUDA graphs, run eagerly, and captures that failed."""
-        rt = self.deployment
-        if rt is None:
-            return {}
-        return {name: {"capture": rt.served.captures.get(name, ""), **rt.bucket_counts.get(name, {})}
-                for name in rt.served.graphs}
-
-    async def wait_placed(self) -> None:
-        """Return once every bucket is placed: the engine serves as soon as
-        its decode buckets and its shortest and longest prompt chunks are,
-        and places the chunk sizes between them in the background (a prompt
-        meanwhile runs in a longer chunk)."""
-        if self.deployment is not None:
-            await self.deployment.wait_placed()
-
-    async def release_weights(self) -> bool:
-        """Give back this process's copy of the weights once every bucket is
-        placed, where nothing reads it again (in-process devices hold their
-        own and are never re-placed; node deployments keep it to re-place
-        after a lost node).  ``tessera serve`` calls it; True when done."""
-        return self.deployment is not None and await self.deployment.release_weights()
-
-    def health(self) -> dict:
-        """``ok``: serving; ``status``: "ok", "starting" (being started:
-        ``phase`` loading the model or placing the core buckets) or
-        "unhealthy" (a node lost and not yet re-placed, stopped, or dead);
-        ``buckets_placed`` of ``buckets``: the placement's progress (it goes
-        on in the background after start)."""
-        serving = self._loop_task is not None and not self._loop_task.done()
-        ok = self._dead is None and not self._lost and serving and bool(self.deployment.placed)
-        starting = not serving and self._dead is None and self._progress["phase"] in ("loading", "placing", "placed")
-        return {"ok": ok, "status": "ok" if ok else ("starting" if starting else "unhealthy"),
-                "lost": sorted(self.deployment.lost) if self.deployment else [], "error": self._dead,
-                **self._progress}
-
 
 def _is_id_list(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)

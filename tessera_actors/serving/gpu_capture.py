@@ -82,9 +82,8 @@ def gpu_twin(cfg: EngineConfig, real: torch.nn.Module, device: torch.device) -> 
 
 def capture_on_gpu(cfg: EngineConfig, real: torch.nn.Module, meta: torch.nn.Module, buckets, progress=None):
     """(graphs, captured unnamed values, capture kind) per bucket name."""
-    from tessera_actors.capture.errors import CaptureError
     from tessera_actors.capture.inductor import capture_inductor
-    from tessera_actors.serving.deploy import bucket_inputs, capture_aten, shaped
+    from tessera_actors.serving.buckets import bucket_inputs, capture_aten, shaped
     import torch._dynamo as dynamo
     device = torch.device("cuda", torch.cuda.current_device())
     form = attention_form(cfg, gpu=True)

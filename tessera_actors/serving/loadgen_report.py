@@ -10,13 +10,10 @@ second that meet both SLOs (TPOT <= ``slo_tpot``, TTFT <= ``slo_ttft``).
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from tessera_actors.provenance import provenance
 
 
 @dataclass
@@ -133,28 +130,6 @@ def table(summaries: dict[str, dict]) -> str:
     slo = summaries[names[0]]["slo"]
     lines.append(f"(goodput SLO: TPOT <= {slo['tpot_s'] * 1000:.0f} ms and TTFT <= {slo['ttft_s'] * 1000:.0f} ms)")
     return "\n".join(lines)
-
-
-def provenance() -> dict:
-    """Where a result came from: git commit (+ dirty flag), command line, machine, date."""
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    # a work tree copied to another machine may carry a stale .git: TESSERA_GIT_COMMIT names the commit then
-    commit = os.environ.get("TESSERA_GIT_COMMIT") or git("rev-parse", "HEAD") or None
-    gpu = ""
-    if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
-        gpu = sys.modules["torch"].cuda.get_device_name(0)
-    return {"git_commit": commit, "git_dirty": bool(git("status", "--porcelain")),
-            "command": " ".join(["tessera" if sys.argv[0].endswith("cli.py") else sys.argv[0]] + sys.argv[1:]),
-            "machine": {"node": platform.node(), "platform": platform.platform(), "cpus": os.cpu_count(),
-                        "python": platform.python_version(), "gpu": gpu,
-                        "load_avg_1m": os.getloadavg()[0]},      # a busy shared box skews every number
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def write_json(path: Path, config: dict, summaries: dict[str, dict], records: dict[str, list[Record]]) -> None:

@@ -127,3 +127,24 @@ class Detokenizer:
         delta = text[self.sent:end]
         self.sent = max(self.sent, end)
         return delta
+
+
+def encode_prompt(prompt, template, tokenizer, vocab_size: int, model_name: str) -> list[int]:
+    """Token ids of ``prompt``: a string as it is, a list of chat messages
+    through ``template``; without a tokenizer, the text's bytes as ids
+    (modulo ``vocab_size``).  ``InvalidRequest`` for an empty prompt or
+    messages to a model without a chat template."""
+    if isinstance(prompt, str):
+        text = prompt
+    else:
+        check_messages(prompt)
+        if template is None:
+            raise InvalidRequest(f"model {model_name!r} has no chat template", "messages")
+        text = template.render(prompt)
+    if tokenizer is None:   # a model without a tokenizer: bytes as ids
+        ids = [b % max(vocab_size, 1) for b in text.encode()]
+    else:
+        ids = tokenizer.encode(text)
+    if not ids:
+        raise InvalidRequest("the prompt is empty", "prompt")
+    return ids

@@ -14,7 +14,7 @@ from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.pinning import state_homes
 from tessera_actors.planning.offload.baselines import expert_offload, layer_offload, streaming
 from tessera_actors.planning.offload.mixes import class_chooser
-from tessera_actors.planning.offload.model import PCIE_BPS, SWITCH_S, Offload, Placement, StepTime, cpu_runs, estimate_rates, fastest
+from tessera_actors.planning.offload.model import PCIE_BPS, SWITCH_S, Offload, Placement, StepTime, HostRoofline, cpu_runs, fastest
 from tessera_actors.planning.offload.staging import RING_MODES
 
 
@@ -215,7 +215,7 @@ def to_plan(o: Offload, p: Placement, name: str, st: StepTime | None = None) -> 
 
 class OffloadPlanner:
     """``Planner`` for a budgeted GPU beside a CPU.  ``costs``: a measured
-    table (None: :func:`estimate_rates` per graph, with ``cpu_bps`` - the
+    table (None: :class:`~.model.HostRoofline` (:func:`~.model.estimate_rates`) per graph, with ``cpu_bps`` - the
     CPU's measured DRAM rate - and ``switch_s``); ``policy``: ``tessera``
     (:func:`choose_homes`), ``layer_offload``, ``streaming`` or
     ``expert_offload`` (the baselines); ``ring``: how streamed weights fill
@@ -250,7 +250,7 @@ class OffloadPlanner:
         self.extra = sum(b.nbytes for g in graphs for b in g.buffers.values() if b.role not in ("weight", "state"))
 
     def offload(self, graph: KernelGraph, devices: Sequence[str], reserve: int = 0) -> Offload:
-        costs = self.costs if self.costs is not None else estimate_rates(graph, devices, self.switch_s, self.cpu_bps)
+        costs = self.costs if self.costs is not None else HostRoofline(self.switch_s, self.cpu_bps).table(graph, devices)
         costs.check_graph(graph)
         return Offload(graph, devices, costs, self.pcie_bps, self.reserve + reserve, ring=self.ring)
 

@@ -18,7 +18,8 @@ times on both devices, activation links) and ``pcie_bps``, the pinned
 host-to-device rate while the CPU computes.  :func:`estimate_rates` gives the
 DESIGN.md numbers when nothing was measured.
 
-The step model (:meth:`Offload.simulate`) is a chain in program order: a
+The step model (:meth:`Offload.simulate`) is the one step-time model
+(:mod:`~tessera_actors.planning.timing`) over a chain in program order: a
 kernel starts when the previous one ended (plus a link latency and the bytes
 of its inputs when the device changes) and, if it reads a streamed weight,
 when that copy ended; the copy engine runs copies one at a time in order.
@@ -35,6 +36,7 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable, DeviceModel, device_model
 from tessera_actors.planning.offload.staging import RING_MODES, ring_layout
+from tessera_actors.planning.timing import Programs, run
 
 # DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
 # beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
@@ -78,6 +80,18 @@ def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float =
     n = len(specs)
     costs.latency = [[0.0 if a == b else max(costs.latency[a][b], switch_s) for b in range(n)] for a in range(n)]
     return costs
+
+
+@dataclass(frozen=True)
+class HostRoofline:
+    """The :class:`~tessera_actors.planning.costs.CostModel` of
+    :func:`estimate_rates` (CPU rates while a copy stream runs, gathers read
+    what they write, links of at least ``switch_s``)."""
+    switch_s: float = SWITCH_S
+    cpu_bps: float | None = None
+
+    def table(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
+        return estimate_rates(graph, devices, self.switch_s, self.cpu_bps)
 
 
 @dataclass
@@ -234,54 +248,82 @@ class Offload:
         return sum(g.buffers[b].nbytes for b in held) + p.slots * p.slot_bytes + self.reserve
 
     # -- the step model --------------------------------------------------
-    def simulate(self, p: Placement) -> StepTime:
+    def _chain(self, p: Placement) -> tuple[Programs, list[float | None]]:
+        """(placement ``p`` as the step-time model's programs, the hand-off
+        each kernel waits for): the kernels in
+        program order as one chain (a kernel starts when the one before it
+        ended, plus a link's latency and the bytes of its inputs when the
+        device changes or bytes arrive from the other device), the streamed
+        weights as copies on the GPU's copy engine, in order, each sent once
+        the reader of the bytes it overwrites has run (the ring layout of
+        :mod:`.staging`) and received by its own reader."""
         g, costs, gpu = self.graph, self.costs, self.gpu
-        unit_of, units = self.unit_of, self.units
         a, streamed = p.assignment, p.streamed
         idx = {b: i for i, b in enumerate(streamed)}
         nbytes = [g.buffers[b].nbytes for b in streamed]
         after = ring_layout(nbytes, p.slots, p.slot_bytes, p.ring).after if streamed else ()
-        copy_end: dict[int, float] = {}
-        engine = [0.0]
-        queued = [0]   # copies issued so far, in order
+        progs: list[list[tuple[str, int]]] = [[], []]
+        xfer = {i: ("copy", gpu, nbytes[i] / self.pcie_bps) for i in range(len(after))}
+        issued = [0]
 
-        def issue(upto: int, t: float) -> None:
-            # every copy whose overwritten bytes were read by copy ``upto``'s reader (at ``t``) goes out
-            while queued[0] < len(after) and after[queued[0]] <= upto:
-                i = queued[0]
-                start = max(engine[0], t)
-                engine[0] = copy_end[i] = start + nbytes[i] / self.pcie_bps
-                queued[0] += 1
-        issue(-1, 0.0)
-        busy = [0.0, 0.0]
+        def issue(upto: int) -> None:
+            while issued[0] < len(after) and after[issued[0]] <= upto:
+                progs[gpu].append(("send", issued[0]))
+                issued[0] += 1
+        issue(-1)
         arrived: set = set()
-        end, prev = 0.0, None
-        hand, hands, wait = 0.0, 0, 0.0
+        prev = None
+        links: list[float | None] = []   # per kernel: the hand-off it waits for
         for k in g.kernels:
             d = a[k.id]
-            t = end
             moved = 0
             for e in self.in_edges[k.id]:
                 if a[e.src] != d and (e.src, d, e.buffer) not in arrived:
                     arrived.add((e.src, d, e.buffer))
                     moved += e.nbytes
-            if moved or (prev is not None and prev != d):
-                link = costs.comm_s(1 - d, d, moved)
+            if (moved or (prev is not None and prev != d)) and prev is not None:
+                tag = len(xfer)
+                xfer[tag] = ((1 - d, d), d, costs.comm_s(1 - d, d, moved))
+                progs[prev].append(("send", tag))
+                progs[d].append(("recv", tag))
+                links.append(xfer[tag][2])
+            else:
+                links.append(None)
+            u = self.unit_of.get(k.id) if d == gpu else None
+            mine = [idx[b] for b in self.units[u] if b in idx] if u is not None else ()
+            progs[d] += [("recv", i) for i in mine]
+            progs[d].append(("run", k.id))
+            for i in mine:
+                issue(i)
+            prev = d
+        names = {i: name for i, name in enumerate(self.devices)}
+        names.update({(0, 1): f"{self.devices[0]}->{self.devices[1]}", (1, 0): f"{self.devices[1]}->{self.devices[0]}",
+                      "copy": f"{self.devices[gpu]} copy engine"})
+        seconds = [costs.times[k.id][a[k.id]] for k in g.kernels]
+        return Programs(progs, seconds, xfer, names), links
+
+    def programs(self, p: Placement) -> Programs:
+        """Placement ``p`` as the step-time model's programs (:meth:`_chain`)."""
+        return self._chain(p)[0]
+
+    def simulate(self, p: Placement) -> StepTime:
+        """The step time of placement ``p`` (:meth:`programs`, one step) and
+        its terms: the hand-offs in the chain, and how long kernels waited
+        for their streamed weight's copy beyond the chain."""
+        progs, links = self._chain(p)
+        r = run([(progs, 1)], [1], record=True)
+        start = {e.ref: (e.start, e.end) for e in r.events if e.kind == "run"}
+        hand, hands, wait, end = 0.0, 0, 0.0, 0.0
+        for k, link in zip(self.graph.kernels, links):
+            t = end
+            if link is not None:
                 t += link
                 hand += link
                 hands += 1
-            u = unit_of.get(k.id) if d == gpu else None
-            mine = [idx[b] for b in units[u] if b in idx] if u is not None else ()
-            ready = max((copy_end[i] for i in mine), default=t)
-            wait += max(ready - t, 0.0)
-            t = max(t, ready)
-            end = t + costs.times[k.id][d]
-            busy[d] += costs.times[k.id][d]
-            for i in mine:
-                issue(i, end)
-            prev = d
-        pcie_bytes = sum(nbytes)
-        return StepTime(end, tuple(busy), pcie_bytes / self.pcie_bps, pcie_bytes, hands, hand, wait)
+            began, end = start[k.id]
+            wait += max(began - t, 0.0)
+        pcie_bytes = sum(self.graph.buffers[b].nbytes for b in p.streamed)
+        return StepTime(r.finish[0], tuple(r.busy), pcie_bytes / self.pcie_bps, pcie_bytes, hands, hand, wait)
 
     # -- choosing --------------------------------------------------------
     def resident_fill(self, capacity: int, order: Sequence[int] | None = None,

@@ -1,0 +1,65 @@
+"""What the engine and its deployment hold while they serve: a request (its
+sequence, its detokenizer, the queue its outputs stream through), a step in
+flight, a placed bucket and a step's result (or ``StepFailed``)."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from tessera_actors.plan import Plan
+from tessera_actors.runtime.actor import ActorRef
+from tessera_actors.serving.batch import Sequence
+from tessera_actors.serving.text import Detokenizer
+
+
+class Request:
+    def __init__(self, seq: Sequence, detok: Detokenizer | None) -> None:
+        self.seq, self.detok = seq, detok
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.finished: str | None = None
+        self.in_step = 0   # steps in flight that carry its row: its KV slot is freed only when they landed
+
+
+@dataclass
+class Step:
+    """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
+    sampling-entry order), the prompt tokens it feeds per row (prefill), its bucket,
+    the placement generation, the launch order, and its step number when its
+    tokens can feed the next step on the device (``Deployment.reserve``)."""
+    key: str
+    reqs: list
+    chunk: list
+    bucket: str
+    generation: int
+    order: int
+    number: int | None = None
+
+
+class StepFailed(RuntimeError):
+    """A step could not be completed; the message names the device and why."""
+
+
+@dataclass
+class PlacedBucket:
+    """A bucket's deployed plan: its id, the plan, a ref per plan device."""
+    plan_id: str
+    plan: Plan
+    refs: list[ActorRef]
+    routes: list
+    steps: int = 0
+    feeds: int | None = None   # the plan device that reads input_ids and samples: it can take tokens on the device
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]
+    seconds: float
+    logprobs: list[float] = field(default_factory=list)
+    busy_s: list[float] = field(default_factory=list)
+    spans: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)   # per sampled entry, when asked: [[id, logprob], ...]
+    outputs: list = field(default_factory=list)        # step(outputs=True): [buffer, start, end, bytes] of each
+
+    def top(self, i: int) -> list | None:
+        """Sampled entry ``i``'s top log probabilities (None: not asked)."""
+        return self.top_logprobs[i] if i < len(self.top_logprobs) else None

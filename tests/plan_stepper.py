@@ -1,0 +1,138 @@
+"""A test harness: a plan stepped straight on its device actors, and one graph
+deployed over node processes (``split_on_nodes``).  The product steps plans
+through ``serving.deployment.Deployment`` (the engine); the data-plane and
+device-actor tests drive raw graphs of any model through this one.
+
+``Engine.step`` sends one ``RunStep`` to every plan device at once and
+assembles the outputs from the devices that hold their final bytes; a device
+that does not answer within ``step_timeout`` fails the step.
+``greedy_decode`` is the token loop for graphs captured from a decode step.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+import msgpack
+import torch
+
+from actors.graph import GraphActor
+from actors.scheduler import SchedulerActor
+from tessera_actors.cluster import LocalCluster
+from tessera_actors.planning.registry import get_planner
+from tessera_actors.runtime.actor import ActorRef
+from tessera_actors.runtime.messages import GetStats, Place
+from transport.system import ActorSystem
+from tessera_actors.graph import KernelGraph
+from tessera_actors.runtime.messages import RunStep, StepDone
+from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.execution.inputs import assemble_outputs
+
+
+class StepFailed(RuntimeError):
+    """A step could not be completed; the message names the device and why."""
+
+
+class Engine:
+    def __init__(self, graph: KernelGraph, plan: Plan, plan_id: str, devices: Sequence[ActorRef],
+                 step_timeout: float = 60.0) -> None:
+        if len(devices) != len(plan.devices):
+            raise ValueError(f"{len(devices)} device refs for a plan of {len(plan.devices)} devices")
+        self.graph, self.plan, self.plan_id = graph, plan, plan_id
+        self.devices = list(devices)
+        self.step_timeout = step_timeout
+        self.steps = 0
+        self.last: list[StepDone] = []
+
+    async def step(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        step = self.steps
+        self.steps += 1
+        asks = []
+        for d, ref in enumerate(self.devices):
+            feed = inputs if self.plan.inputs[d] else {}
+            asks.append(ref.ask(RunStep(self.plan_id, step, feed), timeout=self.step_timeout))
+        results = await asyncio.gather(*asks, return_exceptions=True)
+        for d, r in enumerate(results):
+            if isinstance(r, BaseException):
+                raise StepFailed(f"step {step}: device {d} ({self.plan.devices[d]}) failed: "
+                                 f"{type(r).__name__}: {r}") from r
+        self.last = list(results)
+        pieces = {}
+        for done in results:
+            for (b, s, e), data in zip(done.ranges, done.data):
+                pieces[(b, s, e)] = data
+        return assemble_outputs(self.graph, pieces)
+
+
+async def greedy_decode(step: Callable[[dict[str, torch.Tensor]], Awaitable[list[torch.Tensor]]],
+                        prompt: Sequence[int], max_new: int, eos: int | None = None,
+                        on_token: Callable[[int], None] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Feed ``prompt`` token by token, then generate greedily. Returns the new
+    tokens and the logits of every generated position."""
+    if not prompt:
+        raise ValueError("empty prompt")
+    logits = None
+    for pos, tok in enumerate(prompt):
+        out = await step({"input_ids": torch.tensor([[tok]]), "positions": torch.tensor([pos])})
+        logits = out[0]
+    new: list[int] = []
+    seen: list[torch.Tensor] = []
+    pos = len(prompt)
+    for _ in range(max_new):
+        last = logits.reshape(-1, logits.shape[-1])[-1]
+        seen.append(last.clone())
+        tok = int(torch.argmax(last))
+        new.append(tok)
+        if on_token:
+            on_token(tok)
+        if eos is not None and tok == eos:
+            break
+        out = await step({"input_ids": torch.tensor([[tok]]), "positions": torch.tensor([pos])})
+        logits = out[0]
+        pos += 1
+    return new, seen
+
+
+@dataclass
+class SplitRun:
+    """A plan deployed over node processes; ``engine`` steps it."""
+    system: ActorSystem
+    cluster: LocalCluster
+    routes: list          # [plan device, endpoint, actor]
+    plan: Plan
+    engine: Engine
+
+    async def transfer_stats(self) -> dict[str, dict]:
+        """``GetStats`` of the transfer actor of every node the plan uses, by endpoint."""
+        out = {}
+        for ep in sorted({ep for _, ep, _ in self.routes}):
+            out[ep] = (await (await self.system.remote_ref(ep, "transfer")).ask(GetStats())).values
+        return out
+
+
+@asynccontextmanager
+async def split_on_nodes(graph: KernelGraph, values: dict, nodes: Sequence[str], planner: str = "contiguous",
+                         mode: str = "latency", node_args: Sequence[str] = (), plan_id: str = "demo",
+                         step_timeout: float = 60.0, register_timeout: float = 30.0):
+    """Start one node process per entry of ``nodes`` (its device specs), let
+    them register with a scheduler in this process, place ``graph`` (initial
+    bytes ``values``) over all their devices and deploy it; yields a
+    ``SplitRun``.  On exit the nodes are stopped (exit codes in
+    ``cluster.nodes``) and the actor system shut down."""
+    async with ActorSystem("demo") as system:
+        address = await system.listen("tcp://127.0.0.1:0")
+        await system.spawn(GraphActor(graph), "graph")
+        sched = await system.spawn(SchedulerActor(get_planner(planner), values), "scheduler")
+        async with LocalCluster(nodes, scheduler=address, node_args=node_args) as cluster:
+            deadline = time.monotonic() + register_timeout
+            while len((await sched.ask(GetStats())).values["nodes"]) < len(nodes):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nodes did not register with the scheduler within {register_timeout:g} s")
+                await asyncio.sleep(0.05)
+            dep = await sched.ask(Place(plan_id, mode), timeout=120)
+            plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
+            refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]
+            yield SplitRun(system, cluster, dep.routes, plan, Engine(graph, plan, plan_id, refs, step_timeout))
