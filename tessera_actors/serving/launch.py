@@ -22,13 +22,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera_actors.provenance import git_commit
-from tessera_actors.serving.memory import rss_bytes
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident bytes of process ``pid`` (default: this one; 0 once it is
+    gone, or where /proc is not there)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 @dataclass

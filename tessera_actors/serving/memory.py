@@ -17,6 +17,7 @@ import os
 import torch
 
 from tessera_actors.serving.config import EngineConfig, kv_budget
+from tessera_actors.serving.launch import rss_bytes
 from tessera_actors.serving.params import EngineError
 
 log = logging.getLogger("tessera_actors.serving")
@@ -71,19 +72,6 @@ def fit_kv_cache(cfg: EngineConfig, row_bytes: int) -> EngineConfig:
                 "(%.1f MiB each): serving %d at once (raise --kv-cache-memory for more)", cfg.kv_cache_memory,
                 budget / 2**20, rows, cfg.max_seqs, cfg.max_model_len, row_bytes / 2**20, rows)
     return dataclasses.replace(cfg, max_seqs=int(rows))
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    """Resident bytes of process ``pid`` (default: this one; 0 once it is
-    gone, or where /proc is not there)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def memory_report(served, cfg: EngineConfig) -> dict:
