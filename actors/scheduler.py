@@ -8,7 +8,10 @@ and sends them out as placement messages.
   scheduler's own address (in-process devices) hold no lease.  A node registering under the
   name of a lost one (restarted) takes its place: same devices, same
   inventory slots; a name held by a live node (one that still answers
-  ``Describe`` at its endpoint within 1 s) is refused.
+  ``Describe`` at its endpoint within 1 s) is refused.  A node reported
+  lost that answers again (it was paused) is re-admitted by ``Readmit``:
+  checked to be the same process, the plans it held when it was lost
+  uninstalled, no longer lost.
 * The device inventory is the registered devices in registration order; a
   plan's device ``i`` is inventory entry ``i``.
 * ``Place`` asks the graph actor for the graph, runs the planner (in a
@@ -37,8 +40,8 @@ from tessera_actors.runtime.actor import Actor, ActorRef, handler
 from tessera_actors.runtime.errors import ActorDead, ActorError
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Placed, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
-                                     LoadValues, Ok, Place, Register, Registered, ReportLost, Routes, Stats,
-                                     Uninstall)
+                                     LoadValues, Ok, Place, Readmit, Register, Registered, ReportLost, Routes,
+                                     Stats, Uninstall)
 from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_to_dict
 from tessera_actors.planning.pinning import pinned_assignment, respects
 
@@ -52,6 +55,7 @@ class _Node:
     devices: list[str]
     first: int
     last_seen: float
+    pid: int = 0
 
 
 class SchedulerActor(Actor):
@@ -81,6 +85,7 @@ class SchedulerActor(Actor):
         self.plans: dict[str, Plan] = {}
         self.routes: dict[str, list] = {}
         self.reported_lost: set[str] = set()   # node names reported dead by an engine
+        self.stale: dict[str, set[tuple[str, str]]] = {}   # endpoint -> (plan, device actor) it held when lost
         self.leases = Leases()   # renewed by this scheduler's LeaseActor
 
     async def on_start(self) -> None:
@@ -106,11 +111,12 @@ class SchedulerActor(Actor):
                 raise ValueError(f"node {msg.node!r} rejoins with devices {devices}, it had {old.devices}: "
                                  f"use another name")
             log.warning("node %s rejoins at %s (was %s, lost)", msg.node, msg.endpoint, old.endpoint)
-            old.endpoint, old.last_seen = msg.endpoint, time.monotonic()
+            self.stale.pop(old.endpoint, None)   # a new process holds no plan
+            old.endpoint, old.last_seen, old.pid = msg.endpoint, time.monotonic(), msg.pid
             self.reported_lost.discard(msg.node)
             self.leases.grant(msg.node)
             return Registered(msg.node, old.first)
-        node = _Node(msg.node, msg.endpoint, devices, len(self.inventory), time.monotonic())
+        node = _Node(msg.node, msg.endpoint, devices, len(self.inventory), time.monotonic(), msg.pid)
         self.nodes[msg.node] = node
         self.inventory += [(msg.node, i, d) for i, d in enumerate(msg.devices)]
         self.leases.grant(msg.node)
@@ -153,7 +159,9 @@ class SchedulerActor(Actor):
             if not any(ep == msg.endpoint for _, ep, _ in routes):
                 continue
             for _, ep, name in routes:
-                if ep != msg.endpoint:
+                if ep == msg.endpoint:
+                    self.stale.setdefault(ep, set()).add((plan_id, name))
+                else:
                     try:
                         await (await self._ref(ep, name)).ask(Uninstall(plan_id), timeout=5)
                     except Exception as e:  # a second casualty: reported by its own failure
@@ -161,6 +169,29 @@ class SchedulerActor(Actor):
             self.plans.pop(plan_id, None)
             self.routes.pop(plan_id, None)
         return Ok(f"lost: {names}")
+
+    @handler(Readmit)
+    async def readmit(self, msg: Readmit) -> Ok:
+        """A node reported lost answers again: if it is the process that
+        registered (``Describe``: same name and pid), its stale plans are
+        uninstalled and it is no longer lost; else ``ValueError`` (a node
+        restarted at that address registers itself)."""
+        node = next((n for n in self.nodes.values() if n.endpoint == msg.endpoint), None)
+        if node is None:
+            raise LookupError(f"no node is registered at {msg.endpoint}")
+        if node.name not in self.reported_lost:
+            return Ok(f"{node.name} was not lost")
+        info = await (await self._ref(msg.endpoint, "node")).ask(Describe(), timeout=5)
+        if (info.node, info.pid) != (node.name, node.pid):
+            raise ValueError(f"{msg.endpoint} is {info.node} (pid {info.pid}) now, not the node {node.name} "
+                             f"(pid {node.pid}) reported lost")
+        for plan_id, name in sorted(self.stale.get(msg.endpoint, ())):
+            await (await self._ref(msg.endpoint, name)).ask(Uninstall(plan_id), timeout=5)
+        self.stale.pop(msg.endpoint, None)
+        self.reported_lost.discard(node.name)
+        self.leases.grant(node.name)
+        log.warning("node %s at %s answers again: re-admitted", node.name, msg.endpoint)
+        return Ok(f"re-admitted: {node.name}")
 
     @handler(GetStats)
     def stats(self, msg: GetStats) -> Stats:

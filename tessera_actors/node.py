@@ -3,7 +3,8 @@
 Hosts the device actors (``device0``, ``device1``, ...) and the transfer
 actor (``transfer``) of one machine, serves them on ``--listen``, registers
 with the scheduler (``--scheduler``) and heartbeats; when the scheduler
-answers no heartbeat for ``--lease`` seconds the node exits with status 3,
+answers no heartbeat for ``--lease`` seconds the node exits with status 3
+(seconds it ran: a node paused longer than its lease asks again first),
 and when the scheduler no longer knows it (restarted) it registers again.  ``--data-plane dist``
 sends transfer bytes to other nodes over torch.distributed links (NCCL
 between GPUs, gloo otherwise) instead of ZeroMQ; see ``actors/transfer.py``.  Prints one line
@@ -95,24 +96,36 @@ class SchedulerLost(ActorError):
 async def _register_and_beat(system: ActorSystem, cfg: NodeConfig, endpoint: str) -> None:
     """Register, then heartbeat (asks) every ``heartbeat_s``.  Returns never;
     raises ``SchedulerLost`` once no heartbeat was answered for ``lease_s``
-    seconds, and registers again when the scheduler no longer knows us."""
+    seconds of this process's own running time, and registers again when the
+    scheduler no longer knows us.  A pause of this process (SIGSTOP, a GC or
+    swap stall) is not the scheduler's silence: of the time between two
+    looks at the clock, at most one heartbeat round (the sleep and the ask's
+    timeout) counts against the lease, so a node resumed after any pause
+    asks again before it gives up."""
     register = Register(cfg.name, endpoint, [d.name for d in cfg.devices], os.getpid())
     sched = await system.remote_ref(cfg.scheduler, "scheduler")
     await sched.ask(register, timeout=cfg.register_timeout_s)
     log.info("registered with scheduler at %s", cfg.scheduler)
     lease = await system.remote_ref(cfg.scheduler, "scheduler" + LEASE_SUFFIX)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + cfg.lease_s
+    silent, last = 0.0, loop.time()   # seconds of the lease used up; when they were last counted
+    round_s = 3 * cfg.heartbeat_s     # the longest a round takes while this process runs: a sleep and an ask
+
+    def count() -> float:
+        nonlocal silent, last
+        now = loop.time()
+        silent, last = silent + min(now - last, round_s), now
+        return silent
     seq = 0
     while True:
-        await asyncio.sleep(max(0.0, min(cfg.heartbeat_s, deadline - loop.time())))
-        if loop.time() >= deadline:
+        await asyncio.sleep(max(0.0, min(cfg.heartbeat_s, cfg.lease_s - silent)))
+        if count() >= cfg.lease_s:
             raise SchedulerLost(f"the scheduler at {cfg.scheduler} answered no heartbeat for {cfg.lease_s:g} s")
         seq += 1
         try:
             if not lease.alive:
                 lease = await system.remote_ref(cfg.scheduler, "scheduler" + LEASE_SUFFIX)
-            timeout = max(0.05, min(2 * cfg.heartbeat_s, deadline - loop.time()))
+            timeout = max(0.05, min(2 * cfg.heartbeat_s, cfg.lease_s - silent))
             try:
                 await lease.ask(Heartbeat(cfg.name, seq), timeout=timeout)
             except RemoteError as e:
@@ -121,9 +134,10 @@ async def _register_and_beat(system: ActorSystem, cfg: NodeConfig, endpoint: str
                 log.warning("the scheduler at %s does not know this node (restarted?): registering again",
                             cfg.scheduler)
                 sched = await system.remote_ref(cfg.scheduler, "scheduler")
-                await sched.ask(register, timeout=max(0.05, deadline - loop.time()))
-            deadline = loop.time() + cfg.lease_s
+                await sched.ask(register, timeout=max(0.05, cfg.lease_s - silent))
+            silent, last = 0.0, loop.time()
         except ActorError as e:
+            count()
             log.warning("heartbeat %d to %s failed: %s", seq, cfg.scheduler, e)
 
 

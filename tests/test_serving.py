@@ -43,6 +43,39 @@ async def test_sixteen_concurrent_requests_on_two_node_processes_match_each_alon
                                                                      for d in stats["devices"])
 
 
+async def test_concurrent_prompts_are_prefilled_several_a_step_with_the_tokens_of_each_alone():
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    async with AsyncEngine(devices="cpu", max_seqs=16, prefill_rows=(1, 4, 8), max_batched_tokens=512,
+                           prefix_caching=False, **SMALL) as eng:
+        await eng.wait_placed()
+        alone = [(await _tokens(eng, p, greedy))[0] for p in PROMPTS]
+        before = eng.stats()["prefill_steps"]
+        together = await asyncio.gather(*(_tokens(eng, p, greedy) for p in PROMPTS))
+        steps = eng.stats()["prefill_steps"] - before
+        batched = [b for b in eng.step_time if b.startswith("prefill:") and "x" in b]
+    assert [t for t, _, _ in together] == alone
+    assert steps <= 4 and batched   # 16 prompts of one chunk each, up to 8 a step
+    assert all(int(b.split(":")[1].split("x")[0]) * int(b.split("x")[1].split("~")[0]) <= 512 for b in batched)
+
+
+async def test_a_repeated_prompt_reuses_its_kv_row_and_a_shared_prefix_gives_a_fresh_engines_tokens():
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = list(range(100, 390))
+    branch = prompt[:200] + [7, 8, 9]
+    async with AsyncEngine(devices="cpu", max_seqs=4, **SMALL) as fresh:
+        want = (await _tokens(fresh, branch, greedy))[0]
+    async with AsyncEngine(devices="cpu", max_seqs=4, **SMALL) as eng:
+        first = (await _tokens(eng, prompt, greedy))[0]
+        before = eng.stats()["prefill_steps"]
+        again = (await _tokens(eng, prompt, greedy))[0]
+        steps = eng.stats()["prefill_steps"] - before
+        got = (await _tokens(eng, branch, greedy))[0]
+        stats = eng.stats()
+    assert again == first and steps == 1   # only its last token is fed: its logits give the first token
+    assert got == want
+    assert stats["prefix_hits"] == 2 and stats["prefix_tokens"] == 289 + 200
+
+
 @pytest.fixture
 async def engine():
     async with AsyncEngine(devices="cpu,cpu", max_seqs=4, decode_buckets=(1, 2, 4), **{
@@ -159,6 +192,7 @@ async def test_a_node_killed_mid_stream_loses_no_request_and_changes_no_token(de
 
 async def test_served_tokens_are_the_eager_pytorch_models_tokens():
     import torch
+
     from tessera_actors import models
     prompt, n = [5, 6, 7, 8, 9], 8
     m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
@@ -238,7 +272,7 @@ async def test_a_device_memory_budget_covers_the_shared_weights_and_kv_cache():
 
 
 async def test_the_detector_tells_a_refused_port_from_a_listening_one():
-    from tessera_actors.serving.deployment import _refused
+    from tessera_actors.serving.detector import refused as _refused
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     assert not await _refused(f"tcp://127.0.0.1:{port}")
@@ -254,7 +288,7 @@ async def test_the_engine_serves_once_its_largest_buckets_are_placed_the_rest_fo
     arrives before its own buckets are placed runs padded in those, with the
     tokens it gets once every bucket is in place; /health's progress counts
     the placements."""
-    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=128,
+    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=128, prefix_caching=False,
                decode_buckets=(1, 2), prefill_buckets=(8, 16, 24, 32, 48))
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     prompt = list(range(1, 21))                     # 20 tokens: a 24-token chunk once it is placed
@@ -309,8 +343,9 @@ async def test_decode_steps_sent_ahead_of_their_tokens_stream_what_waiting_for_t
 
 
 async def test_a_step_fed_from_tokens_its_device_did_not_sample_fails_by_name():
-    from tessera_actors.serving.deployment import StepFailed
     import torch
+
+    from tessera_actors.serving.deployment import StepFailed
     async with AsyncEngine(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=64,
                            decode_buckets=(2,), prefill_buckets=(8,)) as eng:
         bucket = eng.deployment.reference_bucket()
@@ -361,6 +396,7 @@ async def test_the_kv_cache_is_sized_from_its_memory_budget():
     request waits for a slot, every request is served, and the memory report
     says what the cache holds."""
     import torch
+
     from tessera_actors import models
     from tessera_actors.serving.memory import state_bytes
     meta = models.get("llama", "tiny", dtype=torch.float32, device="meta", max_batch=4, max_seq=64)

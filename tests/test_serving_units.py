@@ -7,7 +7,8 @@ import torch
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes, weight_homes
 from tessera_actors.serving import InvalidRequest, SamplingParams
-from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_inputs
+from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_inputs, prefill_batch,
+                                          prefill_inputs)
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.execution.sampling import sample_rows, uniform
 
@@ -98,6 +99,22 @@ def _chunks(length: int, buckets: list[int]) -> tuple[list[int], list[bool]]:
     return sizes, samples
 
 
+def test_a_batched_prefill_step_feeds_each_rows_chunk_and_samples_the_prompts_it_ends():
+    p = SamplingParams().validate()
+    a = Sequence("a", [1, 2, 3], p, 0, slot=5, context=[1, 2, 3])
+    b = Sequence("b", list(range(10, 30)), p, 0, slot=2, context=list(range(10, 30)), prefilled=16)
+    c = Sequence("c", list(range(40)), p, 0, slot=7, context=list(range(40)))
+    inp, sample = batch_prefill_inputs([a, b, c], [3, 4, 16], size=16, rows=4, max_len=64)
+    assert inp["rows"].tolist() == [5, 2, 7, 5]           # the padding row writes into the first row's last slot
+    assert inp["last"].tolist() == [2, 3, 15, 0]
+    assert inp["input_ids"][1, :4].tolist() == list(range(26, 30)) and inp["input_ids"][0, :3].tolist() == [1, 2, 3]
+    assert inp["positions"][1, :4].tolist() == [16, 17, 18, 19] and inp["positions"][1, 4:].max() <= 63
+    assert inp["positions"][3].tolist() == [63] * 16
+    assert [e[:2] for e in sample] == [[0, 0], [1, 0]]   # c's chunk does not end its prompt: it does not sample
+    with pytest.raises(ValueError, match="does not fit"):
+        batch_prefill_inputs([c], [20], size=16, rows=1, max_len=64)
+
+
 @pytest.mark.parametrize("length,buckets,want", [
     (300, [32, 128], [128, 128, 32, 32]),        # the 44 left: two small chunks pad less than one of 128
     (290, [32, 128, 256], [256, 32, 32]),
@@ -164,6 +181,7 @@ async def test_a_failed_placement_is_tried_again_by_the_next_step_that_needs_it(
     """(After a loss every bucket is placed anew; one failed attempt - a
     timeout, a full device - must not fail every later step at once.)"""
     import types
+
     from tessera_actors.serving.deployment import Deployment
     rt = Deployment.__new__(Deployment)
     rt.placed, rt._placing, rt.generation, rt.pins, rt.weights = {}, {}, 0, {}, {}
@@ -228,3 +246,35 @@ def test_the_kv_cache_budget_is_validated_and_lowers_the_rows_to_what_fits():
     assert kv_budget_bytes(EngineConfig(kv_cache_memory=None)) is None
     half = kv_budget_bytes(EngineConfig(kv_cache_memory=0.5, devices="cpu?mem=2GiB,cpu?mem=2GiB"))
     assert half == 2 << 30                                   # half of the two budgets
+
+
+def test_a_prefill_step_takes_the_prompts_whose_chunks_fit_the_first_ones_within_the_token_budget():
+    p = SamplingParams().validate()
+
+    def seq(rid, n):
+        return Sequence(rid, list(range(n)), p, 0, slot=0, context=list(range(n)))
+    waiting = [seq("a", 40), seq("long", 300), *(seq(f"s{i}", 20 + i) for i in range(12))]
+    seqs, chunks, size, rows = prefill_batch(waiting, [32, 64, 128], [1, 4, 8], budget=512)
+    assert size == 64 and rows == 8 and len(seqs) == 8 and "long" not in [s.rid for s in seqs]
+    assert chunks == [40] + [20 + i for i in range(7)]
+    seqs, chunks, size, rows = prefill_batch(waiting[:3], [32, 64, 128], [1, 4, 8], budget=512)
+    assert [s.rid for s in seqs] == ["a", "s0"] and rows == 4       # padded up to a row count there is
+    _, _, size, rows = prefill_batch(waiting[1:], [32, 64, 128], [1, 4, 8], budget=256)
+    assert size == 128 and rows == 1                                 # 4 x 128 is over the budget: alone
+
+
+def test_a_freed_row_keeps_its_tokens_for_a_prompt_that_starts_with_them():
+    slots = SlotAllocator([(0, 4)], min_reuse=4)
+    p = SamplingParams().validate()
+    s = Sequence("a", list(range(10)), p, 0, context=list(range(10)), prefilled=10, generated=[50, 51, 52])
+    assert s.kv_tokens(64) == list(range(10)) + [50, 51]     # the latest token was never fed
+    assert Sequence("b", [1] * 9, p, 0, context=[1] * 9, prefilled=5).kv_tokens(64) == [1] * 5
+    row = slots.take()
+    slots.release(row, s.kv_tokens(64))
+    assert slots.take() != row                               # a plain take leaves the kept row alone
+    assert slots.take_for(list(range(6)) + [99]) == (row, 6)
+    slots.release(row, [1, 2, 3])                             # under min_reuse: not kept
+    assert row not in slots.kept
+    slots.release(slots.take_for([0])[0], list(range(8)))
+    slots.forget()
+    assert slots.kept == {}

@@ -61,7 +61,7 @@ class Channel:
         self._loop = asyncio.get_running_loop()
         self._fd = sock.getsockopt(zmq.FD)
         self._outbox: deque = deque()
-        self._paused = False
+        self._pauses = 0   # pause() calls not yet resumed (backpressure, the guard's queue)
         self._check_scheduled = False
         self.closed = False
         self._loop.add_reader(self._fd, self._on_ready)
@@ -90,12 +90,13 @@ class Channel:
         return waiter
 
     def pause(self) -> None:
-        """Stop delivering received messages until ``resume``."""
-        self._paused = True
+        """Stop delivering received messages until as many ``resume`` calls."""
+        self._pauses += 1
 
     def resume(self) -> None:
-        self._paused = False
-        self._schedule_check()
+        self._pauses = max(0, self._pauses - 1)
+        if not self._pauses:
+            self._schedule_check()
 
     def _schedule_check(self) -> None:
         if not self._check_scheduled and not self.closed:
@@ -114,7 +115,7 @@ class Channel:
                 events = _get(sock, _EVENTS)
                 if events & _POLLOUT and self._outbox:
                     self._flush()
-                if not events & _POLLIN or self._paused:
+                if not events & _POLLIN or self._pauses:
                     return
                 frame = recv(_NOBLOCK, copy=False)
                 frames = [frame]

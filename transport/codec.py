@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, Sequence
 
 import msgpack
 
+from tessera_actors.graph import GraphError, dtype_from_name
 from tessera_actors.runtime import messages as _messages
 from tessera_actors.runtime.errors import CodecError
 from transport.msgscan import scan as _scan
@@ -45,7 +46,7 @@ DEFAULT_MAX_FRAME = 4 << 30   # bytes per tensor frame
 DEFAULT_MAX_BODY = 64 << 20   # bytes of msgpack body
 MAX_DEPTH = 32            # containers and nested ext documents, counted together
 MAX_EXT_DEPTH = 16        # ext documents inside ext documents (each level is a C recursion in msgpack)
-MAX_ITEMS = 1 << 20       # objects in one body
+MAX_ITEMS = 1 << 17       # objects in one body (unpacking 2**17 nested ones: ~40 ms of C holding the GIL)
 MAX_CONTAINER = 1 << 20   # elements of one array or map
 SCAN_ABOVE = 2048         # bodies longer than this are bounds-checked (transport.msgscan) before unpacking
 
@@ -334,10 +335,11 @@ def _build_tensor(buf, lib, dtype, shape):
         _check_size(buf, numel * np_dtype.itemsize, dtype, shape)
         return np.frombuffer(buf, dtype=np.uint8).view(np_dtype).reshape(shape)
     if lib == _LIB_TORCH:
+        try:   # a fixed table: a name from the wire never reaches getattr(torch, ...) (which imports submodules)
+            torch_dtype = dtype_from_name(dtype)
+        except GraphError:
+            raise CodecError(f"unknown torch dtype {dtype!r}") from None
         import torch
-        torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-        if not isinstance(torch_dtype, torch.dtype):
-            raise CodecError(f"unknown torch dtype {dtype!r}")
         _check_size(buf, numel * torch_dtype.itemsize, dtype, shape)
         if numel == 0:
             return torch.empty(shape, dtype=torch_dtype)

@@ -9,7 +9,9 @@ connected to a remote system and resolves pending asks by request id.
 Nothing here blocks the event loop: sockets are driven by ``Channel``
 (loop reader on the ZeroMQ FD; works under uvloop), frames go out with
 ``copy=False`` (tensor frames are not copied), sockets close with linger 0.
-A request that does not decode is logged and, when its envelope is readable
+Requests that are not light (``transport.guard``) are decoded on a guard
+thread, each sender's requests kept in order, so no request holds the loop
+for long.  A request that does not decode is logged and, when its envelope is readable
 and it was an ask, answered with ``ErrorReply(kind="CodecError")``; bad input
 never stops a socket.
 
@@ -31,7 +33,7 @@ from tessera_actors.runtime.actor import ActorRef, LocalRef
 from tessera_actors.runtime.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
 from tessera_actors.runtime.messages import ErrorReply, Ok
-from transport import auth, codec, shm, shm_frames
+from transport import auth, codec, guard, shm, shm_frames
 from transport.channel import Channel
 from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,
                              Envelope)
@@ -67,6 +69,7 @@ class Server:
         self._tasks: set[asyncio.Task] = set()
         self.address = ""
         self.undecodable = 0   # requests that did not decode (logged: the first 20, then every 1000th)
+        self._guard: guard.Guard | None = None   # decodes heavy requests off the loop (made at bind)
         shm_config = shm_config or ShmConfig()
         # tensors that local peers put in shared memory; answers use ZeroMQ frames
         self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
@@ -78,25 +81,28 @@ class Server:
             endpoint = endpoint[:-1] + "*"   # ZeroMQ's spelling of "any free port"
         self._sock.bind(endpoint)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._chan = Channel(self._sock, self._on_request)
+        self._guard = guard.Guard(self._decode, self._serve, lambda: self._chan.pause(), lambda: self._chan.resume())
+        self._chan = Channel(self._sock, self._guard.receive)
         return self.address
 
-    def _on_request(self, frames: list) -> None:
-        identity, payload = frames[0], frames[1:]
+    def _decode(self, payload: list, identity) -> tuple | CodecError:
+        """``(envelope, message)``, or the ``CodecError`` (any thread)."""
         try:
-            if len(payload) > 3 and shm_frames.has_shm(payload):
-                payload = shm_frames.from_shm(payload, self._shm, identity.bytes)
-            env, msg = codec.decode(payload, max_frame=self._max_frame, max_body=self._max_body)
+            return guard.decode_request(payload, self._shm, identity.bytes, self._max_frame, self._max_body)
         except CodecError as exc:
-            payload = frames[1:]
+            return exc
+
+    def _serve(self, identity, payload: list, decoded) -> None:
+        if isinstance(decoded, CodecError):
             env = codec.decode_envelope(payload)
             self.undecodable += 1
             if self.undecodable <= 20 or self.undecodable % 1000 == 0:   # a flood must not flood the log
-                log.warning("undecodable request on %s (%s): %s (%d so far)", self.address, env, exc,
+                log.warning("undecodable request on %s (%s): %s (%d so far)", self.address, env, decoded,
                             self.undecodable)
             if env is not None and env.op in (OP_ASK, OP_STOP) and env.request_id:
-                self._send_answer(identity, env.request_id, OP_FAILED, ErrorReply("CodecError", str(exc)))
+                self._send_answer(identity, env.request_id, OP_FAILED, ErrorReply("CodecError", str(decoded)))
             return
+        env, msg = decoded
         op, request_id, target = env
         ref = self._resolve(target)
         if op == OP_ASK:
@@ -115,21 +121,22 @@ class Server:
         elif op == OP_STOP:
             self._spawn(self._stop(identity, env.request_id, ref))
         elif op == OP_SHM_HELLO:
-            self._shm_hello(identity, env.request_id, msg)
+            self._spawn(self._shm_hello(identity, env.request_id, msg))
         else:
             log.warning("unknown op %d on %s", op, self.address)
             if env.request_id:
                 self._send_answer(identity, env.request_id, OP_FAILED,
                                   ErrorReply("CodecError", f"unknown op {op}"))
 
-    def _shm_hello(self, identity, request_id: int, probe: Any) -> None:
-        """Handshake: answer with the nonce read from the peer's probe segment."""
+    async def _shm_hello(self, identity, request_id: int, probe: Any) -> None:
+        """Handshake: answer with the nonce read from the peer's probe segment
+        (on the guard thread: the reader's segments are only touched there)."""
         try:
             if self._shm is None:
                 raise CodecError("shared memory is off on this side")
             if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
                 raise CodecError(f"malformed shared-memory hello {probe!r}")
-            nonce = self._shm.read_probe(getattr(identity, "bytes", identity), probe[0])
+            nonce = await self._guard.run(self._shm.read_probe, getattr(identity, "bytes", identity), probe[0])
         except (CodecError, OSError, ValueError) as exc:
             self._send_answer(identity, request_id, OP_FAILED, ErrorReply("ShmUnavailable", str(exc)))
             return
@@ -191,6 +198,8 @@ class Server:
         """Stop serving and close the socket (linger 0); idempotent."""
         for task in self._tasks:
             task.cancel()
+        if self._guard is not None:
+            self._guard.close()
         if self._shm is not None:
             self._shm.close()
         if self._chan is not None:

@@ -50,10 +50,11 @@ def has_shm(frames: Sequence) -> bool:
     return len(header) == 6 and bool(header[5] & FLAG_SHM)
 
 
-def from_shm(frames: Sequence, reader: SegmentReader | None, owner) -> list:
+def from_shm(frames: Sequence, reader: SegmentReader | None, owner, max_frame: int = 4 << 30) -> list:
     """Replace shared-memory descriptors with the bytes they describe (copied
-    out); raises ``CodecError`` on a malformed table or a segment that cannot
-    be read."""
+    out); raises ``CodecError`` on a malformed table, a segment that cannot
+    be read, or a descriptor of more than ``max_frame`` bytes (refused before
+    any page of the segment or of a receive buffer is touched)."""
     if reader is None:
         raise CodecError("shared-memory frames on a link without a shared-memory handshake")
     bufs = [getattr(f, "buffer", f) for f in frames[:-1]]
@@ -75,6 +76,8 @@ def from_shm(frames: Sequence, reader: SegmentReader | None, owner) -> list:
         slot = index + 2
         if not 2 <= slot < len(bufs) or index in seen or len(bufs[slot]) != 0 or nbytes < 1:
             raise CodecError(f"shared-memory descriptor {entry!r} does not match the frames")
+        if nbytes > max_frame:
+            raise CodecError(f"shared-memory descriptor of {nbytes} bytes exceeds the frame limit {max_frame}")
         seen.add(index)
         bufs[slot] = reader.read(owner, name, generation, nbytes)
     return bufs

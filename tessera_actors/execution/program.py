@@ -291,8 +291,15 @@ class _Into:
         self.copy()
 
 
+# the layouts and memory formats a kernel argument may name: a fixed table (as graph.DTYPE_NAMES), so a
+# name from an installed plan never reaches getattr(torch, ...), which imports torch submodules on demand
+_CONSTANT_NAMES = {"layout": ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc"),
+                   "memory_format": ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")}
+
+
 def _torch_constant(name, kind: type):
-    value = getattr(torch, name, None) if isinstance(name, str) else None
+    known = _CONSTANT_NAMES["layout" if kind is torch.layout else "memory_format"]
+    value = getattr(torch, name, None) if isinstance(name, str) and name in known else None
     if not isinstance(value, kind):
         raise KernelRefused(f"{name!r} is not a torch {kind.__name__}")
     return value

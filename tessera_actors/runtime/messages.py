@@ -347,3 +347,12 @@ class ReportLost:
     later placements leave it out. Reply: ``Ok``."""
     endpoint: str
     reason: str = ""
+
+
+@message
+class Readmit:
+    """To the scheduler: the node serving ``endpoint``, reported lost, answers
+    again (it was paused, not dead).  The scheduler checks it is the node it
+    registered (same name and process), uninstalls the plans it held when it
+    was reported lost, and lets later placements use it. Reply: ``Ok``."""
+    endpoint: str

@@ -58,6 +58,17 @@ class Sequence:
         """Position of the next decode input, counting tokens in flight."""
         return self.position + self.pending
 
+    def kv_tokens(self, max_len: int) -> list[int]:
+        """The tokens whose keys and values this sequence's KV row holds, from
+        position 0: the context prefilled so far, then each generated token
+        fed to a decode step (all but the latest); never the last slot
+        (``max_len - 1``), which padding writes."""
+        if self.prefilled < len(self.context):
+            held = self.context[:self.prefilled]
+        else:
+            held = self.context + self.generated[len(self.context) - len(self.prompt):][:-1]
+        return held[:max_len - 1]
+
     def may_decode(self, max_len: int) -> bool:
         """Whether one more decode step can be due: the tokens in flight
         leave room under ``max_tokens`` and the context."""
@@ -66,9 +77,20 @@ class Sequence:
 
 
 class SlotAllocator:
-    def __init__(self, bounds: Seq[tuple[int, int]]) -> None:
+    """KV rows.  A row given back keeps the tokens whose keys and values it
+    holds (``release(slot, kept)``), so a new prompt that starts with them
+    can take that row and skip prefilling them (:meth:`take_for`: automatic
+    prefix caching on the static cache - no copy, no memory beyond the rows;
+    a row with kept tokens is reused for another prompt only after the rows
+    without, the longest unused first)."""
+
+    def __init__(self, bounds: Seq[tuple[int, int]], min_reuse: int = 16) -> None:
         self.set_groups(bounds)
         self.used: set[int] = set()
+        self.kept: dict[int, list[int]] = {}   # free row -> the tokens its cache holds from position 0
+        self.min_reuse = min_reuse
+        self._age = 0
+        self._kept_at: dict[int, int] = {}
 
     def set_groups(self, bounds: Seq[tuple[int, int]]) -> None:
         self.bounds = list(bounds)
@@ -78,21 +100,59 @@ class SlotAllocator:
         return self.total - len(self.used)
 
     def take(self) -> int | None:
+        """A free row in the emptiest group (its kept tokens, if any, dropped)."""
         best = None
         for lo, hi in self.bounds:
             free = [r for r in range(lo, hi) if r not in self.used]
             if free and (best is None or len(free) > best[0]):
-                best = (len(free), free[0])
+                best = (len(free), min(free, key=lambda r: (r in self.kept, self._kept_at.get(r, 0), r)))
         if best is None:
             return None
-        self.used.add(best[1])
-        return best[1]
+        return self._use(best[1])
 
-    def release(self, slot: int) -> None:
+    def take_for(self, tokens: Seq[int]) -> tuple[int | None, int]:
+        """(a free row, how many of ``tokens`` from the start its cache already
+        holds): the row keeping the longest such prefix, when it is at least
+        ``min_reuse`` tokens, else :meth:`take`'s row and 0."""
+        best, most = None, 0
+        for r, kept in self.kept.items():
+            if r in self.used:
+                continue
+            n = common_prefix(kept, tokens)
+            if n > most:
+                best, most = r, n
+        if best is None or most < self.min_reuse:
+            return self.take(), 0
+        self.used.add(best)
+        self.kept.pop(best, None)
+        return best, most
+
+    def _use(self, row: int) -> int:
+        self.used.add(row)
+        self.kept.pop(row, None)
+        return row
+
+    def release(self, slot: int, kept: Seq[int] = ()) -> None:
         self.used.discard(slot)
+        if len(kept) >= self.min_reuse:
+            self._age += 1
+            self.kept[slot], self._kept_at[slot] = list(kept), self._age
+
+    def forget(self) -> None:
+        """Drop every kept prefix (the KV cache was placed afresh)."""
+        self.kept.clear()
 
     def group_of(self, slot: int) -> int:
         return next(g for g, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def smallest_bucket(sizes: Seq[int], need: int) -> int:
@@ -162,6 +222,32 @@ def prefill_chunk(seq: Sequence, sizes: Seq[int]) -> tuple[int, int]:
     return split[0], split[0]
 
 
+def prefill_batch(waiting: Seq[Sequence], sizes: Seq[int], row_counts: Seq[int], budget: int
+                  ) -> tuple[list[Sequence], list[int], int, int]:
+    """(sequences, their chunks' real tokens, chunk size, rows) of the next
+    prompt-chunk step (batched prefill): the first waiting sequence's next
+    chunk (:func:`prefill_chunk`) and, in order, the next chunks of those
+    after it whose own chunk size is no larger, up to the most rows of
+    ``row_counts`` whose padded tokens stay within ``budget`` (vLLM's
+    ``max_num_batched_tokens``; the decode rows run in their own steps
+    between these, so it bounds how long a prefill holds them up).  The
+    sequences taken are the first ones of ``waiting`` that qualify, which
+    need not be contiguous: callers use the returned sequences.  ``rows``:
+    the smallest row count that holds them."""
+    size, n = prefill_chunk(waiting[0], sizes)
+    seqs, chunks = [waiting[0]], [n]
+    most = max((r for r in row_counts if r * size <= budget), default=1)
+    for seq in waiting[1:]:
+        if len(seqs) >= most:
+            break
+        own, m = prefill_chunk(seq, sizes)
+        if own <= size:
+            seqs.append(seq)
+            chunks.append(m)
+    rows = min((r for r in row_counts if r >= len(seqs)), default=len(seqs))
+    return seqs, chunks, size, rows
+
+
 def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | None = None
                    ) -> tuple[int, int, dict[str, torch.Tensor], list]:
     """(bucket size, real tokens, inputs, sample entries) of the next chunk of
@@ -171,11 +257,33 @@ def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | Non
     if size is not None and size < n:
         raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
     size = size or need
-    start = seq.prefilled
-    ids = torch.zeros(1, size, dtype=torch.int64)
-    ids[0, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)
-    pos = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)[None]
-    inputs = {"input_ids": ids, "positions": pos, "rows": torch.tensor([seq.slot], dtype=torch.int64),
-              "last": torch.tensor([n - 1], dtype=torch.int64)}
-    final = start + n == len(seq.context)
-    return size, n, inputs, [seq.sample_entry(0, 0)] if final else []
+    inputs, sample = batch_prefill_inputs([seq], [n], size, 1, max_len)
+    return size, n, inputs, sample
+
+
+def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows: int, max_len: int
+                         ) -> tuple[dict[str, torch.Tensor], list]:
+    """(inputs, sample entries) of one prompt-chunk step of ``rows`` rows of
+    ``size`` tokens: row ``i`` feeds ``chunks[i]`` tokens of ``seqs[i]``'s
+    context into its KV row, from where its prefill stands; a sequence whose
+    chunk ends its context samples (entry row ``i``).  Padding - tokens past
+    a chunk, rows past the sequences - writes only the last cache slot
+    (``max_len - 1``) of a row of the step, which no sequence reads before
+    it writes it itself."""
+    if not 0 < len(seqs) <= rows or len(chunks) != len(seqs):
+        raise ValueError(f"{len(seqs)} sequences for a prefill step of {rows} rows")
+    ids = torch.zeros(rows, size, dtype=torch.int64)
+    pos = torch.full((rows, size), max_len - 1, dtype=torch.int64)
+    slot = torch.full((rows,), seqs[0].slot, dtype=torch.int64)
+    last = torch.zeros(rows, dtype=torch.int64)
+    sample = []
+    for i, (seq, n) in enumerate(zip(seqs, chunks)):
+        if not 0 < n <= size:
+            raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
+        start = seq.prefilled
+        ids[i, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)
+        pos[i] = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)
+        slot[i], last[i] = seq.slot, n - 1
+        if start + n == len(seq.context):
+            sample.append(seq.sample_entry(i, 0))
+    return {"input_ids": ids, "positions": pos, "rows": slot, "last": last}, sample

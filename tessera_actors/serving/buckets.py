@@ -9,7 +9,9 @@ A *bucket* is one captured shape of the model's forward:
 * ``prefill:C`` - a chunk of ``C`` prompt tokens of one sequence into its
   own KV row (inputs ``input_ids`` [1, C], ``positions`` [1, C], ``rows``
   [1], ``last`` [1]: only the logits of the chunk's last real token are
-  computed);
+  computed); ``prefill:RxC``: chunks of ``R`` sequences in one step
+  (``[R, C]``, ``rows`` [R], ``last`` [R]: batched prefill, at most
+  ``max_batched_tokens`` tokens a step);
 * ``embed:C`` - a chunk of ``C`` tokens as ``prefill:C`` takes them,
   giving the final hidden states summed over its real tokens (``/v1/embeddings``:
   the engine adds the chunks up and divides by the token count), for a
@@ -37,14 +39,18 @@ class Bucket:
     size: int          # rows (decode) or tokens (prefill)
     base: int = 0      # first KV row (decode)
     window: int = 0    # attention reads the first ``window`` KV slots (0: all)
+    rows: int = 1      # prefill: sequences a step carries, each a chunk of ``size`` tokens
 
     @property
     def name(self) -> str:
-        return bucket_name(self.kind, self.size, self.base, self.window)
+        return bucket_name(self.kind, self.size, self.base, self.window, self.rows)
 
 
-def bucket_name(kind: str, size: int, base: int = 0, window: int = 0) -> str:
-    name = f"decode:{size}@{base}" if kind == "decode" else f"{kind}:{size}"
+def bucket_name(kind: str, size: int, base: int = 0, window: int = 0, rows: int = 1) -> str:
+    if kind == "decode":
+        name = f"decode:{size}@{base}"
+    else:
+        name = f"{kind}:{rows}x{size}" if rows > 1 else f"{kind}:{size}"
     return f"{name}~{window}" if window else name
 
 
@@ -93,17 +99,35 @@ def buckets_for(cfg: EngineConfig) -> list[Bucket]:
             if size < cfg.max_model_len:
                 b = Bucket("prefill", size, 0, size)
                 seen.setdefault(b.name, b)
+    for b in batched_prefill_buckets(cfg):
+        seen.setdefault(b.name, b)
     return list(seen.values())
+
+
+def batched_prefill_buckets(cfg: EngineConfig) -> list[Bucket]:
+    """Prompt chunks of several sequences in one step: ``R`` rows of ``C``
+    tokens for each ``R`` of ``prefill_rows`` above 1 and each chunk size
+    with ``R * C <= max_batched_tokens``; attention over the chunk's own
+    length (first chunks, when windowed) and over the whole cache."""
+    out = []
+    for size in cfg.prefill_buckets:
+        for rows in cfg.prefill_rows:
+            if rows < 2 or rows > cfg.max_seqs or rows * size > cfg.max_batched_tokens:
+                continue
+            windows = ([size] if windowed(cfg) and size < cfg.max_model_len else []) + [0]
+            out += [Bucket("prefill", size, 0, w, rows) for w in windows]
+    return out
 
 
 def bucket_inputs(bucket: Bucket, device: str | torch.device = "meta") -> dict[str, torch.Tensor]:
     if bucket.kind == "decode":
         return {"input_ids": torch.zeros(bucket.size, 1, dtype=torch.int64, device=device),
                 "positions": torch.zeros(bucket.size, dtype=torch.int64, device=device)}
-    return {"input_ids": torch.zeros(1, bucket.size, dtype=torch.int64, device=device),
-            "positions": torch.arange(bucket.size, dtype=torch.int64, device=device)[None],
-            "rows": torch.zeros(1, dtype=torch.int64, device=device),
-            "last": torch.zeros(1, dtype=torch.int64, device=device)}
+    r = bucket.rows
+    return {"input_ids": torch.zeros(r, bucket.size, dtype=torch.int64, device=device),
+            "positions": torch.arange(bucket.size, dtype=torch.int64, device=device)[None].expand(r, -1).contiguous(),
+            "rows": torch.arange(r, dtype=torch.int64, device=device),
+            "last": torch.zeros(r, dtype=torch.int64, device=device)}
 
 
 @contextlib.contextmanager
@@ -156,7 +180,7 @@ def core_buckets(cfg: EngineConfig, buckets: dict[str, Bucket]) -> set[str]:
     if cfg.nodes:
         return set(buckets)
     core = {f"decode:{cfg.max_seqs}@0"}
-    chunks = [b for b in buckets.values() if b.kind == "prefill" and not b.window]
+    chunks = [b for b in buckets.values() if b.kind == "prefill" and not b.window and b.rows == 1]
     if chunks:
         core.add(max(chunks, key=lambda b: b.size).name)
     return core & set(buckets)

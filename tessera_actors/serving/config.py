@@ -25,7 +25,9 @@ class EngineConfig:
     limit.  When ``max_seqs`` rows do not fit, the engine keeps as many as
     do (at least one, else an error) and says so.  Decode runs at ``decode_buckets`` batch
     sizes (rows padded up), prompts are prefilled in chunks of
-    ``prefill_buckets`` tokens.  ``mode``: ``latency`` (one decode step of
+    ``prefill_buckets`` tokens, the chunks of up to ``prefill_rows``
+    sequences in one step (padded to a row count of it) within
+    ``max_batched_tokens`` padded tokens a step.  ``mode``: ``latency`` (one decode step of
     all rows at a time), ``throughput`` (the rows in ``groups`` micro-batch
     groups, one step of each in flight, so the devices of a split
     pipeline), or ``auto`` (the online monitor switches: window
@@ -34,8 +36,10 @@ class EngineConfig:
     (0 or 1): decode steps a group sends ahead of the tokens they take,
     which the device feeds from the previous step (1: the host turnaround
     between steps overlaps the devices' work).  Faults: a node
-    that misses pings for ``lost_after_s`` is lost; the deployment is
-    re-placed on the survivors and requests continue there.
+    that misses pings for ``lost_after_s`` is suspected (lost); the deployment is
+    re-placed on the survivors and requests continue there; once it answers
+    again it is re-admitted and placed on again.  With no node left the
+    engine waits ``rejoin_wait_s`` for a suspected one before it is dead.
 
     A model bigger than the GPU: ``gpu_budget`` (bytes or a size such as
     ``"8GiB"``) caps the memory of the deployment's GPU (its first non-CPU
@@ -61,6 +65,9 @@ class EngineConfig:
     kv_cache_memory: int | float | str | None = None
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16)
     prefill_buckets: tuple[int, ...] = (32, 64, 128, 192, 256, 320, 384, 448, 512)
+    prefill_rows: tuple[int, ...] = (1, 4, 8)   # sequences a prompt-chunk step may carry (batched prefill)
+    max_batched_tokens: int = 512   # prompt tokens (padded) of one step, as vLLM's max_num_batched_tokens
+    prefix_caching: bool = True     # a prompt that starts as a finished one did reuses its KV row (batch.SlotAllocator)
     kv_windows: tuple[int, ...] | None = None   # attention windows per bucket; None: (512, max_model_len)
     planner: str = "contiguous"
     planner_options: dict = field(default_factory=dict)   # keyword options of the planner (offload: policy, cpu_bps, ...)
@@ -73,6 +80,7 @@ class EngineConfig:
     heartbeat_s: float = 0.25
     lost_after_s: float = 1.0
     watch_processes: bool = True   # node processes the engine started: their exit is a loss at once
+    rejoin_wait_s: float = 30.0    # no node left to place on: how long to wait for a suspected one to answer
     seed: int = 0
     profile: bool = False       # time the reference bucket's kernels on each in-process device for the planner
     trace_dir: str | None = None
@@ -104,6 +112,11 @@ class EngineConfig:
         if not self.decode_buckets or self.decode_buckets[0] < 1:
             raise bad(f"decode_buckets must be positive sizes, got {self.decode_buckets}")
         self.decode_buckets = tuple(b for b in self.decode_buckets if b < self.max_seqs) + (self.max_seqs,)
+        self.prefill_rows = tuple(sorted({1} | {int(r) for r in self.prefill_rows}))
+        if self.prefill_rows[0] < 1:
+            raise bad(f"prefill_rows must be positive counts, got {self.prefill_rows}")
+        if self.max_batched_tokens < 1:
+            raise bad(f"max_batched_tokens must be >= 1, got {self.max_batched_tokens}")
         if any(b < 1 for b in self.prefill_buckets):
             raise bad(f"prefill_buckets must be positive sizes, got {self.prefill_buckets}")
         self.prefill_buckets = tuple(b for b in self.prefill_buckets if b < self.max_model_len)
@@ -118,7 +131,8 @@ class EngineConfig:
         self.groups = min(self.groups, self.max_seqs)   # a group needs at least one row
         if self.lookahead not in (0, 1):
             raise bad(f"lookahead must be 0 or 1, got {self.lookahead}")
-        for name in ("step_timeout", "heartbeat_s", "lost_after_s", "monitor_window_s", "monitor_beta"):
+        for name in ("step_timeout", "heartbeat_s", "lost_after_s", "rejoin_wait_s", "monitor_window_s",
+                     "monitor_beta"):
             if getattr(self, name) <= 0:
                 raise bad(f"{name} must be positive, got {getattr(self, name)}")
         if not isinstance(self.planner_options, dict):

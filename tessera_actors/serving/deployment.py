@@ -18,8 +18,12 @@ Contract:
   bounded by the detector, not by a step timeout.  :meth:`Deployment.replace`
   then reports it to the scheduler (which uninstalls the old plans, failing
   their pending steps) and places every bucket again on the survivors.  A
-  node its launcher restarted is reported through ``on_back`` once it took
-  its old place at the scheduler; the engine then re-places on all nodes.
+  lost node is only suspected (``serving/detector.py``): once it answers
+  again the scheduler re-admits it; a node its launcher restarted takes its
+  old place at the scheduler.  Either is reported through ``on_back`` and
+  leaves ``lost``; the engine then re-places on all nodes.  With no node
+  left to place on, :meth:`Deployment.replace` waits up to
+  ``rejoin_wait_s`` for a suspected one to answer before it gives up.
 """
 from __future__ import annotations
 
@@ -39,8 +43,7 @@ from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.devices import parse_devices
 from tessera_actors.launch import registry
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import (Ping, Place, Register, ReportLost, RunStep,
-                                             Uninstall)
+from tessera_actors.runtime.messages import GetStats, Place, Register, ReportLost, RunStep, Uninstall
 from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
@@ -50,6 +53,7 @@ from tessera_actors.serving.buckets import Bucket, core_buckets
 from tessera_actors.serving.deploy import ServedModel
 from tessera_actors.serving.deployment_measure import Measuring
 from tessera_actors.serving.inflight import PlacedBucket, StepFailed, StepResult
+from tessera_actors.serving.detector import Suspects, answers
 from tessera_actors.serving.memory import give_back_freed_memory
 from tessera_actors.serving.params import EngineDead
 
@@ -71,23 +75,6 @@ def _feeding_device(graph, plan: Plan) -> int | None:
     readers = [d for d, bufs in enumerate(plan.inputs) if ids_buf in bufs]
     holders = {dev for b, _, _, dev in plan.outputs if b == logits_buf}
     return readers[0] if len(readers) == 1 and holders == {readers[0]} else None
-
-
-async def _refused(endpoint: str, timeout: float = 0.2) -> bool:
-    """True when a TCP connection to ``endpoint`` (``tcp://host:port``) is
-    refused: nothing listens on that port (other failures and non-TCP
-    endpoints say nothing)."""
-    if not endpoint.startswith("tcp://"):
-        return False
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    try:
-        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)), timeout)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError, asyncio.TimeoutError):
-        return False
-    writer.close()
-    return False
 
 
 def _background_order(b: Bucket) -> tuple:
@@ -116,7 +103,8 @@ class Deployment(Measuring):
         self.placed: dict[str, PlacedBucket] = {}
         self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
         self._unplaceable: set[str] = set()             # buckets whose placement failed this generation
-        self.lost: set[str] = set()
+        self.lost: set[str] = set()   # node endpoints suspected (reported lost) and not back
+        self.suspects: Suspects | None = None
         self.cluster = None   # a LocalLauncher's LocalCluster (the demo and tests read its processes)
         self.system: ActorSystem | None = None
         self._watchers: list[asyncio.Task] = []
@@ -146,6 +134,7 @@ class Deployment(Measuring):
         await self.system.spawn(SchedulerActor(planner, self.served.values, named_values=self.served.named_weights(),
                                                heartbeat_timeout=max(5.0, cfg.lost_after_s)), "scheduler")
         sched = self.system.ref("scheduler")
+        self.suspects = Suspects(sched, self._ping, cfg.heartbeat_s, self._back)
         if launcher is not None:
             await self._start_nodes(launcher, address, sched)
         else:
@@ -176,13 +165,23 @@ class Deployment(Measuring):
         self._watchers.append(asyncio.get_running_loop().create_task(self._readmit(endpoint)))
 
     async def _readmit(self, endpoint: str) -> None:
-        """Once a restarted node took its old place, ``on_back`` (unless the placement uses it already)."""
-        if not await registry.rejoined(self.system.ref("scheduler"), endpoint):
+        """Once a restarted or re-admitted node took its old place, it leaves
+        ``lost`` (under every endpoint its name was lost at), and ``on_back``
+        (unless the placement uses it already)."""
+        sched = self.system.ref("scheduler")
+        if not await registry.rejoined(sched, endpoint):
             log.warning("node at %s did not register again", endpoint)
-        elif endpoint not in self.node_endpoints() and self.on_back is not None:
+            return
+        st = (await sched.ask(GetStats())).values
+        name = next((n for n, ep in st["endpoints"].items() if ep == endpoint), None)
+        for ep in self.suspects.forget(name, endpoint):
+            self.lost.discard(ep)
+        if endpoint not in self.node_endpoints() and self.on_back is not None:
             self.on_back(endpoint)
 
     async def stop(self) -> None:
+        if self.suspects is not None:
+            self.suspects.stop()
         for t in self._watchers:
             t.cancel()
         for t in self._placing.values():
@@ -313,7 +312,7 @@ class Deployment(Measuring):
         best = None
         for name in self.placed:
             c = self.served.buckets.get(name)
-            if c is None or c.kind != b.kind or c.size < b.size:
+            if c is None or c.kind != b.kind or c.size < b.size or c.rows != b.rows:
                 continue
             if c.window and (not b.window or c.window < b.window):
                 continue
@@ -367,6 +366,7 @@ class Deployment(Measuring):
         sched = self.system.ref("scheduler")
         for ep in lost:
             self.lost.add(ep)
+            await self.suspects.suspect(ep)
             await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=120)
         if not lost:   # a re-admission: nothing uninstalled the old generation's plans (their steps were dropped)
             asks = [ref.ask(Uninstall(p.plan_id), timeout=5) for p in self.placed.values() for ref in p.refs]
@@ -375,10 +375,30 @@ class Deployment(Measuring):
                     log.warning("could not uninstall a replaced plan: %s", r)
         self.generation += 1
         self.placed = {}
-        await self.place_all(eager=False)
+        await self._place_or_wait()
         for name in dict.fromkeys(first):
             if name in self.served.buckets:
                 await self._placed(name)
+
+    async def _place_or_wait(self) -> None:
+        """Place the reference bucket; when that fails while nodes are
+        suspected (none left, or none that can hold the model), wait for one
+        to be re-admitted and try again, up to ``rejoin_wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.rejoin_wait_s
+        while True:
+            self.suspects.rejoined.clear()
+            try:
+                return await self.place_all(eager=False)
+            except ActorError as e:
+                if not self.lost or loop.time() >= deadline:
+                    raise
+                log.warning("cannot place on the nodes left (%s): waiting for a suspected node %s", e,
+                            sorted(self.lost))
+            try:
+                await asyncio.wait_for(self.suspects.rejoined.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                pass
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:
@@ -451,22 +471,7 @@ class Deployment(Measuring):
         return sorted(ep for ep in eps if ep and ep != self.system.address and ep not in self.lost)
 
     async def _ping(self, ep: str) -> bool:
-        """Whether the node at ``ep`` answers a ping within ``lost_after_s``;
-        a ping late by a heartbeat makes the detector knock on the node's
-        TCP port: a refused connection means no process listens there any
-        more (a killed node), a loss at once instead of at the timeout."""
-        try:
-            ref = await self.system.remote_ref(ep, "node")
-            ask = asyncio.ensure_future(ref.ask(Ping(), timeout=self.cfg.lost_after_s))
-            done, _ = await asyncio.wait({ask}, timeout=self.cfg.heartbeat_s)
-            if not done and await _refused(ep):
-                ask.cancel()
-                await asyncio.gather(ask, return_exceptions=True)
-                return False
-            await ask
-            return True
-        except ActorError:
-            return False
+        return await answers(self.system, ep, self.cfg.heartbeat_s, self.cfg.lost_after_s)
 
     async def _ping_loop(self) -> None:
         while True:

@@ -42,13 +42,15 @@ from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
-from tessera_actors.serving.batch import Sequence, SlotAllocator, decode_inputs, prefill_chunk, prefill_inputs, smallest_bucket
+from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_inputs,
+                                          prefill_chunk, smallest_bucket)
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.buckets import bucket_name, decode_sizes, window_for
 from tessera_actors.serving.deploy import capture_kind, load_served_model
 from tessera_actors.serving.gpu_capture import keep_compile_state_in_this_thread
 from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
 from tessera_actors.serving.deployment import Deployment, StepFailed
+from tessera_actors.serving.engine_admit import Admitting
 from tessera_actors.serving.engine_replace import Replacing
 from tessera_actors.serving.inflight import Request as _Request, Step as _Step
 from tessera_actors.serving.engine_report import Reporting
@@ -58,7 +60,7 @@ from tessera_actors.serving.text import ChatTemplate, Detokenizer, encode_prompt
 log = logging.getLogger("tessera_actors.serving")
 
 
-class AsyncEngine(Reporting, Replacing):
+class AsyncEngine(Admitting, Reporting, Replacing):
     def __init__(self, model: str = "smollm2", devices: str = "cpu,cpu", nodes=None,
                  config: EngineConfig | None = None, **fields) -> None:
         """``config`` or its fields as keywords (``max_seqs=8``, ...);
@@ -77,7 +79,8 @@ class AsyncEngine(Reporting, Replacing):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._lost: list[str] = []
-        self._readmit = False   # a node the launcher restarted is registered again: place on it
+        self._readmit = False   # a restarted or re-admitted node is registered again: place on it
+        self._back: set[str] = set()   # the endpoints of those nodes
         # notified after every re-placement (a node lost, a restarted node re-admitted)
         self.placement_changed = asyncio.Condition()
         self._dead: str | None = None
@@ -85,7 +88,8 @@ class AsyncEngine(Reporting, Replacing):
         self._order = itertools.count()   # launch order of steps: they land in it
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                          "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "readmissions": 0,
-                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0}
+                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0,
+                         "prefix_hits": 0, "prefix_tokens": 0}   # prompts (tokens) found in a kept KV row
         self.groups = 1 if config.mode != "throughput" else config.groups
         self.monitor = Monitor(config.monitor_window_s, config.monitor_beta,
                                initial="throughput" if config.mode == "throughput" else "latency")
@@ -266,7 +270,7 @@ class AsyncEngine(Reporting, Replacing):
                 lst.remove(req)
         self._requests.pop(seq.rid, None)
         if seq.slot >= 0 and not req.in_step:
-            self.slots.release(seq.slot)
+            self.slots.release(seq.slot, self._kept(req))
             seq.slot = -1
             self._slot_freed.set()
         self._wake.set()
@@ -279,7 +283,7 @@ class AsyncEngine(Reporting, Replacing):
             if step.key != "prefill":
                 req.seq.pending -= 1
             if req.finished is not None and req.seq.slot >= 0 and not req.in_step:
-                self.slots.release(req.seq.slot)
+                self.slots.release(req.seq.slot, self._kept(req))
                 req.seq.slot = -1
                 self._slot_freed.set()
                 self._wake.set()
@@ -333,13 +337,6 @@ class AsyncEngine(Reporting, Replacing):
                                              Usage(len(req.seq.prompt), generated), [logprob],
                                              [top[:req.seq.params.top_logprobs]] if top else []))
 
-    def _admit(self) -> None:
-        while self._waiting and self.slots.free():
-            req = self._waiting.pop(0)
-            req.seq.slot = self.slots.take()
-            req.seq.phase = "prefill"
-            self._prefill.append(req)
-
     def _group_rows(self) -> list[list[_Request]]:
         rows = [[] for _ in self.slots.bounds]
         for req in self._requests.values():
@@ -350,13 +347,15 @@ class AsyncEngine(Reporting, Replacing):
     def _launch(self, inflight: dict[asyncio.Task, _Step]) -> None:
         loop = asyncio.get_running_loop()
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
-            req = self._prefill[0]
-            bucket = self.deployment.runnable(self._prefill_bucket(req))
-            _, n, inputs, sample = prefill_inputs(req.seq, self.cfg.prefill_buckets, self.max_model_len,
-                                                  self._rows_of(bucket))
-            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [req.seq.rid]))
-            req.in_step += 1
-            inflight[task] = _Step("prefill", [req], n, bucket, self.deployment.generation, next(self._order))
+            reqs, chunks, bucket = self._prefill_batch()
+            b = self.deployment.served.buckets.get(bucket)
+            size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0],
+                                                                 1)
+            inputs, sample = batch_prefill_inputs([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
+            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            for r in reqs:
+                r.in_step += 1
+            inflight[task] = _Step("prefill", reqs, chunks, bucket, self.deployment.generation, next(self._order))
         if self._catchup:
             return
         for g, rows in enumerate(self._group_rows()):
@@ -404,16 +403,11 @@ class AsyncEngine(Reporting, Replacing):
             r.seq.pending += 1
         if prev is not None:
             self.counters["lookahead_steps"] += 1
-        return task, _Step(key, reqs, 0, bucket, self.deployment.generation, next(self._order), number)
+        return task, _Step(key, reqs, [], bucket, self.deployment.generation, next(self._order), number)
 
     def _rows_of(self, bucket: str) -> int | None:
         b = self.deployment.served.buckets.get(bucket)
         return b.size if b is not None else None
-
-    def _prefill_bucket(self, req: _Request) -> str:
-        """The bucket of the next prompt chunk of ``req`` (its own, before any stand-in)."""
-        size, n = prefill_chunk(req.seq, self.cfg.prefill_buckets)
-        return bucket_name("prefill", size, 0, window_for(self.cfg, req.seq.prefilled + n - 1, size))
 
     def _complete(self, task: asyncio.Task, info: _Step) -> None:
         key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
@@ -434,17 +428,22 @@ class AsyncEngine(Reporting, Replacing):
         acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
         if key == "prefill":
-            req = reqs[0]
-            if req.finished is not None:
-                return
-            req.seq.prefilled += n
-            req.seq.exec_s += result.seconds
-            if req.seq.prefilled < len(req.seq.context):
-                return
-            self._prefill.remove(req)
-            self._catchup.discard(req.seq.rid)
-            req.seq.phase = "decode"
-            self._accept(req, result.tokens[0], result.logprobs[0], result.top(0))
+            entry = 0   # the step's sampled entries: one per sequence whose prompt it ended, in row order
+            for req, m in zip(reqs, n):
+                seq = req.seq
+                ends = seq.prefilled + m == len(seq.context)
+                if req.finished is not None:
+                    entry += ends
+                    continue
+                seq.prefilled += m
+                seq.exec_s += result.seconds
+                if not ends:
+                    continue
+                self._prefill.remove(req)
+                self._catchup.discard(seq.rid)
+                seq.phase = "decode"
+                self._accept(req, result.tokens[entry], result.logprobs[entry], result.top(entry))
+                entry += 1
             return
         for i, (req, tok, lp) in enumerate(zip(reqs, result.tokens, result.logprobs)):
             if req.finished is None:

@@ -26,6 +26,7 @@ class Replacing:
     def _on_back(self, endpoint: str) -> None:
         """A restarted node took its old place: re-place on every live node
         (the same path as a loss, so no stream loses or repeats a token)."""
+        self._back.add(endpoint)
         self._readmit = True
         self._wake.set()
 
@@ -37,11 +38,12 @@ class Replacing:
         for info in inflight.values():
             self._landed(info)   # the old plans are uninstalled below: their steps write nothing more
         inflight.clear()
+        self.slots.forget()   # the cache is placed afresh: no row keeps a prefix
         self.counters["recoveries" if lost else "readmissions"] += 1
         if lost:
             log.warning("lost %s: re-placing on the survivors", lost)
         else:
-            log.warning("a restarted node is back: re-placing on every live node")
+            log.warning("a node is back (%s): re-placing on every live node", sorted(self._back))
         t0 = time.monotonic()
         for req in list(self._requests.values()):
             seq = req.seq
@@ -60,6 +62,8 @@ class Replacing:
             await self.deployment.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
         except Exception as e:
             raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
+        self._back -= set(self.deployment.node_endpoints())   # back and placed on already: no second re-placement
+        self._readmit = self._readmit and bool(self._back)
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))
         async with self.placement_changed:
             self.placement_changed.notify_all()

@@ -4,6 +4,7 @@ flag left out keeps the engine's default."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from tessera_actors.launch.env import LAUNCHERS, job_place
@@ -24,7 +25,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                    "config.json | file.gguf>")
     p.add_argument("--size", default=None, help=f"model size, e.g. tiny | real (default: {d.size})")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--devices", default=None, help=f"in-process devices (default: {d.devices})")
+    where.add_argument("--devices", default=None,
+                       help="in-process devices (default: chosen for this machine and printed: on CPUs alone one "
+                            "'cpu' device with every core; a split such as 'cpu,cpu' only when asked for)")
     where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
     where.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                        help="node daemons as Ray actors on this Ray cluster: one per GPU (see --ray-cpu)")
@@ -49,6 +52,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                    help="memory for the KV cache: a size (512MiB, 2GiB), a fraction of the devices' memory (0.1), "
                         "'none' (no limit) or 'auto': 512MiB when every device is a CPU, else no limit; "
                         "--max-seqs is lowered to what fits (default: auto)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+                   help="do not reuse the KV row of a finished request for a prompt that starts with its tokens")
+    p.add_argument("--max-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"prompt tokens (padded) one prefill step may carry, over several prompts "
+                        f"(default: {d.max_batched_tokens})")
     p.add_argument("--gpu-budget", default=None, metavar="SIZE",
                    help="serve a model bigger than the GPU: the GPU holds at most SIZE (8GiB); the offload "
                         "planner keeps weights resident, streams them over PCIe or computes them on the CPU "
@@ -89,10 +97,13 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
     if getattr(a, "gpu_budget", None):
         kw["gpu_budget"] = a.gpu_budget
         kw.setdefault("devices", GPU_BUDGET_DEVICES)
+    if not {"devices", "nodes", "ray", "expect_nodes"} & set(kw):
+        kw["devices"] = default_deployment().devices
     if trace_dir:
         kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "lookahead"):
-        if getattr(a, name) is not None:
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "lookahead",
+                 "prefix_caching", "max_batched_tokens"):
+        if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)
     if a.engine_seed is not None:
         kw["seed"] = a.engine_seed
@@ -101,6 +112,36 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
     if getattr(a, "planner_option", None):
         kw["planner_options"] = planner_options(a.planner_option)
     return kw
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The in-process devices chosen when no ``--devices`` (or nodes) are
+    given, and why (``tessera serve`` prints it)."""
+    devices: str
+    why: str
+
+
+def default_deployment(cores: int | None = None, gpus: int | None = None) -> Deployment:
+    """The default in-process deployment of this machine (``cores``/``gpus``:
+    its usable CPU cores and CUDA devices, found when None).  On CPUs alone:
+    one ``cpu`` device with every core.  A split over CPU devices pays a
+    hand-off per cut edge and gains only what the cores can run side by side;
+    measured on the 2-core box (``benchmarks/bench_cpu_step.py``) one device
+    was faster at every batch, so a split is used only where asked for
+    (``--devices cpu,cpu``).  With GPUs: the engine's default devices, as
+    before (the GPU deployments are chosen by the launchers and flags)."""
+    import os
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if gpus is None:
+        import torch
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus:
+        from tessera_actors.serving.config import EngineConfig
+        return Deployment(EngineConfig().devices, f"{gpus} GPU(s) seen: the engine's default devices")
+    return Deployment("cpu", f"{cores} CPU core{'s' if cores != 1 else ''}, no GPU: one device with every core "
+                             "(a CPU split only where asked for: --devices cpu,cpu)")
 
 
 def kv_cache_memory(text: str) -> str | float | None:

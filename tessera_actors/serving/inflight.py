@@ -23,12 +23,12 @@ class Request:
 @dataclass
 class Step:
     """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
-    sampling-entry order), the prompt tokens it feeds (prefill), its bucket,
+    sampling-entry order), the prompt tokens it feeds per row (prefill), its bucket,
     the placement generation, the launch order, and its step number when its
     tokens can feed the next step on the device (``Deployment.reserve``)."""
     key: str
     reqs: list
-    chunk: int
+    chunk: list
     bucket: str
     generation: int
     order: int

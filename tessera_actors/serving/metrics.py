@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # latency buckets: TTFT and e2e span ms..minutes on a CPU; TPOT is ms..a second
@@ -63,6 +69,17 @@ class _EngineCollector:
         c = CounterMetricFamily("tessera_engine_steps", "engine steps run")
         c.add_metric([], float(s.get("steps") or 0))
         yield c
+        for name, key, doc in (("tessera_prefix_cache_hits", "prefix_hits",
+                                "prompts that found their first tokens in a kept KV row (prefix cache)"),
+                               ("tessera_prefix_cache_tokens", "prefix_tokens", "prompt tokens not prefilled: "
+                                "found in a kept KV row"),
+                               ("tessera_engine_requests", "requests", "generation requests the engine took "
+                                "(prefix cache hit rate: hits / this)")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(s.get(key) or 0))
+            yield c
+        yield gauge("tessera_prefix_cache_hit_rate", "prefix-cache hits per request the engine took", (
+            (s.get("prefix_hits") or 0) / s["requests"] if s.get("requests") else 0))
         place = s.get("placement") or {}
         busy = GaugeMetricFamily("tessera_device_busy_fraction", "fraction of the last 10 s a device computed",
                                  labels=["index", "device"])
