@@ -14,7 +14,7 @@ from actors.transfer import TransferActor
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.execution.stepper import Engine, greedy_decode
+from plan_stepper import Engine, greedy_decode
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes
 from tessera_actors.plan import plan_to_dict, single_device_plan
@@ -48,7 +48,7 @@ def plan_for(g, devices, costs=None, ring="slots"):
 
 @dataclasses.dataclass
 class Deployed:
-    """A plan on device actors (``tessera_actors.execution.stepper.Engine``),
+    """A plan on device actors (``tests/plan_stepper.py``: ``Engine``),
     each device's ``Installed`` reply and its busy seconds since ``reset``."""
     engine: Engine
     installed: list

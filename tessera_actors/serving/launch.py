@@ -30,8 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_bytes(pid: int) -> int:
-    """Resident bytes of process ``pid`` (0 once it is gone)."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident bytes of process ``pid`` (default: this one; 0 once it is
+    gone, or where /proc is not there)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:

@@ -17,6 +17,7 @@ import os
 import torch
 
 from tessera_actors.serving.config import EngineConfig, kv_budget
+from tessera_actors.serving.launch import rss_bytes
 from tessera_actors.serving.params import EngineError
 
 log = logging.getLogger("tessera_actors.serving")
@@ -73,25 +74,13 @@ def fit_kv_cache(cfg: EngineConfig, row_bytes: int) -> EngineConfig:
     return dataclasses.replace(cfg, max_seqs=int(rows))
 
 
-def process_rss() -> int:
-    """Resident bytes of this process (0 where /proc is not there)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def memory_report(served, cfg: EngineConfig) -> dict:
     """Bytes by what holds them (``engine.stats()["memory"]``, ``/metrics``):
     the process's resident set; the KV cache (``kv_rows`` x ``max_model_len``
     over all devices) and the weights (one copy on the devices; the
     engine's own copy to place from, until it is given back) once the model
     is loaded."""
-    out = {"rss_bytes": process_rss(), "kv_cache_budget_bytes": kv_budget_bytes(cfg) or 0,
+    out = {"rss_bytes": rss_bytes(), "kv_cache_budget_bytes": kv_budget_bytes(cfg) or 0,
            "kv_rows": cfg.max_seqs, "max_model_len": cfg.max_model_len}
     if served is not None:
         out.update(kv_cache_bytes=served.kv_bytes, weight_bytes=served.weight_bytes,
