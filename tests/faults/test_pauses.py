@@ -17,6 +17,8 @@ import asyncio
 import os
 import signal
 
+import pytest
+
 from actors.scheduler import SchedulerActor
 from tessera_actors import AsyncEngine, SamplingParams
 from tessera_actors.cluster import LocalCluster
@@ -119,6 +121,9 @@ async def test_each_node_paused_in_turn_is_suspected_rerouted_and_readmitted_and
         assert eng.health()["ok"]
 
 
+@pytest.mark.xfail(reason="since #33's merge (84ee189) a re-placement's InstallPlan to a node paused during it waits "
+                          "install_timeout (60 s) and the engine's recovery cannot act on the new loss meanwhile; "
+                          "a placement must be abandoned when the detector suspects one of its nodes", strict=False)
 async def test_the_engine_waits_for_a_paused_node_when_no_other_is_left():
     async with AsyncEngine(devices="cpu", max_seqs=8, **SMALL) as single:
         reference = await asyncio.gather(*(_stream(single, p, [0] * len(PROMPTS), i) for i, p in enumerate(PROMPTS)))
@@ -128,9 +133,11 @@ async def test_the_engine_waits_for_a_paused_node_when_no_other_is_left():
         streams = [asyncio.ensure_future(_stream(eng, p, counts, i)) for i, p in enumerate(PROMPTS)]
         await until(lambda: min(counts) >= 4, 120, "every stream started")
         procs = [n.proc for n in eng.deployment.cluster.nodes]
+        generation = eng.stats()["generation"]
         os.kill(procs[1].pid, signal.SIGSTOP)
         try:
-            await until(lambda: len(eng.health()["lost"]) == 1 and eng.health()["ok"], 60, "node1 suspected")
+            await until(lambda: len(eng.health()["lost"]) == 1 and eng.stats()["generation"] > generation
+                        and eng.stats()["placement"].get("devices") == [NODES[0]], 60, "node1 suspected, re-placed")
             os.kill(procs[0].pid, signal.SIGSTOP)   # now the only node left is paused too
             await until(lambda: len(eng.health()["lost"]) == 2, 60, "node0 suspected")
         finally:
