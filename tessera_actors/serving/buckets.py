@@ -108,7 +108,12 @@ def batched_prefill_buckets(cfg: EngineConfig) -> list[Bucket]:
     """Prompt chunks of several sequences in one step: ``R`` rows of ``C``
     tokens for each ``R`` of ``prefill_rows`` above 1 and each chunk size
     with ``R * C <= max_batched_tokens``; attention over the chunk's own
-    length (first chunks, when windowed) and over the whole cache."""
+    length (first chunks, when windowed) and over the whole cache.  None on
+    a deployment with a device memory budget (``mem=``, ``gpu_budget``): an
+    ``R x C`` chunk's transient results would be kept from the weights'
+    share of the budget; prompts are prefilled one at a time there."""
+    if any(s.mem is not None for s in cfg.device_specs()):
+        return []
     out = []
     for size in cfg.prefill_buckets:
         for rows in cfg.prefill_rows:
