@@ -419,7 +419,8 @@ class DeviceActor(Actor):
             inst.copied = copied
         fut.set_result(StepDone(msg.plan_id, msg.step, run.step.device, out.outputs, out.data, run.busy,
                                 run.waited, out.tokens, out.logprobs, out.spans, **run.counts,
-                                top_logprobs=out.top_logprobs, streamed_bytes=moved))
+                                top_logprobs=out.top_logprobs, streamed_bytes=moved,
+                                kernel_s=run.kernel_s))
 
     def _waiter(self) -> ThreadPoolExecutor:
         """The thread that waits for launched steps to land (the worker stays

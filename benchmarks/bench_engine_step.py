@@ -8,7 +8,10 @@ For one model and each ``--batch``, in one run:
   compile - the same model and shapes under ``torch.compile(mode="reduce-overhead")``;
   floor   - bytes the step must move at the measured copy bandwidth, or its
             FLOPs at the measured GEMM rate, whichever is longer;
-and the served output tokens/s.  Prints a table, writes one JSON row per case
+and the served output tokens/s, and the host microseconds per served step
+(the serving loop's own work, the event loop's thread, the devices' workers,
+of those inside runs of kernels, and the rest: the step path's host
+overhead on the worker).  Prints a table, writes one JSON row per case
 (``model, layers, batch, window, capture, served_step_us, compile_step_us,
 floor_us, served_tok_s`` plus ``git_commit`` and ``command``) to ``--json``.
 
@@ -16,6 +19,8 @@ floor_us, served_tok_s`` plus ``git_commit`` and ``command``) to ``--json``.
       --json benchmarks/results/served_gpu_h200/served.json          # one H200
   python benchmarks/bench_engine_step.py --model llama --size tiny --device cpu --dtype float32 \\
       --batch 4 --cache 256 --no-compile                                 # the CPU box: the engine alone
+  python benchmarks/bench_engine_step.py --model llama --size tiny --layers 2 --device cpu --dtype float32 \\
+      --batch 64 --cache 256 --no-compile                                # the CPU box: host work per step
 """
 from __future__ import annotations
 
@@ -43,7 +48,8 @@ def run_case(a, batch: int, bandwidth: float | None, gemm: float | None) -> dict
     del graph
     row = {"model": a.model, "layers": a.layers, "batch": batch, "window": a.cache, "capture": served["capture"],
            "served_step_us": served["served_step_s"] * 1e6, "served_tok_s": served["served_tok_s"],
-           "trace_tok_s": served["trace_tok_s"], "bucket_stats": served["bucket_stats"], "start_s": served["start_s"],
+           "trace_tok_s": served["trace_tok_s"], "host_us": {k: v * 1e6 for k, v in served["host_s"].items()},
+           "bucket_stats": served["bucket_stats"], "start_s": served["start_s"],
            "compile_step_us": None, "floor_us": None, "served_over_compile": None}
     if a.compile:
         cfg = RooflineConfig(layers=a.layers, batch=batch, cache=a.cache, dtype=a.dtype, device=a.device)
@@ -62,6 +68,14 @@ def run_case(a, batch: int, bandwidth: float | None, gemm: float | None) -> dict
         row["floor_us"] = max(nbytes / bandwidth, flops / gemm) * 1e6
         row["served_over_compile"] = row["served_step_us"] / row["compile_step_us"]
     return row
+
+
+def _host(h: dict) -> str:
+    """Host microseconds per decode step: the serving loop, the event loop's
+    whole thread, the devices' workers, of those inside kernels, the rest."""
+    cells = [h.get("loop"), h.get("loop_thread"), h.get("worker"), h.get("kernels")]
+    cells.append(h["worker"] - h["kernels"] if "worker" in h and "kernels" in h else None)
+    return " ".join(f"{c:6.0f}" if c is not None else f"{'-':>6}" for c in cells)
 
 
 def main() -> int:
@@ -87,12 +101,13 @@ def main() -> int:
     gemm = measured_gemm_rate(torch.device(a.device), getattr(torch, a.dtype)) if a.compile else None
     rows = [run_case(a, int(b), bandwidth, gemm) for b in a.batch.split(",")]
     print(f"{'model':6} {'layers':>6} {'batch':>5} {'window':>6} {'capture':10} {'served us':>10} {'compile us':>10} "
-          f"{'/compile':>8} {'floor us':>9} {'served tok/s':>12}")
+          f"{'/compile':>8} {'floor us':>9} {'served tok/s':>12}  host us/step: {'loop':>6} {'thread':>6} "
+          f"{'worker':>6} {'kernels':>7} {'w-k':>6}")
     for r in rows:
         comp = f"{r['compile_step_us']:10.0f} {r['served_over_compile']:8.3f} {r['floor_us']:9.0f}" \
             if r["compile_step_us"] else f"{'-':>10} {'-':>8} {'-':>9}"
         print(f"{r['model']:6} {r['layers']:6d} {r['batch']:5d} {r['window']:6d} {str(r['capture'])[:10]:10} "
-              f"{r['served_step_us']:10.0f} {comp} {r['served_tok_s']:12.0f}")
+              f"{r['served_step_us']:10.0f} {comp} {r['served_tok_s']:12.0f}  {_host(r['host_us'])}")
     doc = {**provenance(), "device": torch.cuda.get_device_name(a.device) if gpu else "cpu",
            "torch": torch.__version__, "bandwidth_Bps": bandwidth, "gemm_flops": gemm, "rows": rows}
     if a.json:

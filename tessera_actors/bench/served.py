@@ -6,7 +6,9 @@ step reads the whole KV cache, as ``torch.compile`` of the model with that
 cache does), fed a saturating trace - ``batch`` requests at once, short
 prompts, ``ignore_eos`` - and timed from the moment every row decodes
 until the first request finishes: wall seconds per decode step, engine loop,
-sampling on the device and the token feed included.  A prefill bucket is the
+sampling on the device and the token feed included, and the host seconds per
+step over the same window (``AsyncEngine.host_times``: the serving loop, the
+event loop's thread, the devices' workers and of those the runs of kernels).  A prefill bucket is the
 time to the first token of a prompt of exactly that chunk, one request at a
 time (median after warm-up: the first steps of a bucket run eagerly, the
 second captures it as a CUDA graph).
@@ -83,23 +85,24 @@ async def served_decode(case: ServedCase) -> dict[str, Any]:
                 if n == 1:
                     first[i].set()
             if not done.is_set():
-                marks["end"] = (time.perf_counter(), eng.counters["decode_steps"])
+                marks["end"] = (time.perf_counter(), eng.counters["decode_steps"], eng.host_times())
                 done.set()
             return n
 
         async def window() -> None:
             await asyncio.gather(*(e.wait() for e in first))
-            marks["start"] = (time.perf_counter(), eng.counters["decode_steps"])
+            marks["start"] = (time.perf_counter(), eng.counters["decode_steps"], eng.host_times())
         t1 = time.perf_counter()
         made, _ = await asyncio.gather(asyncio.gather(*(one(i) for i in range(case.batch))), window())
         wall = time.perf_counter() - t1
-        (ts, ns), (te, ne) = marks["start"], marks["end"]
+        (ts, ns, hs), (te, ne, he) = marks["start"], marks["end"]
         steps = ne - ns
         if steps <= 0:
             raise RuntimeError(f"{bucket}: no decode step ran with all {case.batch} rows (the first request ended "
                                f"before the last one started); raise decode_tokens")
         step_s = (te - ts) / steps
-        return {"bucket": bucket, "served_step_s": step_s, "window_steps": steps, "served_tok_s": case.batch / step_s,
+        host = {k: (he[k] - hs[k]) / steps for k in he if k in hs}
+        return {"bucket": bucket, "served_step_s": step_s, "host_s": host, "window_steps": steps, "served_tok_s": case.batch / step_s,
                 "trace_tok_s": sum(made) / wall, "out_tokens": out_tokens, "start_s": started, "capture": eng.served.captures.get(bucket),
                 "bucket_stats": eng.stats()["bucket_stats"].get(bucket, {}), "graph": eng.served.graphs[bucket]}
     finally:

@@ -125,6 +125,7 @@ class StepRun:
         self.host: torch.Tensor | None = None   # sampled ids and log probabilities, in host memory
         self.data: list = []
         self.busy = self.waited = 0.0
+        self.kernel_s = 0.0           # of ``busy``: inside the runs of kernels (a CPU computes there)
         self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
 
     def stage(self, buffer: int, ranges: list, data: Any) -> None:
@@ -186,7 +187,9 @@ class StepRun:
         b0 = time.time()
         j, kernels, sends = st.blocks[self.i]
         if kernels:
+            k0 = time.perf_counter()
             st.runner.run((st.plan_id, self.i), st.prog, kernels)
+            self.kernel_s += time.perf_counter() - k0
         out = st.runner.read([st.readers[tag] for tag in sends]) if sends else []   # settled: peers may read them
         for tag, data in zip(sends, out):
             peer = st.peers.get(st.transfers[tag].dst)

@@ -204,7 +204,10 @@ class StepDone:
     for them, per entry ``[[id, logprob], ...]`` of the most likely ids.
     ``streamed_bytes``: weight bytes copied into this device's staging ring
     from host memory (PCIe on a GPU) since its previous answered step of
-    the plan (copies queued a step ahead count in the step that queued them)."""
+    the plan (copies queued a step ahead count in the step that queued them).
+    ``kernel_s``: of ``busy_s``, the seconds inside runs of kernels (a CPU
+    computes there; a GPU queues or replays them): the rest is the step's
+    host overhead on the device's worker."""
     plan_id: str
     step: int
     device: int
@@ -220,6 +223,7 @@ class StepDone:
     capture_failures: int = 0
     top_logprobs: list = dataclasses.field(default_factory=list)
     streamed_bytes: int = 0
+    kernel_s: float = 0.0
 
 
 @message

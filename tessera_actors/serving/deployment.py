@@ -109,6 +109,8 @@ class Deployment(Measuring):
         self.system: ActorSystem | None = None
         self._watchers: list[asyncio.Task] = []
         self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
+        # over every step since start, all devices: worker seconds, and of them inside runs of kernels
+        self.worker_s = {"busy": 0.0, "kernels": 0.0}
         self.bucket_counts: dict[str, dict[str, int]] = {}   # bucket -> RUN_COUNTS over its steps
         self.since = time.monotonic()          # when the current placement started
         self._busy_log: deque = deque()        # (time, busy_s copy) after steps: busy fractions over a window
@@ -452,8 +454,11 @@ class Deployment(Measuring):
             self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
                             [r.spans for r in results])
         counts = self.bucket_counts.setdefault(bucket, dict.fromkeys(RUN_COUNTS, 0))
+        worker = self.worker_s
         for d, r in enumerate(results):
             self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
+            worker["busy"] += r.busy_s
+            worker["kernels"] += r.kernel_s
             for k in RUN_COUNTS:
                 counts[k] += getattr(r, k, 0)
         self._note_busy()

@@ -37,6 +37,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import threading
 import time
 from typing import AsyncIterator, Callable
 
@@ -101,6 +102,8 @@ class AsyncEngine(Admitting, Reporting, Replacing):
         self._outbox: list[tuple] = []   # stream pieces, delivered after the next steps are sent (_emit)
         self._switching = False          # a plan switch waits for the decode steps in flight
         self._progress = {"phase": "stopped", "buckets_placed": 0, "buckets": 0}   # start(): what is done
+        self.loop_s = 0.0   # host seconds the serving loop itself spent (between its waits)
+        self._thread = (None, 0.0)
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -159,6 +162,7 @@ class AsyncEngine(Admitting, Reporting, Replacing):
         except BaseException:
             await self.deployment.stop()
             raise
+        self._thread = (threading.get_ident(), time.thread_time())   # the loop's thread, its CPU seconds so far
         self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -291,10 +295,13 @@ class AsyncEngine(Admitting, Reporting, Replacing):
     # -- the loop -------------------------------------------------------------------
     async def _loop(self) -> None:
         inflight: dict[asyncio.Task, _Step] = {}
+        clock = time.perf_counter
+        t0 = clock()
         try:
             while True:
                 if self._lost or self._readmit:
                     await self._recover(inflight)
+                    t0 = clock()
                     continue
                 self._maybe_switch(inflight)
                 self._admit()
@@ -302,10 +309,12 @@ class AsyncEngine(Admitting, Reporting, Replacing):
                 self._deliver()   # after the launch: the new steps' messages go out before the streams wake
                 self._wake.clear()
                 waiter = asyncio.ensure_future(self._wake.wait())
+                self.loop_s += clock() - t0
                 try:
                     done, _ = await asyncio.wait(set(inflight) | {waiter}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     waiter.cancel()
+                t0 = clock()
                 for t in sorted((t for t in done if t in inflight), key=lambda t: inflight[t].order):
                     self._complete(t, inflight.pop(t))
         except asyncio.CancelledError:

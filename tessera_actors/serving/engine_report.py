@@ -5,6 +5,7 @@ A part of :class:`~tessera_actors.serving.engine.AsyncEngine` (its state is
 the engine's); no logic of the serving loop lives here."""
 from __future__ import annotations
 
+import threading
 import time
 
 from tessera_actors.serving.memory import memory_report
@@ -36,7 +37,25 @@ class Reporting:
                 "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.buckets) if rt else 0,
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},
                 "memory": memory_report(self.served if rt else None, self.cfg),
-                "bucket_stats": self._bucket_stats(), **self._pcie(), **self.counters}
+                "bucket_stats": self._bucket_stats(), "host_s": self.host_times(), **self._pcie(), **self.counters}
+
+    def host_times(self) -> dict[str, float]:
+        """Host seconds since start (differences over a window, divided by its
+        decode steps, are the host work per step): ``loop`` - the serving loop's
+        own work between its waits (batching, step messages, accepting and
+        streaming tokens); ``loop_thread`` - CPU seconds of the event loop's
+        thread, everything on it (the loop, the step messages through the
+        actors, the streams' consumers; only when called on that thread,
+        else absent); ``worker`` - the devices' workers on steps, all
+        devices; ``kernels`` - of ``worker``, inside runs of kernels (a CPU
+        computes there, a GPU queues or replays them), so ``worker - kernels``
+        is the step path's own host work on the device side."""
+        w = self.deployment.worker_s if self.deployment is not None else {"busy": 0.0, "kernels": 0.0}
+        out = {"loop": self.loop_s, "worker": w["busy"], "kernels": w["kernels"]}
+        ident, cpu0 = self._thread
+        if ident == threading.get_ident():
+            out["loop_thread"] = time.thread_time() - cpu0
+        return out
 
     def _pcie(self) -> dict:
         """Weight bytes streamed host -> device (PCIe) over every bucket's
