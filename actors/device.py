@@ -58,11 +58,10 @@ from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, InstallPlan, LoadValues, Ok, RunStep,
                                      Ship, Stats, StepDone, Uninstall)
 from tessera_actors.plan import Plan, plan_from_dict
-from tessera_actors.execution.step import DeviceStep, StepRun
+from tessera_actors.execution.step import AHEAD, DeviceStep, StepRun
 
 log = logging.getLogger("tessera_actors.device")
 
-AHEAD = 2   # launched steps of one plan not yet landed
 SPIN_S = 0.05   # a worker's longest wait for a co-located peer's transfer (it stops early for other work)
 
 
@@ -298,11 +297,9 @@ class DeviceActor(Actor):
         try:
             while True:
                 if launched:
-                    if len(launched) >= AHEAD or inst.steps.empty():
-                        inst.arrived.clear()
-                        arrived = asyncio.ensure_future(inst.arrived.wait())
-                        await asyncio.wait({launched[0][2], arrived}, return_when=asyncio.FIRST_COMPLETED)
-                        arrived.cancel()
+                    if (len(launched) >= AHEAD or inst.steps.empty()) and not launched[0][2].done():
+                        inst.arrived.clear()   # set by a step that arrives or one that lands
+                        await inst.arrived.wait()
                     if launched[0][2].done():
                         self._answer(*launched.popleft())
                         continue
@@ -327,6 +324,7 @@ class DeviceActor(Actor):
                     continue
                 landed = self._landing(run)
                 if local:
+                    landed.add_done_callback(lambda _: inst.arrived.set())
                     launched.append((msg, fut, landed, run))
                     continue
                 await asyncio.wait({landed})
@@ -420,7 +418,7 @@ class DeviceActor(Actor):
         fut.set_result(StepDone(msg.plan_id, msg.step, run.step.device, out.outputs, out.data, run.busy,
                                 run.waited, out.tokens, out.logprobs, out.spans, **run.counts,
                                 top_logprobs=out.top_logprobs, streamed_bytes=moved,
-                                kernel_s=run.kernel_s))
+                                kernel_s=run.kernel_s, host_s=run.host_s))
 
     def _waiter(self) -> ThreadPoolExecutor:
         """The thread that waits for launched steps to land (the worker stays

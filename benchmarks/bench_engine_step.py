@@ -9,9 +9,10 @@ For one model and each ``--batch``, in one run:
   floor   - bytes the step must move at the measured copy bandwidth, or its
             FLOPs at the measured GEMM rate, whichever is longer;
 and the served output tokens/s, and the host microseconds per served step
-(the serving loop's own work, the event loop's thread, the devices' workers,
-of those inside runs of kernels, and the rest: the step path's host
-overhead on the worker).  Prints a table, writes one JSON row per case
+(CPU seconds: the serving loop's own work, the event loop's whole thread,
+the devices' workers outside runs of kernels, the host total - thread plus
+workers, who share the interpreter lock - and the workers' wall time inside
+runs of kernels).  Prints a table, writes one JSON row per case
 (``model, layers, batch, window, capture, served_step_us, compile_step_us,
 floor_us, served_tok_s`` plus ``git_commit`` and ``command``) to ``--json``.
 
@@ -71,10 +72,12 @@ def run_case(a, batch: int, bandwidth: float | None, gemm: float | None) -> dict
 
 
 def _host(h: dict) -> str:
-    """Host microseconds per decode step: the serving loop, the event loop's
-    whole thread, the devices' workers, of those inside kernels, the rest."""
-    cells = [h.get("loop"), h.get("loop_thread"), h.get("worker"), h.get("kernels")]
-    cells.append(h["worker"] - h["kernels"] if "worker" in h and "kernels" in h else None)
+    """Host microseconds per decode step: CPU of the serving loop, of the event
+    loop's whole thread and of the workers outside kernels, their sum (the
+    host work of a step), and the workers' wall time inside kernels."""
+    cells = [h.get("loop"), h.get("loop_thread"), h.get("worker")]
+    cells.append(h["loop_thread"] + h["worker"] if "loop_thread" in h and "worker" in h else None)
+    cells.append(h.get("kernels"))
     return " ".join(f"{c:6.0f}" if c is not None else f"{'-':>6}" for c in cells)
 
 
@@ -102,7 +105,7 @@ def main() -> int:
     rows = [run_case(a, int(b), bandwidth, gemm) for b in a.batch.split(",")]
     print(f"{'model':6} {'layers':>6} {'batch':>5} {'window':>6} {'capture':10} {'served us':>10} {'compile us':>10} "
           f"{'/compile':>8} {'floor us':>9} {'served tok/s':>12}  host us/step: {'loop':>6} {'thread':>6} "
-          f"{'worker':>6} {'kernels':>7} {'w-k':>6}")
+          f"{'worker':>6} {'host':>6} {'kernels':>6}")
     for r in rows:
         comp = f"{r['compile_step_us']:10.0f} {r['served_over_compile']:8.3f} {r['floor_us']:9.0f}" \
             if r["compile_step_us"] else f"{'-':>10} {'-':>8} {'-':>9}"

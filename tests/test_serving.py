@@ -342,23 +342,25 @@ async def test_decode_steps_sent_ahead_of_their_tokens_stream_what_waiting_for_t
     assert st1["generated_tokens"] == st0["generated_tokens"]
 
 
-async def test_a_step_fed_from_tokens_its_device_did_not_sample_fails_by_name():
+async def test_a_decode_step_continuing_a_step_its_device_did_not_run_fails_by_name():
     import torch
 
+    from tessera_actors.runtime.messages import SampleRow, StepRows
     from tessera_actors.serving.deployment import StepFailed
     async with AsyncEngine(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=64,
                            decode_buckets=(2,), prefill_buckets=(8,)) as eng:
-        bucket = eng.deployment.reference_bucket()
-        inputs = {"input_ids": torch.zeros(2, 1, dtype=torch.int64), "positions": torch.zeros(2, dtype=torch.int64)}
-        sample = [[r, 0, 0.0, 1.0, 0, 0, 0] for r in range(2)]
-        first = eng.deployment.reserve(bucket)
-        assert first is not None
-        await eng.deployment.step(bucket, inputs, sample, number=first)
-        with pytest.raises(StepFailed, match=f"sampled by step {first + 7}, which this device did not sample"):
-            await eng.deployment.step(bucket, inputs, sample, number=eng.deployment.reserve(bucket),
-                                   token_rows=[[0, 0]], tokens_from=first + 7)
-        again = await eng.deployment.step(bucket, inputs, sample, number=eng.deployment.reserve(bucket),
-                                       token_rows=[[0, 1], [1, 0]], tokens_from=first)
+        dep = eng.deployment
+        bucket = dep.reference_bucket()
+        inputs = {"input_ids": torch.tensor([[5], [9]]), "positions": torch.tensor([0, 0])}
+        want = await dep.step(bucket, inputs, [SampleRow(r) for r in range(2)], ["a", "b"])
+        first = dep.reserve(bucket)
+        rows = [SampleRow(r, position=0, token=t) for r, t in enumerate((5, 9))]
+        full = await dep.step(bucket, {}, [], ["a", "b"], first, decode=StepRows(-1, [0, 1], rows, 63))
+        assert full.tokens == want.tokens   # the same inputs as rows kept on the device
+        with pytest.raises(StepFailed, match=f"continue step {first + 7} of the plan, but the last step of it on "
+                                             f"this device is {first}"):
+            await dep.step(bucket, {}, [], ["a", "b"], dep.reserve(bucket), decode=StepRows(first + 7, pad=63))
+        again = await dep.step(bucket, {}, [], ["b", "a"], dep.reserve(bucket), decode=StepRows(first, [1, 0], pad=63))
         assert len(again.tokens) == 2
 
 

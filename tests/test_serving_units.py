@@ -7,7 +7,7 @@ import torch
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes, weight_homes
 from tessera_actors.serving import InvalidRequest, SamplingParams
-from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_inputs, prefill_batch,
+from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_rows, prefill_batch,
                                           prefill_inputs)
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.execution.sampling import sample_rows, uniform
@@ -58,29 +58,35 @@ def test_slots_balance_groups_and_release():
     assert a.take() == 2 and a.group_of(3) == 1
 
 
-def test_decode_step_pads_to_a_bucket_and_samples_only_live_rows():
-    p = SamplingParams().validate()
-    s1 = Sequence("a", [1, 2, 3], p, 0, slot=5, generated=[9])
-    s2 = Sequence("b", [4], p, 0, slot=4, generated=[7, 8])
-    size, inp, sample, fed = decode_inputs([s1, s2], 4, [1, 2, 4], max_len=64)
-    assert size == 2 and fed == []
-    assert inp["input_ids"].tolist() == [[8], [9]] and inp["positions"].tolist() == [2, 3]
-    assert [e[0] for e in sample] == [1, 0] and [e[6] for e in sample] == [1, 2]
+def test_a_decode_step_names_its_rows_and_only_the_rows_that_start_there():
+    p = SamplingParams(temperature=0.5, top_k=3).validate()
+    s1 = Sequence("a", [1, 2, 3], p, 7, slot=5, generated=[9])
+    s2 = Sequence("b", [4], p, 8, slot=4, generated=[7, 8])
+    first = decode_rows([s1, s2], 4, "plan", -1, 0, None, 63, False)
+    assert first.base == -1 and first.order == [1, 0] and first.pad == 63 and first.tokens == []
+    assert [(e.row, e.position, e.token, e.index, e.seed, e.top_k) for e in first.new] == [(1, 3, 9, 1, 7, 3),
+                                                                                           (0, 2, 8, 2, 8, 3)]
+    s1.generated.append(5)
+    s2.generated.append(6)
     s3 = Sequence("c", [1], p, 0, slot=6, generated=[3])
-    size, inp, _, _ = decode_inputs([s3], 4, [1, 2, 4], max_len=64)
-    assert size == 4 and inp["positions"].tolist() == [63, 63, 1, 63]
+    steady = decode_rows([s1, s2], 4, "plan", 0, 1, first.order, 63, False)
+    assert steady.order is None and steady.new == []             # the devices move both rows on themselves
+    joined = decode_rows([s1, s2, s3], 4, "plan", 1, 2, [1, 0], 63, True)
+    assert joined.order == [1, 0, 2] and [e.row for e in joined.new] == [2] and joined.tokens == [5, 6, 3]
+    other = decode_rows([s1], 4, "another", 0, 0, [1], 63, False)   # a row back from another plan's steps starts
+    assert [e.row for e in other.new] == [1] and other.new[0].position == 4
 
 
 def test_a_token_in_flight_is_taken_on_the_device_one_position_on():
     p = SamplingParams(max_tokens=3).validate()
-    s1 = Sequence("a", [1, 2, 3], p, 0, slot=1, generated=[9], pending=1)
+    s1 = Sequence("a", [1, 2, 3], p, 0, slot=1, generated=[9])
+    decode_rows([s1], 0, "plan", -1, 0, None, 63, False)
+    s1.pending = 1
     s2 = Sequence("b", [4], p, 0, slot=0, generated=[7])
-    size, inp, sample, fed = decode_inputs([s1, s2], 0, [1, 2, 4], max_len=64, fed={"a": 5})
-    assert fed == [[1, 5]]                                # row 1 takes entry 5 of the step in flight
-    assert inp["input_ids"].tolist() == [[7], [0]] and inp["positions"].tolist() == [1, 4]
-    assert [e[6] for e in sample] == [2, 1]               # its draw index counts the token in flight
+    rows = decode_rows([s1, s2], 0, "plan", 0, 1, [1], 63, False)
+    assert rows.order == [1, 0] and [(e.row, e.position, e.index) for e in rows.new] == [(0, 1, 1)]
     with pytest.raises(ValueError, match="in flight"):
-        decode_inputs([s1], 0, [1, 2, 4], max_len=64)
+        decode_rows([s1], 0, "plan", 7, 2, [1, 0], 63, False)   # not a row of the step it continues
     assert s1.may_decode(64) and not Sequence("c", [1], p, 0, generated=[1, 2], pending=1).may_decode(64)
     assert not Sequence("d", [1] * 62, p, 0, generated=[1], pending=1).may_decode(64)
 
@@ -110,7 +116,7 @@ def test_a_batched_prefill_step_feeds_each_rows_chunk_and_samples_the_prompts_it
     assert inp["input_ids"][1, :4].tolist() == list(range(26, 30)) and inp["input_ids"][0, :3].tolist() == [1, 2, 3]
     assert inp["positions"][1, :4].tolist() == [16, 17, 18, 19] and inp["positions"][1, 4:].max() <= 63
     assert inp["positions"][3].tolist() == [63] * 16
-    assert [e[:2] for e in sample] == [[0, 0], [1, 0]]   # c's chunk does not end its prompt: it does not sample
+    assert [(e.row, e.col) for e in sample] == [(0, 0), (1, 0)]   # c's chunk does not end its prompt: it does not sample
     with pytest.raises(ValueError, match="does not fit"):
         batch_prefill_inputs([c], [20], size=16, rows=1, max_len=64)
 

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from tessera_actors.execution.hostbuf import Uploads
 from tessera_actors.execution.program import AtenProgram
 from tessera_actors.graph import dtype_from_name
 from tessera_actors.capture.pytree import bind_step_inputs
@@ -18,13 +19,16 @@ from tessera_actors.plan import PlanError
 
 
 def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.Tensor],
-                 only: Sequence[int] | None = None) -> None:
+                 only: Sequence[int] | None = None, uploads: Uploads | None = None, partial: bool = False) -> None:
     """Copy step inputs into their buffers (those in ``only`` when given).
-    ``inputs`` may be nested and carry the bucket's constants, as at capture."""
+    ``inputs`` may be nested and carry the bucket's constants, as at capture;
+    ``partial``: some inputs come another way (a decode step's rows).
+    ``uploads``: the plan's pinned staging (:mod:`.hostbuf`), else each
+    input is pinned for its copy."""
     inputs = bind_step_inputs(graph.meta, inputs)
     views = graph.meta["input_views"]
     missing = set(graph.inputs) - set(inputs)
-    if missing:
+    if missing and not partial:
         raise PlanError(f"missing step inputs {sorted(missing)}; the graph takes {sorted(graph.inputs)}")
     for name, t in inputs.items():
         if name not in views:
@@ -36,7 +40,9 @@ def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.
             raise PlanError(f"input {name!r}: got {str(t.dtype)}{list(t.shape)}, the graph was captured "
                             f"for {ref[4]}{ref[2]}")
         dst = prog.view(ref)
-        if dst.is_cuda and not t.is_cuda:
+        if uploads is not None:
+            uploads.copy_into(dst, t)
+        elif dst.is_cuda and not t.is_cuda:
             # a blocking copy from pageable memory synchronizes the stream - the host would wait for the
             # previous step's kernels before queueing this one's; from pinned memory it is queued
             # (torch's pinned-memory cache keeps the block until the copy is done)
@@ -52,23 +58,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
-
-
-def write_fed_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.Tensor],
-                     only: Sequence[int] | None, token_rows: Sequence[Sequence[int]], sampled: torch.Tensor) -> None:
-    """:func:`write_inputs`, then ``input_ids[row] = sampled[entry]`` for each
-    ``[row, entry]`` of ``token_rows``, on the device (queued behind the step
-    that sampled them, no host read)."""
-    if only:
-        write_inputs(prog, graph, inputs, only)
-    view = graph.meta["input_views"].get("input_ids")
-    if view is None:
-        raise PlanError("token_rows given, but the graph has no input_ids input")
-    dst = prog.view(view)
-    if sampled.device != dst.device:
-        raise PlanError(f"tokens sampled on {sampled.device} cannot feed inputs on {dst.device}")
-    pairs = to_device(torch.tensor(token_rows, dtype=torch.int64).view(-1, 2), dst.device)
-    dst[(pairs[:, 0],) + (0,) * (dst.dim() - 1)] = sampled[pairs[:, 1]].to(dst.dtype)
 
 
 def assemble_outputs(graph: KernelGraph, pieces: dict[tuple[int, int, int], torch.Tensor]) -> list[torch.Tensor]:

@@ -1,32 +1,41 @@
 """Token sampling on the device that holds the logits, batched.
 
-``sample_rows(logits, rows)`` draws one token per entry of ``rows``, each
-``[row, col, temperature, top_p, top_k, seed, index]``: the logits
-``logits[row, col]`` (``[B, T, V]``, any device and float dtype) are read in
-float32; ``temperature == 0`` is greedy (argmax, lowest id on ties);
-otherwise the distribution is ``softmax(logits / temperature)`` restricted
-to the ``top_k`` most likely ids (0: all) and to the smallest set whose
-probability reaches ``top_p``, and the token is the inverse-CDF draw of one
-uniform number.  That number depends only on ``(seed, index)`` - ``index``
-is the token's position in the request's output - so a seeded request gets
-the same tokens whatever else shares its batch and whichever device
-samples.  :func:`sample_with_logprobs` also gives each drawn token's log
-probability under the unmodified distribution (``log_softmax`` of the
-logits), the number a client can compare bitwise across placements.  One
-host read for the whole batch.  An entry may carry an eighth element, the
-record of :mod:`tessera_actors.execution.sampling_extras` (penalties, logit bias, a token mask,
-top log probabilities), applied to that row's logits before the draw.
+A step's sampled entries are a :class:`SampleBatch`: for each entry its
+logits ``logits[row, col]`` (``[B, T, V]``, any device and float dtype,
+read in float32), its temperature, ``top_p``, ``top_k``, seed and
+``index`` (the token's position in the request's output), as tensors on
+the logits' device made once (a decode plan keeps its batch from step to
+step: :mod:`.rows`).  ``temperature == 0`` is greedy (argmax, lowest id on
+ties); otherwise the distribution is ``softmax(logits / temperature)``
+restricted to the ``top_k`` most likely ids (0: all) and to the smallest
+set whose probability reaches ``top_p`` (the most likely id always), and
+the token is the inverse-CDF draw of one uniform number, drawn for every
+such entry at once.  That number depends only on ``(seed, index)``
+(:func:`uniform`), so a seeded request gets the same tokens whatever else
+shares its batch and whichever device samples.  Each drawn token's log
+probability is that of the unmodified distribution (``log_softmax`` of the
+logits), the number a client can compare bitwise across placements.  An
+entry may carry a record of :mod:`.sampling_extras` (penalties, logit bias,
+a token mask, top log probabilities), applied to its logits before the
+draw.  No host read: the results stay on the device (:func:`to_host` reads
+them in one copy).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from tessera_actors.execution.inputs import to_device
-from tessera_actors.execution.sampling_extras import apply_records, pack, top_count, top_logprobs, unpack
+from tessera_actors.execution.sampling_extras import apply_records, pack, top_logprobs, unpack
+from tessera_actors.runtime.messages import SampleRow
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+# (values, dtype) -> the same values in a tensor on the logits' device (through pinned memory on a GPU)
+Upload = Callable[[Sequence, torch.dtype], torch.Tensor]
 
 
 def uniform(seed: int, index: int) -> float:
@@ -38,29 +47,126 @@ def uniform(seed: int, index: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
-def _draw(x: torch.Tensor, temperature: float, top_p: float, top_k: int, u: float) -> torch.Tensor:
-    probs = torch.softmax(x / temperature, dim=-1)
-    sorted_p, order = torch.sort(probs, descending=True, stable=True)
-    if 0 < top_k < sorted_p.numel():
-        sorted_p = sorted_p[:top_k]
-        order = order[:top_k]
-    if top_p < 1.0:
-        before = torch.cumsum(sorted_p, 0) - sorted_p   # mass of the more likely ids
-        keep = before < top_p                             # always keeps the first
-        sorted_p = sorted_p[keep]
-        order = order[keep]
-    cdf = torch.cumsum(sorted_p, 0)
-    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
-    pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.numel() - 1)
-    return order[pick[0]]
+def uniforms(seeds: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """:func:`uniform` of each ``(seeds[i], index[i])`` (``uint64`` arrays), at once."""
+    with np.errstate(over="ignore"):
+        z = seeds * _GOLDEN + index + np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[Sequence]) -> list[int]:
+def as_sample_row(entry: Any) -> SampleRow:
+    """A :class:`SampleRow` from itself or a ``[row, col, temperature, top_p,
+    top_k, seed, index(, record)]`` list."""
+    if isinstance(entry, SampleRow):
+        return entry
+    rec = entry[7] if len(entry) > 7 and entry[7] else {}
+    return SampleRow(int(entry[0]), int(entry[1]), float(entry[2]), float(entry[3]), int(entry[4]), int(entry[5]),
+                     int(entry[6]), rec)
+
+
+def _upload(device: torch.device) -> Upload:
+    return lambda values, dtype: to_device(torch.tensor(values, dtype=dtype), device)
+
+
+class SampleBatch:
+    """The sampled entries of a step on the logits' device (module
+    docstring).  ``index`` (host, one per entry) is where each entry's next
+    token stands in its request's output: :meth:`advance` moves every entry
+    on by one, for a step that samples the same rows again."""
+
+    def __init__(self, entries: Sequence[SampleRow], device: torch.device, upload: Upload | None = None,
+                 index: np.ndarray | None = None) -> None:
+        """``index``: each entry's index (else ``SampleRow.index``); ``upload``
+        puts host values on ``device`` (else a copy through pinned memory)."""
+        self.n = len(entries)
+        if not self.n:
+            raise ValueError("a sample batch needs at least one entry")
+        self.upload = upload or _upload(device)
+        rows, cols = [e.row for e in entries], [e.col for e in entries]
+        # rows 0..n-1 of column 0, in order (a decode step's usual rows): a view of the logits, no gather
+        self.first = self.n if rows == list(range(self.n)) and not any(cols) else 0
+        self.where = self.upload(rows + cols, torch.int64).view(2, self.n) if not self.first else None
+        self.index = np.array([e.index for e in entries], dtype=np.uint64) if index is None else index
+        self.records = {i: dict(e.record) for i, e in enumerate(entries) if e.record}
+        drawn = [i for i, e in enumerate(entries) if e.temperature > 0.0]
+        self.drawn = np.array(drawn, dtype=np.int64)
+        self.all_drawn = len(drawn) == self.n
+        if drawn:
+            picked = [entries[i] for i in drawn]
+            self.seeds = np.array([e.seed & _MASK64 for e in picked], dtype=np.uint64)
+            floats = self.upload([e.temperature for e in picked] + [e.top_p for e in picked], torch.float32)
+            self.temperature, self.top_p = floats.view(2, len(drawn)).unbind(0)
+            # 1 + (filtered by top_p) + 2 x (top_k): whether top_p applies decided on the host's float
+            flags = [int(e.top_p < 1.0) for e in picked] + [e.top_k for e in picked] + drawn
+            ints = self.upload(flags, torch.int64).view(3, len(drawn))
+            self.filtered, self.top_k, self.drawn_at = ints[0].bool(), ints[1], ints[2]
+
+    def advance(self) -> None:
+        self.index += np.uint64(1)
+
+    def sample(self, logits: torch.Tensor, changing: Sequence[Sequence] = ()
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(token ids [n] int64, their log probabilities [n] float32, the top
+        log probabilities ``[n, 2, k]`` of :func:`.sampling_extras.top_logprobs`
+        or None) on the logits' device; ``changing``: ``[[entry, record]]``
+        merged over the entries' own records for this step.  No host read."""
+        if logits.dim() != 3:
+            raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
+        raw = (logits[:self.first, 0] if self.first else logits[self.where[0], self.where[1]]).float()   # [n, V]
+        records = self.records
+        if changing:
+            records = dict(records)
+            for i, rec in changing:
+                records[int(i)] = {**records.get(int(i), {}), **rec}
+        x = apply_records(raw, records) if records else raw
+        ids = x.argmax(dim=-1)
+        if len(self.drawn):
+            u = self.upload(uniforms(self.seeds, self.index[self.drawn]), torch.float32)
+            sub = x if self.all_drawn else x.index_select(0, self.drawn_at)
+            picked = draw(sub, self.temperature, self.top_p, self.filtered, self.top_k, u)
+            ids = picked if self.all_drawn else ids.index_copy(0, self.drawn_at, picked)
+        logprobs = torch.log_softmax(raw, dim=-1)
+        chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
+        return ids, chosen, top_logprobs(logprobs, max((int(r.get("top", 0)) for r in records.values()), default=0))
+
+
+def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, filtered: torch.Tensor,
+         top_k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw of each row of ``x`` ([m, V] float32) with its
+    own temperature, ``top_p`` (applied where ``filtered``), ``top_k`` (0:
+    all) and uniform number ``u``, all rows at once: an id left out of a
+    row is a zero of its CDF, so each row draws what it draws alone."""
+    vocab = x.shape[1]
+    probs = torch.softmax(x / temperature[:, None], dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    pos = torch.arange(vocab, device=x.device)
+    keep = pos[None, :] < torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)[:, None]
+    in_k = sorted_p.masked_fill(~keep, 0.0)
+    before = torch.cumsum(in_k, dim=-1) - in_k                          # mass of the more likely ids
+    keep &= ~filtered[:, None] | (before < top_p[:, None])
+    keep[:, 0] = True                                                   # the most likely id, whatever top_p
+    cdf = torch.cumsum(sorted_p.masked_fill(~keep, 0.0), dim=-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    last = torch.where(keep, pos[None, :], -1).amax(dim=-1, keepdim=True)   # past the end: the last id kept
+    return order.gather(1, torch.minimum(pick, last)).view(-1)
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[Any]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:meth:`SampleBatch.sample` of the entries ``rows`` (non-empty;
+    :class:`SampleRow` or lists, :func:`as_sample_row`)."""
+    return SampleBatch([as_sample_row(r) for r in rows], logits.device).sample(logits)
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[Any]) -> list[int]:
     """One token id per entry of ``rows`` (module docstring)."""
     return sample_with_logprobs(logits, rows)[0]
 
 
-def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Sequence]) -> tuple[list[int], list[float]]:
+def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Any]) -> tuple[list[int], list[float]]:
     """(token ids, their log probabilities), one per entry of ``rows``."""
     if not rows:
         return [], []
@@ -71,30 +177,5 @@ def to_host(ids: torch.Tensor, logprobs: torch.Tensor, top: torch.Tensor | None 
             ) -> tuple[list[int], list[float], list]:
     """(token ids, their log probabilities, each entry's top log
     probabilities ``[[id, logprob], ...]`` or ``[]`` when none was asked)
-    from the device tensors of :func:`sample_on_device`, in one host read."""
+    from the device tensors of :meth:`SampleBatch.sample`, in one host read."""
     return unpack(pack(ids, logprobs, top).cpu())
-
-
-def sample_on_device(logits: torch.Tensor, rows: Sequence[Sequence]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(token ids [n] int64, their log probabilities [n] float32, the top
-    log probabilities ``[n, 2, k]`` of :func:`tessera_actors.execution.sampling_extras.top_logprobs`
-    or None) on the logits' device, one per entry of ``rows`` (non-empty);
-    no host read."""
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
-    index = to_device(torch.tensor([[int(r[0]) for r in rows], [int(r[1]) for r in rows]], dtype=torch.int64),
-                      logits.device)
-    raw = logits[index[0], index[1]].float()                        # [n, V]
-    x = apply_records(raw, rows)
-    greedy = [float(r[2]) <= 0.0 for r in rows]
-    if all(greedy):
-        ids = x.argmax(dim=-1)
-    else:
-        best = x.argmax(dim=-1) if any(greedy) else None
-        ids = torch.stack([best[i] if g else _draw(x[i], float(r[2]), float(r[3]), int(r[4]),
-                                                   uniform(int(r[5]), int(r[6])))
-                           for i, (g, r) in enumerate(zip(greedy, rows))])
-    logprobs = torch.log_softmax(raw, dim=-1)
-    chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
-    return ids, chosen, top_logprobs(logprobs, top_count(rows))

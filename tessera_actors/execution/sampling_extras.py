@@ -2,9 +2,8 @@
 mask (JSON mode) and top log probabilities, applied on the device that
 holds the logits, before the draw of :mod:`.sampling`.
 
-A sample entry (``RunStep.sample``) is ``[row, col, temperature, top_p,
-top_k, seed, index]``, optionally followed by one record, a dict of these
-keys (each optional; an absent key is the neutral value):
+A sampled entry (``SampleRow``) may carry a record, a dict of these keys
+(each optional; an absent key is the neutral value):
 
 * ``"pp"``, ``"fp"`` (floats): OpenAI's presence and frequency penalties:
   ``logit[t] -= fp * count[t] + pp * (count[t] > 0)`` over the ids in
@@ -26,17 +25,12 @@ reports by default; the record changes which token is drawn, not them.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 KEYS = ("pp", "fp", "rp", "out", "ctx", "bias", "allow", "top")
-
-
-def record_of(entry: Sequence) -> dict | None:
-    """The extension record of a sample entry (None for a plain entry)."""
-    return entry[7] if len(entry) > 7 and entry[7] else None
 
 
 def check_record(rec: dict, vocab: int) -> None:
@@ -59,15 +53,15 @@ def _mask(allow: bytes, vocab: int, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(bits).to(device)
 
 
-def apply_records(x: torch.Tensor, rows: Sequence[Sequence]) -> torch.Tensor:
-    """The logits ``x`` ([n, V] float32, row i for entry i) with each entry's
-    record applied (a new tensor when any row has one; ``x`` otherwise)."""
-    recs = [record_of(r) for r in rows]
-    if not any(recs):
+def apply_records(x: torch.Tensor, records: dict[int, dict]) -> torch.Tensor:
+    """The logits ``x`` ([n, V] float32, row i for entry i) with the record
+    of each entry in ``records`` applied (a new tensor when any is not
+    empty; ``x`` otherwise)."""
+    if not any(records.values()):
         return x
     out = x.clone()
     vocab = x.shape[1]
-    for i, rec in enumerate(recs):
+    for i, rec in records.items():
         if rec:
             check_record(rec, vocab)
             out[i] = _apply(out[i], rec)
@@ -96,11 +90,6 @@ def _apply(v: torch.Tensor, rec: dict) -> torch.Tensor:
     if allow is not None:
         v = v.masked_fill(~_mask(allow, v.numel(), dev), float("-inf"))
     return v
-
-
-def top_count(rows: Sequence[Sequence]) -> int:
-    """The largest ``top`` any entry asks for (0: none)."""
-    return max((int((record_of(r) or {}).get("top", 0)) for r in rows), default=0)
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> torch.Tensor | None:

@@ -19,6 +19,11 @@ A step without transfers or outputs is one ``advance`` call that is done at
 once: the device actor may then *launch* the next step behind it before this
 one has landed (decode lookahead) - the same code, not a second path.
 
+A decode step names its rows as a change of the plan's previous step
+(``RunStep.rows``): positions, input tokens and sampling parameters are
+kept on the device (:mod:`.rows`); inputs go up and tokens come down
+through pinned memory made once per plan (:mod:`.hostbuf`).
+
 Sends go out through callables the actor passes (``send``: a co-located
 peer's hand-off or the transfer actor), so tests drive a step with plain
 dicts.  Blocking: ``advance`` and ``landed`` run torch work on the calling
@@ -32,11 +37,17 @@ from typing import Any, Callable
 
 import torch
 
-from tessera_actors.execution.inputs import write_fed_inputs, write_inputs
-from tessera_actors.execution.program import AtenProgram, BackendError
+from tessera_actors.execution.hostbuf import Landings, Uploads
+from tessera_actors.execution.inputs import write_inputs
+from tessera_actors.execution.program import AtenProgram
+from tessera_actors.execution.rows import PlanRows
+from tessera_actors.execution.sampling import SampleBatch, as_sample_row
+from tessera_actors.execution.sampling_extras import pack, unpack
 from tessera_actors.execution.segments import SegmentRunner
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan, program_blocks
+
+AHEAD = 2   # steps of one plan launched and not yet answered, at most (the device actor's launch-ahead)
 
 
 @dataclass
@@ -92,6 +103,11 @@ class DeviceStep:
                                                        for b, _, _, dev in plan.outputs)
         self.sampled: tuple[int, torch.Tensor] | None = None   # (step, its token ids on the device)
         self.only_kernels = all(st.op == "run" for st in self.program)
+        # made once: the pinned memory inputs go up and tokens come down through, the decode rows kept here
+        self.uploads = Uploads(runner.device, runner.backend, runner.compute)
+        self.landings = Landings(runner.device, AHEAD + 1)
+        self.rows: PlanRows | None = None
+        self.logits_view: torch.Tensor | None = None
 
     def local(self, msg) -> bool:
         """Whether a step may be launched ahead: this device's program runs
@@ -103,7 +119,13 @@ class DeviceStep:
     def samples(self, msg) -> bool:
         """Whether this device samples ``msg``: it asks for tokens and the
         logits (the graph's first output) end here."""
-        return bool(msg.sample) and self.holds_logits
+        return (bool(msg.sample) or msg.rows is not None) and self.holds_logits
+
+    def plan_rows(self) -> PlanRows:
+        """The decode rows kept on this device (made at the first step that names them)."""
+        if self.rows is None:
+            self.rows = PlanRows(self.graph, self.prog, self.feed, self.holds_logits, self.uploads)
+        return self.rows
 
     def begin(self, msg, handoff, spin: float = 0.0, busy_elsewhere: Callable[[], bool] = lambda: False
               ) -> "StepRun":
@@ -126,6 +148,8 @@ class StepRun:
         self.data: list = []
         self.busy = self.waited = 0.0
         self.kernel_s = 0.0           # of ``busy``: inside the runs of kernels (a CPU computes there)
+        self.kernel_cpu = 0.0         # the worker thread's CPU seconds in them
+        self.host_s = 0.0             # its CPU seconds on the step outside them: the step path's own work
         self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
 
     def stage(self, buffer: int, ranges: list, data: Any) -> None:
@@ -143,6 +167,7 @@ class StepRun:
         the landing event) or a receive must wait on the event loop."""
         st, msg = self.step, self.msg
         t0 = time.perf_counter()
+        c0, k0 = time.thread_time(), self.kernel_cpu
         waited = 0.0
         ship: list = []
         if self.prelude is not None:
@@ -174,11 +199,13 @@ class StepRun:
         self.busy += busy
         self.waited += waited
         if self.i < len(program):
+            self.host_s += time.thread_time() - c0 - (self.kernel_cpu - k0)
             return Progress(False, st.transfers[program[self.i].ref], ship, busy, waited)
         t1 = time.perf_counter()
         self._finish()
         busy += time.perf_counter() - t1
         self.busy += time.perf_counter() - t1
+        self.host_s += time.thread_time() - c0 - (self.kernel_cpu - k0)
         return Progress(True, None, ship, busy, waited)
 
     def _block(self, ship: list) -> None:
@@ -187,9 +214,10 @@ class StepRun:
         b0 = time.time()
         j, kernels, sends = st.blocks[self.i]
         if kernels:
-            k0 = time.perf_counter()
+            k0, c0 = time.perf_counter(), time.thread_time()
             st.runner.run((st.plan_id, self.i), st.prog, kernels)
             self.kernel_s += time.perf_counter() - k0
+            self.kernel_cpu += time.thread_time() - c0
         out = st.runner.read([st.readers[tag] for tag in sends]) if sends else []   # settled: peers may read them
         for tag, data in zip(sends, out):
             peer = st.peers.get(st.transfers[tag].dst)
@@ -210,38 +238,41 @@ class StepRun:
         runner = st.runner
         if st.samples(msg):
             s0 = time.time()
-            from tessera_actors.execution.sampling import sample_on_device
-            from tessera_actors.execution.sampling_extras import pack
-            ids, lps, top = sample_on_device(st.prog.view(st.logits), msg.sample)
+            if st.logits_view is None:
+                st.logits_view = st.prog.view(st.logits)   # the arena never moves: one view for every step
+            logits = st.logits_view
+            if msg.rows is not None:
+                ids, lps, top = st.plan_rows().sample(logits, msg.rows.records)
+            else:
+                ids, lps, top = SampleBatch([as_sample_row(e) for e in msg.sample], logits.device,
+                                            st.uploads.put).sample(logits)
             st.sampled = (msg.step, ids)
-            both = pack(ids, lps, top)   # one host copy: ids, log probabilities, top log probabilities
-            self.host = torch.empty(both.shape, dtype=both.dtype, pin_memory=both.is_cuda)
-            self.host.copy_(both, non_blocking=both.is_cuda)
+            self.host = st.landings.land(pack(ids, lps, top))   # one copy: ids, log probabilities, top ones
             if self.spans is not None:
-                self.spans.append([f"sample {len(msg.sample)} rows", s0, time.time()])
+                self.spans.append([f"sample {len(ids)} rows", s0, time.time()])
         if msg.outputs and st.outputs:
             self.data = runner.read([r for *_, r in st.outputs])
         self.landing = runner.backend.record(runner.compute)
 
     def landed(self) -> Landed:
         """The answer, once ``landing`` completed (the host copy is settled)."""
-        from tessera_actors.execution.sampling_extras import unpack
         tokens, logprobs, top = unpack(self.host) if self.host is not None else ([], [], [])
         outs = [[b, s, e] for b, s, e, _ in self.step.outputs] if self.msg.outputs else []
         return Landed(tokens, logprobs, outs, self.data, self.spans or [], top)
 
     def _inputs_writer(self) -> Callable[[], None] | None:
         """The worker-side writing of the step's inputs (None: this device
-        reads none); checks first that tokens it should take were sampled."""
+        reads none): the tensors of ``inputs``, and a decode step's rows
+        (:mod:`.rows`)."""
         st, msg = self.step, self.msg
-        if msg.token_rows:
-            sampled = st.sampled if st.sampled is not None and st.sampled[0] == msg.tokens_from else None
-            if sampled is None:
-                raise BackendError(f"step {msg.step} takes tokens sampled by step {msg.tokens_from}, "
-                                   "which this device did not sample")
-            return lambda: write_fed_inputs(st.prog, st.graph, msg.inputs, st.feed, msg.token_rows, sampled[1])
+        if msg.rows is not None:
+            def write() -> None:
+                if msg.inputs:
+                    write_inputs(st.prog, st.graph, msg.inputs, st.feed, st.uploads, partial=True)
+                st.plan_rows().apply(msg.step, msg.rows, st.sampled)
+            return write
         if st.feed:
-            return lambda: write_inputs(st.prog, st.graph, msg.inputs, st.feed)
+            return lambda: write_inputs(st.prog, st.graph, msg.inputs, st.feed, st.uploads)
         return None
 
 

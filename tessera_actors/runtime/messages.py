@@ -160,40 +160,87 @@ class LoadValues:
 
 
 @message
+class SampleRow:
+    """How one sampled entry of a step is drawn, and (decode) where its row
+    stands.  ``row``: its row of the logits ``[B, T, V]`` (a decode step's
+    KV row minus the bucket's first, a prompt chunk's row), ``col`` its
+    token there; ``temperature`` 0 is greedy; ``top_k`` 0 keeps every id;
+    ``seed`` and ``index`` (the token's position in the request's output)
+    alone give the draw's uniform number, so a seeded request gets the same
+    tokens in any batch; ``record``: the fixed part of the request's
+    sampling record (penalties, logit bias, top log probabilities:
+    ``tessera_actors.execution.sampling_extras``).  In :class:`StepRows`,
+    ``position`` and ``token`` are the row's decode input (its position in
+    the KV row and the token fed there)."""
+    row: int
+    col: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    index: int = 0
+    record: dict = dataclasses.field(default_factory=dict)
+    position: int = 0
+    token: int = 0
+
+
+@message
+class StepRows:
+    """A decode step's rows, as a change of the plan's previous step on the
+    same device (the row state lives on the devices: positions, input
+    tokens and sampling parameters, advanced there between steps).
+
+    ``base``: the step of this plan whose rows these continue (-1: none,
+    every row is in ``new``); a device whose last step of the plan is not
+    ``base`` fails the step.  ``order``: the row of each sampled entry, in
+    entry order (None: ``base``'s order).  ``new``: the rows that start
+    here (admitted, or back from another plan's steps), with their
+    position, input token and sampling; every other row of ``order`` was
+    in ``base``: its position is one more, its input token is what the
+    device sampled for it in ``base``, its output index one more.  A row
+    of ``base`` not in ``order`` becomes padding, which writes position
+    ``pad`` (the last cache slot).  ``tokens`` (a device reading input_ids
+    that does not sample: split deployments): every entry's input token,
+    in entry order.  ``records``: ``[[entry, record]]`` of the records that
+    change every step (the tokens so far of penalties, JSON mode's mask),
+    merged over the row's fixed record."""
+    base: int = -1
+    order: list | None = None
+    new: list = dataclasses.field(default_factory=list)
+    pad: int = 0
+    tokens: list = dataclasses.field(default_factory=list)
+    records: list = dataclasses.field(default_factory=list)
+
+
+@message
 class RunStep:
     """Run one step of an installed plan. ``inputs`` maps step-input names to
     tensors (only those this device reads are needed). Reply: ``StepDone``
     once the device finished its program for this step.
 
-    ``sample`` (serving): rows of the first output (logits ``[B, T, V]``) to
-    sample on the device that holds them, each ``[row, col, temperature,
-    top_p, top_k, seed, index]`` (``index``: the position of the token in
-    the request's output, so a seed gives the same draw in any batch),
-    optionally with an eighth element, the record of penalties, logit bias,
-    token mask and top log probabilities of
-    ``tessera_actors.execution.sampling_extras``; that device answers with
-    ``tokens``.  ``outputs=False``: no output bytes in
-    the reply (the engine needs only the tokens).  ``trace``: answer with
-    ``StepDone.spans`` (what the device did when, for a trace file).
-    ``token_rows`` (serving, to the device that reads ``input_ids`` and
-    samples): ``[row, entry]`` pairs - ``input_ids[row]`` is the token this
-    device sampled for ``entry`` of step ``tokens_from`` of the same plan
-    (the engine sends a decode step before the previous one's tokens have
-    come back); a device that did not sample that step fails the step."""
+    ``sample`` (serving): the entries of the first output (logits ``[B, T,
+    V]``) to sample on the device that holds them, each a
+    :class:`SampleRow` (or the list ``[row, col, temperature, top_p,
+    top_k, seed, index]`` with an optional eighth element, the record);
+    that device answers with ``tokens``.  ``rows`` (a decode step): its
+    rows as :class:`StepRows` instead of ``sample`` and of the
+    ``input_ids`` and ``positions`` inputs.  ``outputs=False``: no output
+    bytes in the reply (the engine needs only the tokens).  ``trace``:
+    answer with ``StepDone.spans`` (what the device did when, for a trace
+    file)."""
     plan_id: str
     step: int
     inputs: dict = dataclasses.field(default_factory=dict)
     sample: list = dataclasses.field(default_factory=list)
     outputs: bool = True
     trace: bool = False
-    token_rows: list = dataclasses.field(default_factory=list)
-    tokens_from: int = -1
+    rows: StepRows | None = None
 
 
 @message
 class StepDone:
     """``ranges[i] = [buffer, start, end]`` of final output bytes in ``data[i]``;
-    ``tokens``: one sampled id per ``RunStep.sample`` entry, from the device
+    ``tokens``: one sampled id per ``RunStep.sample`` (or ``rows.order``) entry, from the device
     holding the logits (empty elsewhere), with its log probability in
     ``logprobs``.  ``spans`` (when traced): ``[what, start, end]`` in wall-clock
     seconds (``time.time()``) for each run of kernels, transfer wait and
@@ -206,8 +253,9 @@ class StepDone:
     from host memory (PCIe on a GPU) since its previous answered step of
     the plan (copies queued a step ahead count in the step that queued them).
     ``kernel_s``: of ``busy_s``, the seconds inside runs of kernels (a CPU
-    computes there; a GPU queues or replays them): the rest is the step's
-    host overhead on the device's worker."""
+    computes there; a GPU queues or replays them); ``host_s``: the worker
+    thread's CPU seconds on the step outside them (the step path's own host
+    work: inputs, sampling, copies)."""
     plan_id: str
     step: int
     device: int
@@ -224,6 +272,7 @@ class StepDone:
     top_logprobs: list = dataclasses.field(default_factory=list)
     streamed_bytes: int = 0
     kernel_s: float = 0.0
+    host_s: float = 0.0
 
 
 @message

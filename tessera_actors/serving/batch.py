@@ -5,12 +5,14 @@
 * :class:`SlotAllocator` hands out KV rows; with several micro-batch groups
   it fills the emptiest group first (lowest row within it), so groups stay
   balanced and a decode bucket stays small.
-* :func:`decode_inputs` forms one decode step of a group: the active rows
-  padded to the smallest bucket that covers them (padding rows write a
-  throw-away KV entry at the last position, which a sequence always writes
-  itself before it reads it); a row whose previous token is still being
-  sampled by a step in flight (``Sequence.pending``) takes it on the device
-  (``token_rows``); :func:`prefill_inputs` forms one prompt chunk.
+* :func:`decode_rows` forms one decode step of a group as the change of
+  its plan's previous step (``StepRows``): the rows in entry order, and
+  only the rows that start there with their position, input token and
+  sampling; the devices keep the rest (padding rows write a throw-away KV
+  entry at the last position, which a sequence always writes itself before
+  it reads it; a row whose previous token is still being sampled by a step
+  in flight, ``Sequence.pending``, takes it on the device);
+  :func:`prefill_inputs` forms one prompt chunk.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
 import torch
+
+from tessera_actors.runtime.messages import SampleRow, StepRows
 
 
 @dataclass
@@ -38,15 +42,18 @@ class Sequence:
     steps: int = 0
     pending: int = 0                   # tokens of decode steps in flight, not yet produced
     record: object = None              # records.RowRecord: penalties, bias, JSON mask, top logprobs
+    fed: tuple | None = None           # (plan id, step) of the decode step that fed it last
 
-    def sample_entry(self, row: int, col: int) -> list:
-        """The sampling entry of the next token (its index in the output
-        counts the tokens still in flight), with the request's sampling
-        record (``sampling_extras``) when it has one."""
+    def sample_row(self, row: int, col: int = 0, whole: bool = True) -> SampleRow:
+        """How its next token is drawn (its index in the output counts the
+        tokens still in flight), with its sampling record (``whole``: with
+        the parts that change every step) and, for a decode step, its input
+        (the next position and the latest token)."""
         p = self.params
-        entry = [row, col, float(p.temperature), float(p.top_p), int(p.top_k), int(self.seed),
-                 len(self.generated) + self.pending]
-        return entry + [self.record(self)] if self.record is not None else entry
+        rec = {} if self.record is None else (self.record(self) if whole else self.record.fixed)
+        return SampleRow(row, col, float(p.temperature), float(p.top_p), int(p.top_k), int(self.seed),
+                         len(self.generated) + self.pending, rec, self.next_position,
+                         self.generated[-1] if self.generated else 0)
 
     @property
     def position(self) -> int:
@@ -71,9 +78,10 @@ class Sequence:
 
     def may_decode(self, max_len: int) -> bool:
         """Whether one more decode step can be due: the tokens in flight
-        leave room under ``max_tokens`` and the context."""
-        return (len(self.generated) + self.pending < self.params.max_tokens
-                and self.next_position + 1 < max_len)
+        leave room under ``max_tokens`` and the context (its next position,
+        ``len(prompt) + n - 1``, below the last)."""
+        n = len(self.generated) + self.pending
+        return n < self.params.max_tokens and len(self.prompt) + n < max_len
 
 
 class SlotAllocator:
@@ -95,6 +103,9 @@ class SlotAllocator:
     def set_groups(self, bounds: Seq[tuple[int, int]]) -> None:
         self.bounds = list(bounds)
         self.total = self.bounds[-1][1]
+        self.groups = [0] * self.total   # row -> its group
+        for g, (lo, hi) in enumerate(self.bounds):
+            self.groups[lo:hi] = [g] * (hi - lo)
 
     def free(self) -> int:
         return self.total - len(self.used)
@@ -143,7 +154,7 @@ class SlotAllocator:
         self.kept.clear()
 
     def group_of(self, slot: int) -> int:
-        return next(g for g, (lo, hi) in enumerate(self.bounds) if lo <= slot < hi)
+        return self.groups[slot]
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -162,34 +173,31 @@ def smallest_bucket(sizes: Seq[int], need: int) -> int:
     raise ValueError(f"no bucket holds {need} (buckets {list(sizes)})")
 
 
-def decode_inputs(seqs: Seq[Sequence], lo: int, sizes: Seq[int], max_len: int, size: int | None = None,
-                  fed: dict[str, int] | None = None) -> tuple[int, dict[str, torch.Tensor], list, list]:
-    """(bucket size, inputs, sample entries, token rows) of one decode step
-    of ``seqs`` (all in the group whose first row is ``lo``); ``size``: pad
-    to that many rows instead (a larger bucket standing in for the step's
-    own).  A sequence with a token in flight (``pending``) takes it from the
-    previous step's sampled tokens on the device: ``fed`` maps its id to its
-    entry in that step's samples, and ``token rows`` lists ``[row, entry]``
-    pairs (its ``input_ids`` here is a placeholder)."""
-    need = smallest_bucket(sizes, max(s.slot for s in seqs) - lo + 1)
-    if size is not None and size < need:
-        raise ValueError(f"a decode step of {need} rows does not fit a bucket of {size}")
-    size = size or need
-    ids = [0] * size
-    pos = [max_len - 1] * size
-    sample, token_rows = [], []
-    for s in seqs:
+def decode_rows(seqs: Seq[Sequence], lo: int, plan: str | None, base: int, number: int | None,
+                before: list[int] | None, pad: int, host_tokens: bool) -> StepRows:
+    """The rows of one decode step of ``seqs`` (all in the group whose first
+    row is ``lo``) on the plan ``plan`` as a change of its step ``base``
+    (-1: none; ``before``: that step's rows): a sequence that plan's step
+    ``base`` fed (``Sequence.fed``) goes on there, any other starts (it is
+    in ``new``); ``number``: this step's number (None: not known yet, every
+    row starts next time).  ``pad``: the position padding rows write;
+    ``host_tokens``: every entry's input token from here (the device that
+    reads input_ids does not sample).  A sequence whose previous token is
+    in flight must go on (the device feeds it)."""
+    key, now = (plan, base), (plan, number) if number is not None else None
+    order, new, records = [], [], []
+    for i, s in enumerate(seqs):
         r = s.slot - lo
-        if s.pending:
-            if fed is None or s.rid not in fed or s.pending > 1:
+        order.append(r)
+        if s.fed != key or base < 0:
+            if s.pending:
                 raise ValueError(f"request {s.rid}: its previous token is in flight but not in the fed step")
-            token_rows.append([r, fed[s.rid]])
-        else:
-            ids[r] = s.generated[-1]
-        pos[r] = s.next_position
-        sample.append(s.sample_entry(r, 0))
-    return size, {"input_ids": torch.tensor(ids, dtype=torch.int64).view(size, 1),
-                  "positions": torch.tensor(pos, dtype=torch.int64)}, sample, token_rows
+            new.append(s.sample_row(r, whole=False))
+        if s.record is not None and s.record.needs_tokens:
+            records.append([i, s.record.changing(s)])
+        s.fed = now
+    return StepRows(base, None if base >= 0 and order == before else order, new, pad,
+                    [s.generated[-1] for s in seqs] if host_tokens else [], records)
 
 
 STEP_TOKENS = 16   # what one more prefill step costs, in padded tokens (the choice of the last chunks)
@@ -285,5 +293,5 @@ def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows:
         pos[i] = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)
         slot[i], last[i] = seq.slot, n - 1
         if start + n == len(seq.context):
-            sample.append(seq.sample_entry(i, 0))
+            sample.append(seq.sample_row(i))
     return {"input_ids": ids, "positions": pos, "rows": slot, "last": last}, sample

@@ -43,12 +43,13 @@ from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.devices import parse_devices
 from tessera_actors.launch import registry
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import GetStats, Place, Register, ReportLost, RunStep, Uninstall
+from tessera_actors.runtime.messages import GetStats, Place, Register, ReportLost, RunStep, StepRows, Uninstall
 from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
 from transport.system import ActorSystem
 from tessera_actors.serving.config import EngineConfig
+from tessera_actors.serving.batch import decode_rows
 from tessera_actors.serving.buckets import Bucket, core_buckets
 from tessera_actors.serving.deploy import ServedModel
 from tessera_actors.serving.deployment_measure import Measuring
@@ -109,8 +110,9 @@ class Deployment(Measuring):
         self.system: ActorSystem | None = None
         self._watchers: list[asyncio.Task] = []
         self.busy_s: dict[int, float] = {}     # plan device index -> worker seconds spent on steps
-        # over every step since start, all devices: worker seconds, and of them inside runs of kernels
-        self.worker_s = {"busy": 0.0, "kernels": 0.0}
+        # over every step since start, all devices: worker seconds, of them inside runs of kernels, and the
+        # workers' CPU seconds outside them (StepDone.kernel_s, host_s)
+        self.worker_s = {"busy": 0.0, "kernels": 0.0, "host": 0.0}
         self.bucket_counts: dict[str, dict[str, int]] = {}   # bucket -> RUN_COUNTS over its steps
         self.since = time.monotonic()          # when the current placement started
         self._busy_log: deque = deque()        # (time, busy_s copy) after steps: busy fractions over a window
@@ -409,24 +411,46 @@ class Deployment(Measuring):
 
     # -- steps ----------------------------------------------------------------
     def reserve(self, bucket: str) -> int | None:
-        """The number of the next step of ``bucket`` (placed, and its plan
-        can take a step's tokens on the device; else None), taken now: pass
-        it to :meth:`step` as ``number``, and a later step may take that
-        step's sampled tokens as its inputs (``tokens_from``)."""
+        """The number of the next step of ``bucket`` (None: not placed yet),
+        taken now: pass it to :meth:`step` as ``number``."""
         p = self.placed.get(bucket)
-        if p is None or p.feeds is None:
+        if p is None:
             return None
         p.steps += 1
         return p.steps - 1
 
+    def decode_rows(self, bucket: str, seqs: Sequence, lo: int, pad: int) -> tuple[int | None, StepRows, bool]:
+        """(the step number, the rows, whether the step's tokens can feed the
+        next step on the device) of the next decode step of ``seqs`` on
+        ``bucket``: :func:`~tessera_actors.serving.batch.decode_rows` as a
+        change of the bucket's latest step sent with rows."""
+        p = self.placed.get(bucket)
+        number = self.reserve(bucket)
+        base = p.rows_at if p is not None and p.rows_at is not None else -1
+        rows = decode_rows(seqs, lo, p.plan_id if p is not None else None, base, number,
+                           p.order if p is not None else None, pad, p is None or p.feeds is None)
+        if p is not None:
+            p.rows_at = number
+            if rows.order is not None:
+                p.order = rows.order
+        return number, rows, p is not None and p.feeds is not None
+
+    def restart_rows(self, bucket: str) -> None:
+        """A step of ``bucket`` failed: its next decode step gives every row."""
+        p = self.placed.get(bucket)
+        if p is not None:
+            p.rows_at = None
+
     async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = (),
-                   number: int | None = None, token_rows: list = (), tokens_from: int = -1,
-                   outputs: bool = False) -> StepResult:
+                   number: int | None = None, outputs: bool = False, decode: StepRows | None = None) -> StepResult:
         """Run one step of ``bucket``; ``number``: a step number from
-        :meth:`reserve`; ``token_rows``: ``[row, entry]`` pairs whose
-        ``input_ids`` are the tokens step ``tokens_from`` (of this bucket's
-        plan) sampled for ``entry`` (``RunStep.token_rows``); ``outputs``:
-        the graph's output bytes come back too (``StepResult.outputs``)."""
+        :meth:`reserve` or :meth:`decode_rows`; ``decode``: a decode step's
+        rows (``RunStep.rows``; from :meth:`decode_rows`) instead of
+        ``sample`` and the token inputs; ``rows``: the requests it carries
+        (for the trace); ``outputs``: the graph's output bytes come back too
+        (``StepResult.outputs``).  A decode step not numbered by
+        :meth:`decode_rows` (its bucket was not placed then) gives every row
+        (``base`` -1), and the next one too."""
         try:
             p = await self._placed(bucket)
         except ActorError as e:
@@ -436,16 +460,19 @@ class Deployment(Measuring):
             p.steps += 1
         else:
             step = number
-        if token_rows and p.feeds is None:
-            raise StepFailed(f"{bucket}: no device of its plan both reads input_ids and samples")
         t0 = time.perf_counter()
         wall = time.time()
         traced = self.trace is not None
-        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced,
-                                list(token_rows) if d == p.feeds else [], tokens_from),
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced, decode),
                         timeout=self.cfg.step_timeout)
                 for d, ref in enumerate(p.refs)]
-        results = await asyncio.gather(*asks, return_exceptions=True)
+        if len(asks) == 1:   # one device: no gather (a task per ask)
+            try:
+                results = [await asks[0]]
+            except Exception as e:
+                results = [e]
+        else:
+            results = await asyncio.gather(*asks, return_exceptions=True)
         for d, r in enumerate(results):
             if isinstance(r, BaseException):
                 raise StepFailed(f"{bucket} step {step}: device {d} ({p.plan.devices[d]}) failed: "
@@ -459,13 +486,15 @@ class Deployment(Measuring):
             self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
             worker["busy"] += r.busy_s
             worker["kernels"] += r.kernel_s
+            worker["host"] += r.host_s
             for k in RUN_COUNTS:
                 counts[k] += getattr(r, k, 0)
         self._note_busy()
         holder = next((r for r in results if r.tokens), None)
         tokens = holder.tokens if holder else []
-        if sample and len(tokens) != len(sample):
-            raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {len(sample)} sampled rows")
+        want = len(rows) if decode is not None else len(sample)
+        if want and len(tokens) != want:
+            raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {want} sampled rows")
         return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
                           [r.busy_s for r in results], top_logprobs=holder.top_logprobs if holder else [],
                           outputs=[[*rng, data] for r in results for rng, data in zip(r.ranges, r.data)])

@@ -43,25 +43,27 @@ from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
-from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_inputs,
-                                          prefill_chunk, smallest_bucket)
+from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, prefill_chunk,
+                                          smallest_bucket)
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.buckets import bucket_name, decode_sizes, window_for
 from tessera_actors.serving.deploy import capture_kind, load_served_model
 from tessera_actors.serving.gpu_capture import keep_compile_state_in_this_thread
-from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput, SamplingParams, Usage)
+from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, InvalidRequest, RequestOutput,
+                                           SamplingParams, Usage)
 from tessera_actors.serving.deployment import Deployment, StepFailed
 from tessera_actors.serving.engine_admit import Admitting
 from tessera_actors.serving.engine_replace import Replacing
 from tessera_actors.serving.inflight import Request as _Request, Step as _Step
 from tessera_actors.serving.engine_report import Reporting
+from tessera_actors.serving.engine_stream import Streaming
 from tessera_actors.serving.records import Records
 from tessera_actors.serving.text import ChatTemplate, Detokenizer, encode_prompt, gguf_tokenizer
 
 log = logging.getLogger("tessera_actors.serving")
 
 
-class AsyncEngine(Admitting, Reporting, Replacing):
+class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
     def __init__(self, model: str = "smollm2", devices: str = "cpu,cpu", nodes=None,
                  config: EngineConfig | None = None, **fields) -> None:
         """``config`` or its fields as keywords (``max_seqs=8``, ...);
@@ -102,7 +104,7 @@ class AsyncEngine(Admitting, Reporting, Replacing):
         self._outbox: list[tuple] = []   # stream pieces, delivered after the next steps are sent (_emit)
         self._switching = False          # a plan switch waits for the decode steps in flight
         self._progress = {"phase": "stopped", "buckets_placed": 0, "buckets": 0}   # start(): what is done
-        self.loop_s = 0.0   # host seconds the serving loop itself spent (between its waits)
+        self.loop_s = 0.0   # CPU seconds the serving loop itself spent (between its waits)
         self._thread = (None, 0.0)
 
     # -- lifecycle ------------------------------------------------------------
@@ -295,7 +297,7 @@ class AsyncEngine(Admitting, Reporting, Replacing):
     # -- the loop -------------------------------------------------------------------
     async def _loop(self) -> None:
         inflight: dict[asyncio.Task, _Step] = {}
-        clock = time.perf_counter
+        clock = time.thread_time   # CPU seconds: what a loaded machine or the worker holding the GIL adds is not ours
         t0 = clock()
         try:
             while True:
@@ -307,15 +309,12 @@ class AsyncEngine(Admitting, Reporting, Replacing):
                 self._admit()
                 self._launch(inflight)
                 self._deliver()   # after the launch: the new steps' messages go out before the streams wake
-                self._wake.clear()
-                waiter = asyncio.ensure_future(self._wake.wait())
                 self.loop_s += clock() - t0
-                try:
-                    done, _ = await asyncio.wait(set(inflight) | {waiter}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    waiter.cancel()
+                if not any(t.done() for t in inflight):
+                    self._wake.clear()   # set again by a step that ends (_stepped) or by anything new to do
+                    await self._wake.wait()
                 t0 = clock()
-                for t in sorted((t for t in done if t in inflight), key=lambda t: inflight[t].order):
+                for t in sorted((t for t in inflight if t.done()), key=lambda t: inflight[t].order):
                     self._complete(t, inflight.pop(t))
         except asyncio.CancelledError:
             for t in inflight:
@@ -330,27 +329,16 @@ class AsyncEngine(Admitting, Reporting, Replacing):
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
 
-    def _emit(self, req: _Request, token: int, logprob: float, reason: str | None, text: str | None,
-              final: bool, eos: bool, generated: int, top: list | None = None) -> None:
-        """Queue a stream piece; ``text`` None: detokenize when delivered."""
-        self._outbox.append((req, token, logprob, reason, text, final, eos, generated, top))
-
-    def _deliver(self) -> None:
-        """Detokenize and hand out the queued pieces (after the next steps
-        were sent: this host work overlaps the devices' work)."""
-        box, self._outbox = self._outbox, []
-        for req, token, logprob, reason, text, final, eos, generated, top in box:
-            if text is None:
-                text = req.detok.push([] if eos else [token], final=final) if req.detok is not None else ""
-            req.out.put_nowait(RequestOutput(req.seq.rid, text, [token], reason,
-                                             Usage(len(req.seq.prompt), generated), [logprob],
-                                             [top[:req.seq.params.top_logprobs]] if top else []))
+    def _stepped(self, task: asyncio.Task) -> None:
+        self._wake.set()   # the loop takes the steps that ended
 
     def _group_rows(self) -> list[list[_Request]]:
         rows = [[] for _ in self.slots.bounds]
+        group = self.slots.groups
         for req in self._requests.values():
-            if req.seq.phase == "decode":
-                rows[self.slots.group_of(req.seq.slot)].append(req)
+            seq = req.seq
+            if seq.phase == "decode":
+                rows[group[seq.slot]].append(req)
         return rows
 
     def _launch(self, inflight: dict[asyncio.Task, _Step]) -> None:
@@ -362,6 +350,7 @@ class AsyncEngine(Admitting, Reporting, Replacing):
                                                                  1)
             inputs, sample = batch_prefill_inputs([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
             task = loop.create_task(self.deployment.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            task.add_done_callback(self._stepped)
             for r in reqs:
                 r.in_step += 1
             inflight[task] = _Step("prefill", reqs, chunks, bucket, self.deployment.generation, next(self._order))
@@ -383,8 +372,16 @@ class AsyncEngine(Admitting, Reporting, Replacing):
         """(task, step) of group ``g``'s next decode step, or None; ``prev``:
         the group's latest step in flight, whose sampled tokens the rows it
         carries take on the device (possible only on the same plan, when its
-        step number was reserved)."""
-        reqs = [r for r in rows if r.finished is None and r.seq.may_decode(self.max_model_len)]
+        tokens can feed the next step there)."""
+        limit = self.max_model_len
+        reqs, seqs, last, top = [], [], 0, 0   # the rows, their sequences, the largest position and slot
+        for r in rows:
+            s = r.seq
+            n = len(s.generated) + s.pending   # (Sequence.may_decode, next_position: inlined, every row every step)
+            if r.finished is None and n < s.params.max_tokens and len(s.prompt) + n < limit:
+                reqs.append(r)
+                seqs.append(s)
+                last, top = max(last, len(s.prompt) + n - 1), max(top, s.slot)
         if not reqs or self._switching:
             return None   # a plan switch waits for every decode step in flight to land: none starts meanwhile
         if prev is not None and (prev.number is None or prev.generation != self.deployment.generation or self._prefill
@@ -392,31 +389,21 @@ class AsyncEngine(Admitting, Reporting, Replacing):
             return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device;
             #              penalties and JSON masks are computed from the tokens so far)
         lo, hi = self.slots.bounds[g]
-        sizes = decode_sizes(self.cfg, hi - lo)
-        size = smallest_bucket(sizes, max(r.seq.slot for r in reqs) - lo + 1)
-        bucket = self.deployment.runnable(bucket_name("decode", size, lo, window_for(
-            self.cfg, max(r.seq.next_position for r in reqs))), (lo, hi))
-        fed = None
-        if prev is not None:
-            if bucket != prev.bucket:
-                return None   # a different plan: wait for the tokens
-            fed = {r.seq.rid: i for i, r in enumerate(prev.reqs)}
-        _, inputs, sample, token_rows = decode_inputs([r.seq for r in reqs], lo, sizes, self.max_model_len,
-                                                      self._rows_of(bucket), fed)
-        number = self.deployment.reserve(bucket) if self.cfg.lookahead else None
+        size = smallest_bucket(decode_sizes(self.cfg, hi - lo), top - lo + 1)
+        bucket = self.deployment.runnable(bucket_name("decode", size, lo, window_for(self.cfg, last)), (lo, hi))
+        if prev is not None and bucket != prev.bucket:
+            return None   # a different plan: wait for the tokens
+        number, step_rows, feeds = self.deployment.decode_rows(bucket, seqs, lo, limit - 1)
         task = asyncio.get_running_loop().create_task(self.deployment.step(
-            bucket, inputs, sample, [r.seq.rid for r in reqs], number, token_rows,
-            prev.number if prev is not None else -1))
+            bucket, {}, [], [s.rid for s in seqs], number, decode=step_rows))
+        task.add_done_callback(self._stepped)
         for r in reqs:
             r.in_step += 1
             r.seq.pending += 1
         if prev is not None:
             self.counters["lookahead_steps"] += 1
-        return task, _Step(key, reqs, [], bucket, self.deployment.generation, next(self._order), number)
-
-    def _rows_of(self, bucket: str) -> int | None:
-        b = self.deployment.served.buckets.get(bucket)
-        return b.size if b is not None else None
+        return task, _Step(key, reqs, [], bucket, self.deployment.generation, next(self._order),
+                           number if feeds and self.cfg.lookahead else None)
 
     def _complete(self, task: asyncio.Task, info: _Step) -> None:
         key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
@@ -428,6 +415,7 @@ class AsyncEngine(Admitting, Reporting, Replacing):
         except StepFailed as e:
             if self._lost or generation != self.deployment.generation:
                 return   # a loss is pending, or the step belonged to a placement since replaced: recovery redoes it
+            self.deployment.restart_rows(bucket)
             log.warning("%s", e, exc_info=e)   # the device's own traceback rides the cause chain (in-process)
             self._lost_or_fail(reqs, e)
             return
@@ -454,12 +442,7 @@ class AsyncEngine(Admitting, Reporting, Replacing):
                 self._accept(req, result.tokens[entry], result.logprobs[entry], result.top(entry))
                 entry += 1
             return
-        for i, (req, tok, lp) in enumerate(zip(reqs, result.tokens, result.logprobs)):
-            if req.finished is None:
-                req.seq.exec_s += result.seconds
-                self._accept(req, tok, lp, result.top(i))
-            else:   # it ended (end of text, a stop string, an abort) while this step was in flight
-                self.counters["discarded_tokens"] += 1
+        self._accept_step(reqs, result)
 
     def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
         for req in reqs:
@@ -471,30 +454,6 @@ class AsyncEngine(Admitting, Reporting, Replacing):
         self._retire(req)
         req.out.put_nowait(err)
 
-    def _accept(self, req: _Request, token: int, logprob: float, top: list | None = None) -> None:
-        """A new token of ``req``: stream it, and finish the request when done."""
-        seq, p = req.seq, req.seq.params
-        if seq.first_token_at is None:
-            seq.first_token_at = time.monotonic()
-        seq.generated.append(int(token))
-        self.counters["generated_tokens"] += 1
-        eos = self.tokenizer.eos_id if self.tokenizer is not None else None
-        is_eos = eos is not None and token == eos and not p.ignore_eos
-        length = len(seq.generated) >= p.max_tokens or seq.position + 1 >= self.max_model_len
-        final = is_eos or length
-        text = None
-        if req.detok is not None and req.detok.stop:   # a stop string decides whether the row decodes on
-            text = req.detok.push([] if is_eos else [token], final=final)
-        stopped = req.detok is not None and req.detok.stopped
-        reason = "stop" if (is_eos or stopped) else ("length" if length else None)
-        token = int(token)
-        self._emit(req, token, logprob, reason, text, final, is_eos, len(seq.generated), top)
-        if reason is None:
-            return
-        req.finished = reason
-        self._retire(req)
-        self.monitor.record(time.monotonic() - seq.arrival, seq.exec_s)
-        self._wake.set()
 
 def _is_id_list(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)

@@ -41,17 +41,19 @@ class Reporting:
 
     def host_times(self) -> dict[str, float]:
         """Host seconds since start (differences over a window, divided by its
-        decode steps, are the host work per step): ``loop`` - the serving loop's
-        own work between its waits (batching, step messages, accepting and
-        streaming tokens); ``loop_thread`` - CPU seconds of the event loop's
-        thread, everything on it (the loop, the step messages through the
-        actors, the streams' consumers; only when called on that thread,
-        else absent); ``worker`` - the devices' workers on steps, all
-        devices; ``kernels`` - of ``worker``, inside runs of kernels (a CPU
-        computes there, a GPU queues or replays them), so ``worker - kernels``
-        is the step path's own host work on the device side."""
-        w = self.deployment.worker_s if self.deployment is not None else {"busy": 0.0, "kernels": 0.0}
-        out = {"loop": self.loop_s, "worker": w["busy"], "kernels": w["kernels"]}
+        decode steps, are the host work per step): ``loop`` - CPU seconds of
+        the serving loop's own work between its waits (batching, step
+        messages, accepting and streaming tokens); ``loop_thread`` - CPU
+        seconds of the event loop's thread, everything on it (the loop, the
+        step messages through the actors, the streams' consumers; only when
+        called on that thread); ``worker`` - CPU seconds of the devices'
+        workers on steps outside runs of kernels (the step path's own work:
+        inputs, sampling, copies), all devices; ``kernels`` - wall seconds
+        of the workers inside runs of kernels (a CPU computes there, a GPU
+        queues or replays them).  CPU seconds, so what a loaded machine, or
+        the other thread holding the interpreter lock, adds does not count."""
+        w = self.deployment.worker_s if self.deployment is not None else {}
+        out = {"loop": self.loop_s, "worker": w.get("host", 0.0), "kernels": w.get("kernels", 0.0)}
         ident, cpu0 = self._thread
         if ident == threading.get_ident():
             out["loop_thread"] = time.thread_time() - cpu0

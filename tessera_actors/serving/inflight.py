@@ -9,13 +9,55 @@ from dataclasses import dataclass, field
 from tessera_actors.plan import Plan
 from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.serving.batch import Sequence
+from tessera_actors.serving.params import RequestOutput
 from tessera_actors.serving.text import Detokenizer
+
+
+class Outputs:
+    """A request's stream: the engine loop puts pieces (``RequestOutput``) or
+    an error, its ``generate`` takes them.  Pieces that queued meanwhile are
+    taken as one (their text, ids and log probabilities joined, the last
+    one's finish reason and usage), so a consumer slower than the steps
+    wakes once for all of them; an error is taken after the pieces before it."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self):
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = self._items
+        first = items[0]
+        if len(items) == 1 or isinstance(first, BaseException):
+            del items[0]
+            return first
+        n = next((i for i, it in enumerate(items) if isinstance(it, BaseException)), len(items))
+        pieces, self._items = items[:n], items[n:]
+        return _joined(pieces)
+
+
+def _joined(pieces: list[RequestOutput]) -> RequestOutput:
+    last = pieces[-1]
+    return RequestOutput(last.request_id, "".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
+                         last.finish_reason, last.usage, [x for p in pieces for x in p.logprobs],
+                         [x for p in pieces for x in p.top_logprobs])
 
 
 class Request:
     def __init__(self, seq: Sequence, detok: Detokenizer | None) -> None:
         self.seq, self.detok = seq, detok
-        self.out: asyncio.Queue = asyncio.Queue()
+        self.out = Outputs()
         self.finished: str | None = None
         self.in_step = 0   # steps in flight that carry its row: its KV slot is freed only when they landed
 
@@ -48,6 +90,8 @@ class PlacedBucket:
     routes: list
     steps: int = 0
     feeds: int | None = None   # the plan device that reads input_ids and samples: it can take tokens on the device
+    rows_at: int | None = None   # the latest step sent with decode rows (StepRows), and its rows
+    order: list | None = None
 
 
 @dataclass

@@ -3,7 +3,8 @@ what goes with each of its tokens to the device that samples.
 
 :class:`RowRecord` is built once per request whose ``SamplingParams`` shape
 the logits (``shapes_logits``) and called for each of its sample entries
-(``Sequence.sample_entry``).  Penalties and JSON mode depend on the tokens
+(``Sequence.sample_row``): its ``fixed`` part once per row a plan's steps
+carry, the part that changes every step (``changing``) with each.  Penalties and JSON mode depend on the tokens
 so far (``needs_tokens``): the engine then waits for each step's tokens
 before the next (no decode step sent ahead for those rows), so the record
 always sees every token before the one it is drawn for.
@@ -43,8 +44,13 @@ class RowRecord:
 
     def __call__(self, seq) -> dict:
         """The record of ``seq``'s next token (``seq.generated``: its tokens so far)."""
-        rec = dict(self.fixed)
-        if "pp" in rec or "fp" in rec or "rp" in rec:
+        return {**self.fixed, **self.changing(seq)}
+
+    def changing(self, seq) -> dict:
+        """The part of the record that changes with every token: the tokens
+        so far (penalties), the mask of ids that keep the reply JSON."""
+        rec = {}
+        if "pp" in self.fixed or "fp" in self.fixed or "rp" in self.fixed:
             rec["out"] = [int(t) for t in seq.generated]
         if self.params.json:
             rec["allow"] = self.grammar.mask(self.decode(list(seq.generated)))
