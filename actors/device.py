@@ -151,8 +151,9 @@ class DeviceActor(Actor):
     async def install(self, msg: InstallPlan) -> Installed:
         if msg.plan_id in self.plans:
             raise ValueError(f"plan {msg.plan_id!r} is already installed on {self.spec.name}")
-        graph = graph_from_bytes(msg.graph)
-        plan = plan_from_dict(msgpack.unpackb(msg.plan, strict_map_key=False))
+        # from this process the objects themselves (shared, read only), from another their bytes
+        graph = msg.graph if isinstance(msg.graph, KernelGraph) else graph_from_bytes(msg.graph)
+        plan = msg.plan if isinstance(msg.plan, Plan) else plan_from_dict(msgpack.unpackb(msg.plan, strict_map_key=False))
         d = msg.device
         if not 0 <= d < len(plan.devices):
             raise ValueError(f"device index {d} not in plan {msg.plan_id!r} ({len(plan.devices)} devices)")

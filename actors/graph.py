@@ -4,7 +4,8 @@ them out.
 It owns the graphs (nobody else keeps a mutable copy), keyed by name (a
 served model has one graph per shape bucket, e.g. ``decode:8@0``,
 ``prefill:128``); ``GetGraph(name)`` answers with that graph's msgpack bytes
-(encoded once) and a summary; an unknown name is an error reply.  With a
+(encoded once) and a summary, or to an asker of this process
+(``objects``) with the graph itself; an unknown name is an error reply.  With a
 ``source`` (a served model's buckets, captured on first use) a name it does
 not hold yet is asked of the source, in a thread, and kept."""
 from __future__ import annotations
@@ -39,6 +40,8 @@ class GraphActor(Actor):
             graph = self.graphs[name] = await asyncio.to_thread(self.source, name)
         if graph is None:
             raise KeyError(f"no graph {name!r}; known: {sorted(self.graphs)}")
+        if msg.objects:   # an asker in this process: the graph itself, nothing encoded
+            return GraphBlob(b"", graph.summary(), graph)
         if name not in self._blobs:
             self._blobs[name] = msgpack.packb(graph.to_dict(), use_bin_type=True)
         return GraphBlob(self._blobs[name], graph.summary())

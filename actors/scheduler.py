@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import msgpack
 
 from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
-from tessera_actors.runtime.actor import Actor, ActorRef, handler
+from tessera_actors.runtime.actor import Actor, ActorRef, LocalRef, handler
 from tessera_actors.runtime.errors import ActorDead, ActorError
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Placed, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
@@ -46,6 +46,28 @@ from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_to_di
 from tessera_actors.planning.pinning import pinned_assignment, respects
 
 log = logging.getLogger("tessera_actors.scheduler")
+
+
+class Wire:
+    """A placement's graph and plan for ``InstallPlan``: the objects to a
+    device actor of this process, their msgpack bytes (encoded once, when
+    first needed) to one elsewhere."""
+
+    def __init__(self, graph: KernelGraph, plan: Plan, graph_bytes: bytes = b"") -> None:
+        self.graph, self.plan = graph, plan
+        self._graph_bytes, self._plan_bytes = graph_bytes or None, None
+
+    def plan_bytes(self) -> bytes:
+        if self._plan_bytes is None:
+            self._plan_bytes = msgpack.packb(plan_to_dict(self.plan), use_bin_type=True)
+        return self._plan_bytes
+
+    def install(self, plan_id: str, device: int, routes: list, share: str, here: bool) -> InstallPlan:
+        if here:
+            return InstallPlan(plan_id, device, self.graph, self.plan, routes, share)
+        if self._graph_bytes is None:
+            self._graph_bytes = msgpack.packb(self.graph.to_dict(), use_bin_type=True)
+        return InstallPlan(plan_id, device, self._graph_bytes, self.plan_bytes(), routes, share)
 
 
 @dataclass
@@ -209,8 +231,9 @@ class SchedulerActor(Actor):
     @handler(Place)
     async def place(self, msg: Place) -> Placed:
         # the graph actor may capture the graph first (a served bucket on first use): seconds, not a round trip
-        blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph), timeout=self.install_timeout)
-        graph = graph_from_bytes(blob.data)
+        blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph, objects=True),
+                                                           timeout=self.install_timeout)
+        graph = blob.graph if isinstance(blob.graph, KernelGraph) else graph_from_bytes(blob.data)
         lost = set(self.lost_nodes())
         live = [d for d, (node, _, _) in enumerate(self.inventory) if node not in lost]
         if msg.devices:
@@ -227,17 +250,21 @@ class SchedulerActor(Actor):
         if (pins or weights) and not respects(graph, plan.assignment, pins, weights):
             assignment = pinned_assignment(graph, pins, weights)
             plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)
-        return await self._deploy(msg.plan_id, graph, plan, live, blob.data, msg.graph, msg.share)
+        placed = await self._deploy(msg.plan_id, graph, plan, live, blob.data, msg.graph, msg.share)
+        return Placed(placed.plan_id, placed.routes, plan) if msg.objects else placed
 
     async def _deploy(self, plan_id: str, graph: KernelGraph, plan: Plan, devs: list[int],
-                      graph_bytes: bytes, graph_name: str = "", share: str = "") -> Placed:
+                      graph_bytes: bytes = b"", graph_name: str = "", share: str = "") -> Placed:
+        """Install ``plan`` on its devices and load their values: a device
+        actor of this process is given the graph and the plan themselves,
+        one elsewhere their bytes (each encoded once, when first needed)."""
         routes = []
         for i, d in enumerate(devs):
             node, local, _ = self.inventory[d]
             routes.append([i, self.nodes[node].endpoint, f"device{local}"])
-        plan_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
+        wire = Wire(graph, plan, graph_bytes)
         refs: list[ActorRef] = [await self._ref(ep, name) for _, ep, name in routes]
-        installed = await asyncio.gather(*(ref.ask(InstallPlan(plan_id, i, graph_bytes, plan_bytes, routes, share),
+        installed = await asyncio.gather(*(ref.ask(wire.install(plan_id, i, routes, share, isinstance(ref, LocalRef)),
                                                    timeout=self.install_timeout) for i, ref in enumerate(refs)))
         for node in {self.inventory[d][0] for d in devs}:
             ref = await self._ref(self.nodes[node].endpoint, "transfer")
@@ -253,7 +280,7 @@ class SchedulerActor(Actor):
         self.plans[plan_id] = plan
         self.routes[plan_id] = routes
         log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])
-        return Placed(plan_id, routes, plan_bytes)
+        return Placed(plan_id, routes, wire.plan_bytes())
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:

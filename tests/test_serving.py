@@ -364,6 +364,20 @@ async def test_a_decode_step_continuing_a_step_its_device_did_not_run_fails_by_n
         assert len(again.tokens) == 2
 
 
+async def test_an_in_process_placement_hands_the_devices_the_graph_and_plan_themselves():
+    """Nothing is encoded or decoded between the engine, the scheduler and
+    device actors of its process: every device holds the engine's own graph
+    of the bucket and the plan the engine holds."""
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu,cpu", max_seqs=2, max_model_len=64,
+                           decode_buckets=(2,), prefill_buckets=(8,)) as eng:
+        await eng.wait_placed()
+        for name, placed in eng.deployment.placed.items():
+            held = [ref._actor.plans[placed.plan_id] for ref in placed.refs]
+            assert all(h.graph is eng.served.graphs[name] and h.plan is placed.plan for h in held)
+        got, _, _ = await _tokens(eng, [3, 4, 5], SamplingParams(max_tokens=4))
+    assert len(got) == 4
+
+
 async def test_a_plan_switch_under_load_happens_while_decode_steps_go_ahead():
     """auto mode on one device (decode steps are sent ahead there): once the
     monitor asks for the throughput plan, the steps in flight drain and the

@@ -236,8 +236,10 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
            "flops_floor_us": flops / gemm * 1e6, "tessera_over_compile": t_tessera / t_compile,
            "floor_fraction": floor / t_tessera, "regions": cfg.regions, "gqa": cfg.gqa,
            "ran": f"AsyncEngine {served['bucket']} ({served['capture']})", **served}
+    host = served.get("host_s", {})   # decode: the host's CPU per step, event loop thread and workers
+    busy = f"host {(host['loop_thread'] + host['worker']) * 1e6:6.0f} us  " if "loop_thread" in host else ""
     print(f"  {name:<7} {label:<20} tessera {row['tessera_us']:9.0f} us  compile {row['compile_us']:9.0f} us  "
-          f"floor {row['floor_us']:9.0f} us  [{row['ran']}; {served['bucket_stats']}]", flush=True)
+          f"floor {row['floor_us']:9.0f} us  {busy}[{row['ran']}; {served['bucket_stats']}]", flush=True)
     return row
 
 

@@ -124,7 +124,9 @@ class NodeInfo:
 @message
 class InstallPlan:
     """Install device ``device``'s part of a plan. ``graph`` and ``plan`` are
-    msgpack bytes (KernelGraph.to_dict / plan_to_dict); ``routes`` lists
+    msgpack bytes (KernelGraph.to_dict / plan_to_dict), or, to a device
+    actor of the sender's process, the ``KernelGraph`` and ``Plan``
+    themselves (read only, shared: nothing encoded); ``routes`` lists
     ``[device, endpoint, actor]`` for every plan device (endpoint "" = this
     process). Reply: ``Installed``.  ``share`` (non-empty) names a group of
     plans whose named weight and state buffers are one set of tensors on the
@@ -132,8 +134,8 @@ class InstallPlan:
     cache): a buffer of the same name and size is allocated once per group."""
     plan_id: str
     device: int
-    graph: bytes
-    plan: bytes
+    graph: object
+    plan: object
     routes: list = dataclasses.field(default_factory=list)
     share: str = ""
 
@@ -351,14 +353,18 @@ class Uninstall:
 
 @message
 class GetGraph:
-    """Ask the graph actor for graph ``name`` ("" = its first); reply: ``GraphBlob``."""
+    """Ask the graph actor for graph ``name`` ("" = its first); reply:
+    ``GraphBlob``.  ``objects`` (an asker in the graph actor's process):
+    the reply holds the ``KernelGraph`` itself, not its bytes."""
     name: str = ""
+    objects: bool = False
 
 
 @message
 class GraphBlob:
     data: bytes
     summary: dict = dataclasses.field(default_factory=dict)
+    graph: object = None
 
 
 @message
@@ -371,7 +377,8 @@ class Place:
     the rest follow their state (``planning.pinning``); a pin is the
     ``[endpoint, actor]`` of the device actor holding the state.  ``share``
     is passed on to ``InstallPlan``.  ``devices`` (inventory indices)
-    restricts the placement to those devices."""
+    restricts the placement to those devices.  ``objects`` (an asker in
+    the scheduler's process): ``Placed.plan`` is the ``Plan`` itself."""
     plan_id: str
     mode: str = "latency"
     graph: str = ""
@@ -379,14 +386,16 @@ class Place:
     share: str = ""
     devices: list = dataclasses.field(default_factory=list)
     weights: dict = dataclasses.field(default_factory=dict)   # weight name -> [[endpoint, actor], ...] holding it
+    objects: bool = False
 
 
 @message
 class Placed:
-    """Where each plan device lives (``[device, endpoint, actor]``) and the plan."""
+    """Where each plan device lives (``[device, endpoint, actor]``) and the
+    plan (its bytes, or with ``Place.objects`` the ``Plan``)."""
     plan_id: str
     routes: list = dataclasses.field(default_factory=list)
-    plan: bytes = b""
+    plan: object = b""
 
 
 @message

@@ -62,20 +62,22 @@ def sampling_params(req: oa.ApiRequest, max_tokens: int, choice: int = 0):
                           top_logprobs=req.top_logprobs, json=req.json)
 
 
-def max_tokens_for(st, req: oa.ApiRequest, prompt) -> tuple[int, int]:
-    """(prompt tokens, max_tokens) of one prompt: the model checked, the
-    context respected (400 otherwise)."""
+def max_tokens_for(st, req: oa.ApiRequest, prompt) -> tuple[list[int], int]:
+    """(the prompt's token ids, max_tokens) of one prompt: the model checked,
+    the context respected (400 otherwise).  The prompt is tokenized here
+    only: the engine is given the ids."""
     if req.model != st.model_name:
         raise oa.ApiError(404, f"the model '{req.model}' does not exist; this server serves '{st.model_name}'",
                           "model", "model_not_found")
     ctx = st.engine.max_model_len
     where = "messages" if req.kind == "chat" else "prompt"
     try:
-        n_prompt = len(prompt) if oa.is_token_ids(prompt) else st.engine.count_tokens(prompt)
+        ids = list(prompt) if oa.is_token_ids(prompt) else st.engine.encode_prompt(prompt)
     except Exception as e:                   # noqa: BLE001 - e.g. a chat template that refuses the roles
         if isinstance(e, engine_errors()[3]):
             raise api_error(e) from None
         raise oa.bad(f"cannot tokenize the prompt: {e}", where) from None
+    n_prompt = len(ids)
     if n_prompt >= ctx:
         raise oa.bad(f"the prompt has {n_prompt} tokens; this model's context is {ctx}", where,
                      "context_length_exceeded")
@@ -83,7 +85,7 @@ def max_tokens_for(st, req: oa.ApiRequest, prompt) -> tuple[int, int]:
     if n_prompt + max_tokens > ctx:
         raise oa.bad(f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = {n_prompt + max_tokens} "
                      f"exceeds this model's context of {ctx} tokens", "max_tokens", "context_length_exceeded")
-    return n_prompt, max_tokens
+    return ids, max_tokens
 
 
 def token_text(engine, token: int) -> str:
@@ -120,8 +122,8 @@ async def generate(request: web.Request, st, parse) -> web.StreamResponse:
     rid, created, t0 = oa.new_id(req.kind), oa.now(), time.perf_counter()
     plans = []
     for p, prompt in enumerate(req.prompts):
-        n_prompt, max_tokens = max_tokens_for(st, req, prompt)
-        plans += [(p * req.n + j, prompt, sampling_params(req, max_tokens, j), n_prompt) for j in range(req.n)]
+        ids, max_tokens = max_tokens_for(st, req, prompt)
+        plans += [(p * req.n + j, ids, sampling_params(req, max_tokens, j), len(ids)) for j in range(req.n)]
     choices = [_Choice(i, f"{rid}-{i}", st.engine.generate(prompt, params, request_id=f"{rid}-{i}"))
                for i, prompt, params, _ in plans]
     st.requests += 1

@@ -1,0 +1,112 @@
+"""How a ``Deployment`` runs steps: one ``RunStep`` to every device of a
+bucket's plan, their answers gathered into the sampled tokens (a failure
+raises ``StepFailed`` naming the device), and a decode step's rows as the
+change of the plan's latest step (``StepRows``: the devices keep the rest).
+A part of :class:`~tessera_actors.serving.deployment.Deployment` (its state
+is the deployment's)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Sequence
+
+from tessera_actors.runtime.errors import ActorError
+from tessera_actors.runtime.messages import RunStep, StepRows
+from tessera_actors.serving.batch import decode_rows
+from tessera_actors.serving.inflight import StepFailed, StepResult
+
+# a step's runs of kernels over its devices, and the weight bytes streamed host -> device (PCIe)
+RUN_COUNTS = ("replays", "eager_runs", "capture_failures", "streamed_bytes")
+
+
+class Stepping:
+    """Steps (mixed into ``Deployment``)."""
+
+    def reserve(self, bucket: str) -> int | None:
+        """The number of the next step of ``bucket`` (None: not placed yet),
+        taken now: pass it to :meth:`step` as ``number``."""
+        p = self.placed.get(bucket)
+        if p is None:
+            return None
+        p.steps += 1
+        return p.steps - 1
+
+    def decode_rows(self, bucket: str, seqs: Sequence, lo: int, pad: int) -> tuple[int | None, StepRows, bool]:
+        """(the step number, the rows, whether the step's tokens can feed the
+        next step on the device) of the next decode step of ``seqs`` on
+        ``bucket``: :func:`~tessera_actors.serving.batch.decode_rows` as a
+        change of the bucket's latest step sent with rows."""
+        p = self.placed.get(bucket)
+        number = self.reserve(bucket)
+        base = p.rows_at if p is not None and p.rows_at is not None else -1
+        rows = decode_rows(seqs, lo, p.plan_id if p is not None else None, base, number,
+                           p.order if p is not None else None, pad, p is None or p.feeds is None)
+        if p is not None:
+            p.rows_at = number
+            if rows.order is not None:
+                p.order = rows.order
+        return number, rows, p is not None and p.feeds is not None
+
+    def restart_rows(self, bucket: str) -> None:
+        """A step of ``bucket`` failed: its next decode step gives every row."""
+        p = self.placed.get(bucket)
+        if p is not None:
+            p.rows_at = None
+
+    async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = (),
+                   number: int | None = None, outputs: bool = False, decode: StepRows | None = None) -> StepResult:
+        """Run one step of ``bucket``; ``number``: a step number from
+        :meth:`reserve` or :meth:`decode_rows`; ``decode``: a decode step's
+        rows (``RunStep.rows``; from :meth:`decode_rows`) instead of
+        ``sample`` and the token inputs; ``rows``: the requests it carries
+        (for the trace); ``outputs``: the graph's output bytes come back too
+        (``StepResult.outputs``).  A decode step not numbered by
+        :meth:`decode_rows` (its bucket was not placed then) gives every row
+        (``base`` -1), and the next one too."""
+        try:
+            p = await self._placed(bucket)
+        except ActorError as e:
+            raise StepFailed(f"bucket {bucket} could not be placed: {e}") from e
+        if number is None:
+            step = p.steps
+            p.steps += 1
+        else:
+            step = number
+        t0 = time.perf_counter()
+        wall = time.time()
+        traced = self.trace is not None
+        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced, decode),
+                        timeout=self.cfg.step_timeout)
+                for d, ref in enumerate(p.refs)]
+        if len(asks) == 1:   # one device: no gather (a task per ask)
+            try:
+                results = [await asks[0]]
+            except Exception as e:
+                results = [e]
+        else:
+            results = await asyncio.gather(*asks, return_exceptions=True)
+        for d, r in enumerate(results):
+            if isinstance(r, BaseException):
+                raise StepFailed(f"{bucket} step {step}: device {d} ({p.plan.devices[d]}) failed: "
+                                 f"{type(r).__name__}: {r}") from r
+        if traced:
+            self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
+                            [r.spans for r in results])
+        counts = self.bucket_counts.setdefault(bucket, dict.fromkeys(RUN_COUNTS, 0))
+        worker = self.worker_s
+        for d, r in enumerate(results):
+            self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
+            worker["busy"] += r.busy_s
+            worker["kernels"] += r.kernel_s
+            worker["host"] += r.host_s
+            for k in RUN_COUNTS:
+                counts[k] += getattr(r, k, 0)
+        self._note_busy()
+        holder = next((r for r in results if r.tokens), None)
+        tokens = holder.tokens if holder else []
+        want = len(rows) if decode is not None else len(sample)
+        if want and len(tokens) != want:
+            raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {want} sampled rows")
+        return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],
+                          [r.busy_s for r in results], top_logprobs=holder.top_logprobs if holder else [],
+                          outputs=[[*rng, data] for r in results for rng, data in zip(r.ranges, r.data)])
