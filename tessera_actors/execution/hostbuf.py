@@ -34,7 +34,8 @@ class Uploads:
         self.device, self.backend, self.stream = device, backend, stream
         self.pinned = device.type == "cuda"
         self.slots: list[torch.Tensor | None] = [None] * slots
-        self.events: list[Any] = [None] * slots
+        self.events: list[Any] = [None] * slots   # each slot's event, recorded again after each copy from it
+        self.pending = [False] * slots            # whether that record may not have passed yet
         self.nbytes = nbytes
         self.i, self.used = 0, 0
 
@@ -44,12 +45,11 @@ class Uploads:
         if not self.pinned:
             return torch.tensor(values, dtype=dtype, device=self.device)
         n = len(values)
-        item = torch.empty((), dtype=dtype).element_size()
-        host = self._take(n * item).view(dtype)
+        host = self._take(n * dtype.itemsize).view(dtype)
         host.numpy()[:] = values
         out = torch.empty(n, dtype=dtype, device=self.device)
         out.copy_(host, non_blocking=True)
-        self.events[self.i] = self.backend.record(self.stream)
+        self._queued()
         return out
 
     def copy_into(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -62,16 +62,20 @@ class Uploads:
         host = self._take(nbytes).view(src.dtype)[:src.numel()].view(src.shape)
         host.copy_(src)
         dst.copy_(host, non_blocking=True)
-        self.events[self.i] = self.backend.record(self.stream)
+        self._queued()
+
+    def _queued(self) -> None:
+        self.events[self.i] = self.backend.record(self.stream, self.events[self.i])
+        self.pending[self.i] = True
 
     def _take(self, nbytes: int) -> torch.Tensor:
         size = (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         slot = self.slots[self.i]
         if slot is None or self.used + size > slot.numel():
             self.i = (self.i + 1) % len(self.slots)
-            if self.events[self.i] is not None:
+            if self.pending[self.i]:
                 self.backend.host_wait(self.events[self.i])   # its last copy, many steps back, has passed
-                self.events[self.i] = None
+                self.pending[self.i] = False
             slot = self.slots[self.i]
             if slot is None or slot.numel() < size:
                 self.nbytes = max(self.nbytes, size)

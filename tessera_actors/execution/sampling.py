@@ -121,7 +121,8 @@ class SampleBatch:
             records = dict(records)
             for i, rec in changing:
                 records[int(i)] = {**records.get(int(i), {}), **rec}
-        x = apply_records(raw, records) if records else raw
+        shaping = {i: r for i, r in records.items() if any(key != "top" for key in r)}   # "top" alone: no change
+        x = apply_records(raw, shaping) if shaping else raw
         ids = x.argmax(dim=-1)
         if len(self.drawn):
             u = self.upload(uniforms(self.seeds, self.index[self.drawn]), torch.float32)
