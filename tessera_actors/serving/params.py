@@ -120,7 +120,7 @@ class SamplingParams:
                     or self.logit_bias or self.top_logprobs or self.json)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -130,7 +130,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """``text``: new text since the last output (whole characters only);
     ``token_ids``: new ids; ``finish_reason``: None until the last output,
