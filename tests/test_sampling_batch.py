@@ -5,7 +5,13 @@ would have said."""
 import numpy as np
 import torch
 
-from tessera_actors.execution.sampling import SampleBatch, draw, sample_on_device, uniform, uniforms
+from tessera_actors.execution.sampling import (
+    SampleBatch,
+    draw,
+    sample_on_device,
+    uniform,
+    uniforms,
+)
 from tessera_actors.runtime.messages import SampleRow
 
 
@@ -70,14 +76,15 @@ def test_a_mixed_batch_samples_like_its_entries_alone_and_moves_its_index_on():
 
 
 def test_a_decode_plans_rows_move_on_on_the_device_and_rows_that_leave_write_the_padding_slot():
+    import pytest
+
     from tessera_actors import models
+    from tessera_actors.execution.backends import backend_for
     from tessera_actors.execution.hostbuf import Uploads
     from tessera_actors.execution.program import AtenProgram, BackendError
     from tessera_actors.execution.rows import PlanRows
-    from tessera_actors.execution.backends import backend_for
     from tessera_actors.runtime.messages import StepRows
     from tessera_actors.serving.buckets import Bucket, capture_aten
-    import pytest
 
     meta = models.get("llama", "tiny", dtype=torch.float32, device="meta", max_batch=4, max_seq=64)
     graph = capture_aten(meta, Bucket("decode", 4, 0))

@@ -20,7 +20,8 @@ thread (the device actor's worker) only; not thread-safe.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -24,7 +24,8 @@ again).  Blocking: torch work on the calling thread (the worker).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

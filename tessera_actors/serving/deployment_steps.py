@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import RunStep, StepRows
@@ -81,7 +81,7 @@ class Stepping:
         if len(asks) == 1:   # one device: no gather (a task per ask)
             try:
                 results = [await asks[0]]
-            except Exception as e:
+            except Exception as e:   # noqa: BLE001 - as gather(return_exceptions=True): reported below
                 results = [e]
         else:
             results = await asyncio.gather(*asks, return_exceptions=True)

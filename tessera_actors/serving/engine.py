@@ -225,9 +225,13 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(ids)
         self._wake.set()
+        stream = req.out
         try:
             while True:
-                out = await req.out.get()
+                waiter = stream.wait()
+                if waiter is not None:
+                    await waiter
+                out = stream.take()
                 if isinstance(out, BaseException):
                     raise out
                 yield out

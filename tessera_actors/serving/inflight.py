@@ -15,28 +15,35 @@ from tessera_actors.serving.text import Detokenizer
 
 class Outputs:
     """A request's stream: the engine loop puts pieces (``RequestOutput``) or
-    an error, its ``generate`` takes them.  Pieces that queued meanwhile are
-    taken as one (their text, ids and log probabilities joined, the last
-    one's finish reason and usage), so a consumer slower than the steps
-    wakes once for all of them; an error is taken after the pieces before it."""
+    an error, its ``generate`` takes them (``await`` what :meth:`wait`
+    gives, if anything, then :meth:`take`: no coroutine per piece).  Pieces
+    that queued meanwhile are taken as one (their text, ids and log
+    probabilities joined, the last one's finish reason and usage), so a
+    consumer slower than the steps wakes once for all of them; an error is
+    taken after the pieces before it.  Made and used on the event loop."""
 
     def __init__(self) -> None:
         self._items: list = []
         self._waiter: asyncio.Future | None = None
+        self._loop = asyncio.get_running_loop()
 
     def put_nowait(self, item) -> None:
         self._items.append(item)
         w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
 
-    async def get(self):
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+    def wait(self) -> asyncio.Future | None:
+        """None when a piece is there, else a future done once one is."""
+        if self._items:
+            return None
+        self._waiter = w = self._loop.create_future()
+        return w
+
+    def take(self):
+        """The next piece (or error), after :meth:`wait`."""
         items = self._items
         first = items[0]
         if len(items) == 1 or isinstance(first, BaseException):

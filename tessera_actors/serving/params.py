@@ -120,7 +120,7 @@ class SamplingParams:
                     or self.logit_bias or self.top_logprobs or self.json)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
@@ -130,9 +130,11 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """``text``: new text since the last output (whole characters only);
+    """One streamed piece, the caller's to keep (the engine makes one per
+    token per request, so it is a plain slotted record: cheap to make).
+    ``text``: new text since the last output (whole characters only);
     ``token_ids``: new ids; ``finish_reason``: None until the last output,
     then "stop" (end of sequence or a stop string), "length" (max_tokens or
     the context) or "abort"; ``usage`` so far; ``logprobs``: the log
