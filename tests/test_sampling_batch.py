@@ -2,9 +2,17 @@
 entry at a time (the reference below), bitwise on a CPU in float32; and a
 decode plan's row state on the device moves its rows on as the engine
 would have said."""
+import dataclasses
+
 import numpy as np
+import pytest
 import torch
 
+from tessera_actors import models
+from tessera_actors.execution.backends import backend_for
+from tessera_actors.execution.hostbuf import Uploads
+from tessera_actors.execution.program import AtenProgram, BackendError
+from tessera_actors.execution.rows import PlanRows
 from tessera_actors.execution.sampling import (
     SampleBatch,
     draw,
@@ -12,7 +20,9 @@ from tessera_actors.execution.sampling import (
     uniform,
     uniforms,
 )
-from tessera_actors.runtime.messages import SampleRow
+from tessera_actors.graph import Access, KernelGraph
+from tessera_actors.runtime.messages import SampleRow, StepRows
+from tessera_actors.serving.buckets import Bucket, capture_aten
 
 
 def _one(x: torch.Tensor, temperature: float, top_p: float, top_k: int, u: float) -> torch.Tensor:
@@ -75,21 +85,19 @@ def test_a_mixed_batch_samples_like_its_entries_alone_and_moves_its_index_on():
     assert batch.sample(logits)[0].tolist() == [int(sample_on_device(logits, [r])[0][0]) for r in moved]
 
 
-def test_a_decode_plans_rows_move_on_on_the_device_and_rows_that_leave_write_the_padding_slot():
-    import pytest
-
-    from tessera_actors import models
-    from tessera_actors.execution.backends import backend_for
-    from tessera_actors.execution.hostbuf import Uploads
-    from tessera_actors.execution.program import AtenProgram, BackendError
-    from tessera_actors.execution.rows import PlanRows
-    from tessera_actors.runtime.messages import StepRows
-    from tessera_actors.serving.buckets import Bucket, capture_aten
-
+@pytest.mark.parametrize("written", [False, True])
+def test_a_decode_plans_rows_move_on_on_the_device_and_rows_that_leave_write_the_padding_slot(written):
+    """``written``: the graph's kernels write its inputs too (a conservative
+    access set): the rows are kept beside them and copied in, same inputs."""
     meta = models.get("llama", "tiny", dtype=torch.float32, device="meta", max_batch=4, max_seq=64)
     graph = capture_aten(meta, Bucket("decode", 4, 0))
     views = graph.meta["input_views"]
     feed = [views["input_ids"][0], views["positions"][0]]
+    if written:
+        k = graph.kernels[0]
+        scribble = tuple(Access(b, 0, graph.buffers[b].nbytes, "rw") for b in feed)
+        graph = KernelGraph([dataclasses.replace(k, accesses=k.accesses + scribble), *graph.kernels[1:]],
+                            graph.buffers, graph.inputs, graph.outputs, graph.meta)
     prog = AtenProgram(graph, torch.device("cpu"), feed)
     be = backend_for("cpu")
     rows = PlanRows(graph, prog, feed, True, Uploads(torch.device("cpu"), be, be.stream()))

@@ -7,7 +7,7 @@ sampling), the rows that left.  :class:`PlanRows` keeps the rest on the
 device between steps:
 
 * the ``positions`` input (where this device reads it, in its own input
-  buffer): a row of the previous step is one further (``+1`` on the
+  buffer - or beside it, copied in, when the graph's kernels write that): a row of the previous step is one further (``+1`` on the
   device), a row that starts is where the engine says, a row that left and
   every padding row write the last cache slot (``pad``);
 * the ``input_ids`` input (where read): a row of the previous step takes
@@ -37,18 +37,24 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import SampleRow, StepRows
 
 
-def _input(graph: KernelGraph, prog: AtenProgram, name: str, feed: Sequence[int], dims: int) -> torch.Tensor | None:
-    """The input buffer ``name`` as a [B] view (``input_ids[:, 0]``), when this device reads it."""
+def _input(graph: KernelGraph, prog: AtenProgram, name: str, feed: Sequence[int], dims: int
+           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(where the rows keep input ``name`` as [B] - ``input_ids[:, 0]`` -,
+    and the input's view to copy that into before the kernels, or None when
+    it is the view itself), or (None, None) when this device does not read
+    it.  A graph whose kernels write the input buffer (a conservative access
+    set may say so) reads a copy: the buffer cannot hold the rows."""
     ref = graph.meta.get("input_views", {}).get(name)
     if ref is None or ref[0] not in feed:
-        return None
-    if any(a.buffer == ref[0] and a.writes for k in graph.kernels for a in k.accesses):
-        raise BackendError(f"the graph's kernels write its input {name!r}: a decode plan's rows cannot be kept in it")
+        return None, None
     t = prog.view(ref)
     if t.dim() != dims or (dims == 2 and t.shape[1] != 1):
         raise BackendError(f"decode rows need input {name!r} as [B{', 1' if dims == 2 else ''}], "
                            f"the graph's is {list(t.shape)}")
-    return t[:, 0] if dims == 2 else t
+    view = t[:, 0] if dims == 2 else t
+    if any(a.buffer == ref[0] and a.writes for k in graph.kernels for a in k.accesses):
+        return torch.zeros_like(view), view
+    return view, None
 
 
 class PlanRows:
@@ -56,8 +62,9 @@ class PlanRows:
                  uploads: Uploads) -> None:
         """``feed``: the input buffers this device reads; ``samples``: the
         logits end here."""
-        self.ids = _input(graph, prog, "input_ids", feed, 2)
-        self.pos = _input(graph, prog, "positions", feed, 1)
+        self.ids, ids_to = _input(graph, prog, "input_ids", feed, 2)
+        self.pos, pos_to = _input(graph, prog, "positions", feed, 1)
+        self.copies = [(dst, src) for dst, src in ((ids_to, self.ids), (pos_to, self.pos)) if dst is not None]
         self.samples, self.uploads, self.device = samples, uploads, prog.device
         ref = graph.meta.get("input_views", {}).get("positions")
         self.size = int(ref[2][0]) if ref is not None and ref[2] else None   # the bucket's rows
@@ -88,6 +95,8 @@ class PlanRows:
             if len(rows.tokens) != len(self.order):
                 raise BackendError(f"step {step}: {len(rows.tokens)} tokens for {len(self.order)} rows")
             self.ids.index_copy_(0, self.order_t, self.uploads.put(rows.tokens, self.ids.dtype))
+        for dst, src in self.copies:
+            dst.copy_(src)
         self.last = step
 
     def _tokens(self, rows: StepRows, sampled: tuple[int, torch.Tensor] | None) -> torch.Tensor:
