@@ -8,18 +8,23 @@ Prints two tables and writes JSON (with ``git_commit`` and ``command``).
 Synthetic graphs: transformer-like blocks (12 kernels each, repeated layers)
 with random per-signature device cost ratios (``planning.synthetic``), on 2,
 3 and 4 devices of different types and on 16 devices of two types (8 + 8,
-identical within a type).  Targets (issue 29): 1,000 kernels x 2 devices
-<= 0.5 s; x 4 <= 2 s at <= 1% gap; 16 devices of two types <= 30 s at <= 2%
-gap.  ``solve_s``: the planner's solver work (relaxation, its
-neighbourhood, branch and bound; ``solve_total_s``); ``plan_s``: the whole
-planner call (problem build, expansion to devices, simulation of its plan),
-the comparison with the baselines turned off; ``gap``: the solver's, against
-its lower bound.
+identical within a type).  Targets (issue 29): 1,000 kernels x 4 devices
+<= 2 s at <= 1% gap; 16 devices of two types <= 30 s at <= 2% gap; and
+1,000 kernels x 2 devices <= 0.5 s (the paper's 0.43 s).  A target is met
+when the whole planner call (``plan_s``) is within the time, not only the
+solve.  ``solve_s``: the planner's solver work (relaxation, its
+neighbourhood, branch and bound; ``solve_total_s``; on two devices three
+pipeline depths are solved); ``plan_s``: the whole planner call (problem
+build, solves, expansion to devices, simulation of its plan at every
+micro-batch count it tries), the comparison with the baselines turned off;
+``gap``: the solver's, against its lower bound.  The machine's load
+average is in ``machine`` (the CPU box is shared: times scale with it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -87,7 +92,7 @@ def verdict(r: dict) -> str:
         return ""
     limit, gap = r["target"]
     t = r["throughput"]
-    ok = t["solve_s"] <= limit and (gap is None or t["gap"] <= gap)
+    ok = t["plan_s"] <= limit and (gap is None or t["gap"] <= gap)
     return ("ok" if ok else "MISSED") + f" <={limit}s" + (f" <={gap * 100:g}%" if gap else "")
 
 
@@ -99,14 +104,16 @@ def main() -> int:
     cases = [(k, d) for k in (100, 500, 1000) for d in (2, 3, 4)] + ([] if args.quick else [(1000, 16)])
     rows = []
     print(f"{'kernels':>7} {'dev':>3} {'types':>5} | {'thr MILP':>8} {'plan':>6} {'gap':>6} {'cls':>4} "
-          f"{'x best base':>11} | {'lat MILP':>8} {'gap':>6} | target")
+          f"{'x best base':>11} | {'lat MILP':>8} {'gap':>6} | {'load':>4} | target")
     for i, (k, d) in enumerate(cases):
         r = solve_row(k, d, seed=i)
+        r["verdict"] = verdict(r)
+        r["load_avg_1m"] = os.getloadavg()[0]        # the box is shared: times scale with its load
         rows.append(r)
         t, lat = r["throughput"], r["latency"]
-        print(f"{r['kernels']:>7} {d:>3} {r['device_types']:>5} | {t['solve_s']:>7.2f}s {t['plan_s']:>5.1f}s "
+        print(f"{r['kernels']:>7} {d:>3} {r['device_types']:>5} | {t['solve_s']:>7.2f}s {t['plan_s']:>5.2f}s "
               f"{t['gap'] * 100:>5.2f}% {t['classes']:>4} {r['vs_best_baseline']:>11.3f} | {lat['solve_s']:>7.2f}s "
-              f"{lat['gap'] * 100:>5.2f}% | {verdict(r)}", flush=True)
+              f"{lat['gap'] * 100:>5.2f}% | {r['load_avg_1m']:>4.1f} | {r['verdict']}", flush=True)
     fixtures = fixture_rows()
     if fixtures:
         print("\npredicted throughput (steps/s) on graph fixtures: the throughput plan vs the LP bound and the baselines")
