@@ -37,47 +37,58 @@ class Objective:
         D = self.cost.shape[1]
         self.devs = np.arange(D)
         self.prod = np.array([g.producer for g in self.prob.comm], dtype=np.int64)
-        self.cons, self.cmask = _padded([sorted(g.consumers) for g in self.prob.comm])
-        self.mems, self.mmask = _padded([sorted(m.classes) for m in self.prob.mem_groups])
+        self.cons = _Rows([g.consumers for g in self.prob.comm])
+        self.mems = _Rows([m.classes for m in self.prob.mem_groups])
         self.gbytes = np.array([m.nbytes for m in self.prob.mem_groups], dtype=float)
         self.capped = np.array([c is not None for c in self.caps])
         self.cap = np.array([(c or 1.0) for c in self.caps], dtype=float) * self.mult
-        groups: list[list[int]] = [[] for _ in range(self.cost.shape[0])]
-        for gi, g in enumerate(self.prob.comm):
-            for c in {g.producer, *g.consumers}:
-                groups[c].append(gi)
-        mgroups: list[list[int]] = [[] for _ in range(self.cost.shape[0])]
-        for mi, m in enumerate(self.prob.mem_groups):
-            for c in set(m.classes):
-                mgroups[c].append(mi)
-        self.groups_of = [np.asarray(g, dtype=np.int64) for g in groups]
-        self.mgroups_of = [np.asarray(m, dtype=np.int64) for m in mgroups]
+        self._of: list | None = None
 
-    def _present(self, a: np.ndarray, idx: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """[row, device]: some class of the row (a padded index list) is on the device."""
-        if not len(idx):
-            return np.zeros((0, len(self.devs)), dtype=bool)
-        return ((a[idx][..., None] == self.devs) & mask[..., None]).any(axis=1)
+    def _present(self, a: np.ndarray, rows: np.ndarray, classes: np.ndarray, n: int) -> np.ndarray:
+        """[row, device]: some class of the row is on the device (entries
+        ``(rows[i], classes[i])``, ``n`` rows)."""
+        D = len(self.devs)
+        out = np.zeros(n * D, dtype=bool)
+        out[rows * D + a[classes]] = True
+        return out.reshape(n, D)
 
-    def _links(self, a: np.ndarray, rows: np.ndarray | slice) -> tuple[np.ndarray, np.ndarray]:
-        """``(send, recv)`` [group, device] of the communication groups ``rows``."""
-        prod = self.prod[rows]
-        recv = self._present(a, self.cons[rows], self.cmask[rows]) & (a[prod][:, None] != self.devs)
+    def _links(self, a: np.ndarray, prod: np.ndarray, rows: np.ndarray,
+               classes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(send, recv)`` [group, device] of communication groups with
+        producers ``prod`` and consumer entries ``(rows, classes)``."""
+        recv = self._present(a, rows, classes, len(prod)) & (a[prod][:, None] != self.devs)
         send = np.zeros_like(recv)
         send[np.arange(len(prod)), a[prod]] = recv.any(axis=1)
         return send, recv
+
+    def _groups_of(self, c: int):
+        """Class ``c``'s communication groups with their consumer entries, and
+        its memory groups with theirs (rows numbered within the selection);
+        built on first use (only :func:`improve` moves classes)."""
+        if self._of is None:
+            C = self.cost.shape[0]
+            comm: list[set[int]] = [set() for _ in range(C)]
+            for gi, g in enumerate(self.prob.comm):
+                for k in {g.producer, *g.consumers}:
+                    comm[k].add(gi)
+            mem: list[set[int]] = [set() for _ in range(C)]
+            for mi, m in enumerate(self.prob.mem_groups):
+                for k in m.classes:
+                    mem[k].add(mi)
+            self._of = [(self.cons.select(sorted(comm[k])), self.mems.select(sorted(mem[k]))) for k in range(C)]
+        return self._of[c]
 
     def state(self, a: np.ndarray) -> _State:
         """What the objective of ``a`` is made of (see :class:`_State`)."""
         own = self.cost[np.arange(len(a)), a]
         D = len(self.devs)
         if len(self.prod):
-            send, recv = self._links(a, slice(None))
+            send, recv = self._links(a, self.prod, self.cons.row, self.cons.cls)
             eg, ing = (self.out_c * send).sum(axis=0), (self.in_c * recv).sum(axis=0)
         else:
             send = recv = np.zeros((0, D), dtype=bool)
             eg = ing = np.zeros(D)
-        mpres = self._present(a, self.mems, self.mmask)
+        mpres = self._present(a, self.mems.row, self.mems.cls, len(self.gbytes))
         held = np.bincount(a, weights=self.prob.class_mem, minlength=D).astype(float) + self.gbytes @ mpres
         return _State(float(own.sum()), np.bincount(a, weights=own, minlength=D), send, recv, eg, ing, mpres, held)
 
@@ -109,7 +120,7 @@ class Objective:
         old = int(a[c])
         a[c] = d
         try:
-            gs, ms = self.groups_of[c], self.mgroups_of[c]
+            (gs, grow, gcls), (ms, mrow, mcls) = self._groups_of(c)
             cost, cm = self.cost[c], float(self.prob.class_mem[c])
             load = st.load.copy()
             load[old] -= cost[old]
@@ -119,11 +130,11 @@ class Objective:
             held[d] += cm
             eg, ing = st.eg, st.ing
             if len(gs):
-                send, recv = self._links(a, gs)
+                send, recv = self._links(a, self.prod[gs], grow, gcls)
                 eg = eg + (self.out_c[gs] * (send.astype(float) - st.send[gs])).sum(axis=0)
                 ing = ing + (self.in_c[gs] * (recv.astype(float) - st.recv[gs])).sum(axis=0)
             if len(ms):
-                pres = self._present(a, self.mems[ms], self.mmask[ms])
+                pres = self._present(a, mrow, mcls, len(ms))
                 held += self.gbytes[ms] @ (pres.astype(float) - st.mpres[ms])
             return _State(st.own - cost[old] + cost[d], load, st.send, st.recv, eg, ing, st.mpres, held)
         finally:
@@ -147,15 +158,21 @@ class _State:
     held: np.ndarray
 
 
-def _padded(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Index lists as one array padded with 0, and the mask of real entries."""
-    width = max((len(r) for r in rows), default=0)
-    idx = np.zeros((len(rows), width), dtype=np.int64)
-    mask = np.zeros((len(rows), width), dtype=bool)
-    for i, r in enumerate(rows):
-        idx[i, :len(r)] = r
-        mask[i, :len(r)] = True
-    return idx, mask
+class _Rows:
+    """Lists of classes (a group's consumers, a memory group's classes) as
+    flat entries: ``row[i]`` holds class ``cls[i]``."""
+
+    def __init__(self, lists) -> None:
+        self.lists = [np.asarray(sorted(x), dtype=np.int64) for x in lists]
+        self.row = np.repeat(np.arange(len(self.lists)), [len(x) for x in self.lists]).astype(np.int64)
+        self.cls = np.concatenate(self.lists) if self.lists else np.zeros(0, dtype=np.int64)
+
+    def select(self, rows: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(rows, row, cls)`` of the chosen rows, renumbered 0..len(rows)-1."""
+        parts = [self.lists[r] for r in rows]
+        local = np.repeat(np.arange(len(rows)), [len(x) for x in parts]).astype(np.int64)
+        cls = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return np.asarray(rows, dtype=np.int64), local, cls
 
 
 def improve(obj: Objective, a: np.ndarray, passes: int = 20) -> np.ndarray:
