@@ -224,3 +224,12 @@ def test_required_field_missing_is_codec_error():
     with pytest.raises(CodecError, match="ErrorReply"):
         decode([codec.HEADER_BYTES, body])
     assert decode(encode(ErrorReply("k", "m")))[1] == ErrorReply("k", "m")
+
+
+def test_a_decode_steps_rows_cross_the_wire_as_ints_and_typed_rows():
+    rows = messages.StepRows(4, [2, 0], [messages.SampleRow(2, 0, 0.7, 0.9, 40, -3, 5, {"top": 2, "bias": [[1, -100.0]]},
+                                                            17, 9)], 63, [], [[1, {"out": [3, 4], "allow": b"\xff\x01"}]])
+    msg = messages.RunStep("g0:decode:4@0", 5, {}, [], False, False, rows)
+    _, back = decode(encode(msg, Envelope(OP_ASK, 1, "device0")))
+    assert back == msg and isinstance(back.rows.new[0], messages.SampleRow)
+    assert len(encode(msg)) == 2   # the header and one msgpack body: no tensor frames
