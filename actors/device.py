@@ -27,9 +27,12 @@ Contract:
   tensor per (group, buffer name) and every plan of the group runs on it, so
   a prefill plan fills the KV rows a decode plan then reads.  The tensors
   live as long as the device actor (a re-placed deployment reuses them).
-* Sampling (``RunStep.sample``): the device holding the step's logits draws
-  the tokens there, on the worker (``tessera_actors.execution.sampling``), and
-  answers ``StepDone.tokens``; the logits never leave the device.
+* Sampling (``RunStep.sample``, or a decode step's ``RunStep.rows``): the
+  device holding the step's logits draws the tokens there, on the worker
+  (``tessera_actors.execution.sampling``), and answers ``StepDone.tokens``;
+  the logits never leave the device.  A decode plan's rows (positions,
+  input tokens, sampling parameters) are kept on its devices between steps
+  (``tessera_actors.execution.rows``).
 """
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ class Step:
     """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
     sampling-entry order), the prompt tokens it feeds per row (prefill), its bucket,
     the placement generation, the launch order, and its step number when its
-    tokens can feed the next step on the device (``Deployment.reserve``)."""
+    tokens can feed the next step on the device (``Deployment.decode_rows``)."""
     key: str
     reqs: list
     chunk: list
