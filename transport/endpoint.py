@@ -131,19 +131,17 @@ class Server:
                 self._send_answer(identity, env.request_id, OP_FAILED,
                                   ErrorReply("CodecError", f"unknown op {op}"))
 
-    async def _shm_hello(self, identity, request_id: int, probe: Any) -> None:
-        """Handshake: answer with the nonce read from the peer's probe segment
-        (on the guard thread: the reader's segments are only touched there)."""
+    async def _shm_hello(self, identity, request_id: int, hello: Any) -> None:
+        """Handshake: answer with the proof of the nonce in the peer's probe
+        segment (on the guard thread: the reader's segments are only touched there)."""
         try:
             if self._shm is None:
                 raise CodecError("shared memory is off on this side")
-            if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
-                raise CodecError(f"malformed shared-memory hello {probe!r}")
-            nonce = await self._guard.run(self._shm.read_probe, getattr(identity, "bytes", identity), probe[0])
+            proof = await self._guard.run(self._shm.read_probe, getattr(identity, "bytes", identity), hello)
         except (CodecError, OSError, ValueError) as exc:
             self._send_answer(identity, request_id, OP_FAILED, ErrorReply("ShmUnavailable", str(exc)))
             return
-        self._send_answer(identity, request_id, OP_REPLY, nonce)
+        self._send_answer(identity, request_id, OP_REPLY, proof)
 
     def _send_releases(self, identity: bytes, tokens: list) -> None:
         if self._chan is not None and not self._chan.closed:
@@ -281,16 +279,18 @@ class Peer:
                 fut.set_exception(auth.HandshakeFailed(f"{self.endpoint}: {reason}"))
 
     async def _handshake(self, timeout: float = 10.0) -> None:
-        """Prove the server sees our segments: it must read back a nonce we
-        wrote into a probe segment.  Until then (or if not) frames go over ZeroMQ."""
+        """Prove the server sees our segments: it must answer the proof of a
+        nonce we wrote into a probe segment.  Until then (or if not) frames go over ZeroMQ."""
         pool = shm.SegmentPool(self._shm_config.max_bytes)
         try:
-            name, nonce = pool.probe()
+            hello, proof = pool.probe()
             try:
                 self._hello_rid = next(self._ids)
-                seen = await self.request(OP_SHM_HELLO, "", [name], timeout, self._hello_rid)
+                seen = await self.request(OP_SHM_HELLO, "", hello, timeout, self._hello_rid)
             finally:
-                pool.discard(name)
+                pool.discard(hello[0])
+            if seen != proof and not self.closed:
+                raise OSError("the peer read another nonce")
         except (ActorError, OSError) as exc:
             log.info("shared memory to %s not used: %s", self.endpoint, exc)
             pool.close()
@@ -298,12 +298,10 @@ class Peer:
         except BaseException:
             pool.close()
             raise
-        if seen != nonce or self.closed:
-            if not self.closed:
-                log.warning("shared memory to %s not used: the peer read another nonce", self.endpoint)
+        if self.closed:
             pool.close()
-            return
-        self._shm_pool = pool
+        else:
+            self._shm_pool = pool
 
     async def shm_ready(self) -> bool:
         """Wait for the shared-memory handshake; True when large tensor frames
