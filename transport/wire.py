@@ -21,7 +21,7 @@ The shared-memory table (``transport.shm``), when there is one, is inside:
 from __future__ import annotations
 
 import mmap
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgpack
 import zmq
@@ -96,7 +96,7 @@ def join(frames: Sequence, max_frame: int, max_body: int) -> list:
         raise CodecError(f"pieces table of {len(raw_table)} bytes")
     try:
         table = msgpack.unpackb(raw_table, raw=False)
-    except Exception as exc:
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:   # (msgpack's errors on garbage)
         raise CodecError(f"malformed pieces table: {type(exc).__name__}: {exc}") from None
     if not isinstance(table, list) or not table:
         raise CodecError("malformed pieces table: not a list of [frame, pieces]")

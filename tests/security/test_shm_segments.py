@@ -18,7 +18,14 @@ from tessera_actors.runtime.actor import Actor
 from tessera_actors.runtime.messages import ErrorReply, Ping, Pong
 from tessera_actors.serving.launch import rss_bytes
 from transport import auth, codec, shm
-from transport.codec import OP_ASK, OP_FAILED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, Envelope
+from transport.codec import (
+    OP_ASK,
+    OP_FAILED,
+    OP_RELEASE,
+    OP_REPLY,
+    OP_SHM_HELLO,
+    Envelope,
+)
 from transport.system import ActorSystem
 
 MiB = 1 << 20
