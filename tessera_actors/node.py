@@ -279,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     # everything is closed: spare the exit the interpreter's final garbage collection over every object
     # torch and the installed plans made (seconds on a busy CPU; SIGTERM should exit at once)
     gc.freeze()
+    links = sys.modules.get("actors.links")
+    if links is not None and links.threads_left():
+        # a data-plane link thread blocked in torch.distributed's C++ (connecting to a store a header named)
+        # cannot be stopped, and the interpreter's teardown under it aborts the process: leave now
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
     return status
 
 
