@@ -41,7 +41,7 @@ class ConnectionLimits:
     """``max_unproven``: connections not yet past the security handshake
     (each may hold one frame); ``max_connections``: all of them, also
     capped below the process's descriptor limit."""
-    max_unproven: int = 16
+    max_unproven: int = 8
     max_connections: int = 4096
 
     def __post_init__(self):
