@@ -17,7 +17,10 @@ never stops a socket.
 
 Backpressure: a remote tell or ask to a full mailbox pauses that server's
 receiving until space frees (per-socket order is kept); ZeroMQ's high-water
-mark then makes remote senders wait.
+mark then makes remote senders wait.  Limits (before any authentication):
+frames and handshakes per socket (``transport.wire``; larger message parts
+are split on send and joined on receipt here), connections per server
+(``transport.gate``).
 """
 from __future__ import annotations
 
@@ -67,8 +70,7 @@ class Server:
         self.address = ""
         self.undecodable = 0   # requests that did not decode (logged: the first 20, then every 1000th)
         self._guard: guard.Guard | None = None   # decodes heavy requests off the loop (made at bind)
-        shm_config = shm_config or ShmConfig()
-        # tensors that local peers put in shared memory; answers use ZeroMQ frames
+        shm_config = shm_config or ShmConfig()   # (tensors local peers put in shared memory; answers use frames)
         self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
                      if shm_config.enabled and keys is not None and shm.shm_available() else None)
 
@@ -328,8 +330,7 @@ class Peer:
 
     @property
     def pending(self) -> int:
-        """Number of asks awaiting an answer (for leak checks; the
-        shared-memory handshake does not count)."""
+        """Asks awaiting an answer (for leak checks; not the shared-memory handshake)."""
         return len(self._pending) - (self._hello_rid in self._pending)
 
     async def request(self, op: int, target: str, msg: Any, timeout: float, rid: int = 0) -> Any:

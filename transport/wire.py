@@ -78,18 +78,20 @@ def split(frames: list) -> list:
 
 def is_split(frames: Sequence) -> bool:
     """Whether received frames carry a pieces table (reads the header only)."""
-    header = getattr(frames[0], "buffer", frames[0]) if frames else b""
-    return len(frames) > 2 and len(header) == 6 and bool(header[5] & FLAG_PIECES)
+    if len(frames) < 4:   # (a header, two pieces at least, the table)
+        return False
+    header = getattr(frames[0], "buffer", frames[0])
+    return len(header) == 6 and bool(header[5] & FLAG_PIECES)
 
 
-def join(frames: Sequence, max_frame: int, max_body: int) -> list:
+def join(frames: Sequence, max_frame: int, max_body: int) -> Sequence:
     """The frames of a received message with each split frame whole again
     (a copy into memory of its own); ``frames`` unchanged when nothing was
     split.  Raises ``CodecError`` on a malformed table or a joined frame
     beyond ``max_body`` (the body) or ``max_frame`` (any other); blocking
     for as long as the copy takes."""
     if not is_split(frames):
-        return list(frames)
+        return frames
     bufs = [getattr(f, "buffer", f) for f in frames]
     raw_table = bufs.pop()
     if len(raw_table) > _MAX_TABLE:
