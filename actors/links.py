@@ -28,7 +28,7 @@ name any store: a hub joins at most ``MAX_CONNECTING`` links at once and
 holds at most ``MAX_LINKS`` receive links (one thread each); beyond that a
 header's receive fails at once.  A thread blocked in torch.distributed's
 C++ (a connect, a join) cannot be stopped: ``close`` does not wait for
-those, and ``threads_left`` says whether any is still there at exit.  ``done`` callbacks run on link threads (or, for a job
+those (the node daemon leaves without the interpreter's teardown).  ``done`` callbacks run on link threads (or, for a job
 refused at once, on the caller's thread) and must not block.
 """
 from __future__ import annotations
@@ -238,12 +238,6 @@ class Link:
                 abort()
             except Exception as e:  # already torn down by the watchdog
                 log.debug("abort of link %s: %s", self.id, e)
-
-
-def threads_left() -> int:
-    """Link threads of this process still running (blocked in a connect or
-    an operation: they cannot be interrupted)."""
-    return sum(t.name.startswith("link-") and t.is_alive() for t in threading.enumerate())
 
 
 def _call(done: Done, data, error: str) -> None:
