@@ -18,11 +18,17 @@ meets in that one store; the sender names it in every header and the
 receiver joins on the first header of a link.  A link id is unique per link incarnation,
 so a link that broke is replaced by a fresh one with fresh keys.
 
-Failures never hang: connecting and every operation are bounded by
-``timeout_s``; a gloo peer that dies fails pending operations at once.  A
-link that fails is *broken*: its pending and later jobs complete with the
-error (``done(None, reason)``); the sender's hub opens a new link for the
-next message.  ``done`` callbacks run on link threads (or, for a job
+Failures never hang: reaching a rendezvous store is bounded by
+``CONNECT_S`` (or ``timeout_s`` if shorter), joining the link and every
+operation by ``timeout_s``; a gloo peer that dies fails pending operations
+at once.  A link that fails is *broken*: its pending and later jobs
+complete with the error (``done(None, reason)``); the sender's hub opens a
+new link for the next message.  Headers come from authenticated peers but
+name any store: a hub joins at most ``MAX_CONNECTING`` links at once and
+holds at most ``MAX_LINKS`` receive links (one thread each); beyond that a
+header's receive fails at once.  A thread blocked in torch.distributed's
+C++ (a connect, a join) cannot be stopped: ``close`` does not wait for
+those (the node daemon leaves without the interpreter's teardown).  ``done`` callbacks run on link threads (or, for a job
 refused at once, on the caller's thread) and must not block.
 """
 from __future__ import annotations
@@ -34,7 +40,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,6 +51,10 @@ log = logging.getLogger("tessera_actors.links")
 
 Done = Callable[["torch.Tensor | None", str], None]
 WINDOW = 2   # operations in flight per link: staging/writing of one overlaps the wire of the next
+CONNECT_S = 10.0      # reaching a link's rendezvous store (it exists before any header names it)
+MAX_CONNECTING = 8    # receive links a hub joins at once
+MAX_LINKS = 1024      # receive links a hub holds
+_BROKEN_KEPT = 4096   # ids of broken receive links remembered, so their late headers fail at once
 _POLL_S = 0.0002
 
 
@@ -82,6 +92,7 @@ class Link:
         self.id, self.rank, self.backend = link_id, rank, backend
         self.timeout_s = timeout_s
         self.broken = ""
+        self.connected = False   # the process group is up (until then the thread may be stuck in C++)
         self.next_seq = 0   # sender side: the seq of the next submitted job
         self._store, self._host = store, host
         self._jobs: queue.Queue = queue.Queue()
@@ -114,8 +125,10 @@ class Link:
     def _main(self) -> None:
         try:
             self._pg = self._connect()
+            self.connected = True
         except Exception as e:
-            self._break(f"could not connect link {self.id} ({self.backend}) within {self.timeout_s:g} s: {e}")
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__   # (not C++'s stack)
+            self._break(f"could not connect link {self.id} ({self.backend}): {first}")
             return
         pending: dict[int, Job] = {}
         inflight: deque = deque()
@@ -213,6 +226,10 @@ class Link:
             if job is not None:
                 _call(job.done, None, reason)
 
+    @property
+    def connecting(self) -> bool:
+        return not self.connected and not self.broken
+
     def _drop_pg(self) -> None:
         pg, self._pg = self._pg, None
         abort = getattr(pg, "abort", None) if self.backend == "nccl" else None
@@ -242,6 +259,7 @@ class LinkHub:
         self._store: dist.TCPStore | None = None
         self._send: dict[tuple, Link] = {}
         self._recv: dict[str, Link] = {}
+        self._broken: OrderedDict[str, str] = OrderedDict()   # broken receive link id -> why
 
     @property
     def store_address(self) -> str:
@@ -278,6 +296,9 @@ class LinkHub:
         """Post the receive of message ``seq`` of ``link_id`` (joining the link
         on its first header); ``done(tensor, "")`` once the bytes are here."""
         link = self._recv.get(link_id)
+        if link is None and link_id in self._broken:
+            _call(done, None, self._broken[link_id])
+            return
         if link is None:
             if not backend_available(backend):
                 _call(done, None, f"this node's torch has no {backend} backend")
@@ -286,12 +307,33 @@ class LinkHub:
             if not port.isdigit():
                 _call(done, None, f"link {link_id}: bad rendezvous address {store!r}")
                 return
+            refused = self._refuse_new()
+            if refused:
+                _call(done, None, f"link {link_id}: {refused}")
+                return
             timeout = datetime.timedelta(seconds=self.timeout_s)
+            connect = datetime.timedelta(seconds=min(self.timeout_s, CONNECT_S))
 
             def client(host=host, port=int(port)) -> dist.Store:
-                return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+                store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=connect)
+                store.set_timeout(timeout)   # connected: its operations get the link's timeout
+                return store
             link = self._recv[link_id] = Link(link_id, 1, client, backend, self.host, self.timeout_s)
         link.submit(Job(seq, nbytes, done, device=device if backend == "nccl" else torch.device("cpu")))
+
+    def _refuse_new(self) -> str:
+        """Why a new receive link cannot be made now ("" if it can); forgets broken ones."""
+        for link_id, link in list(self._recv.items()):
+            if link.broken:
+                del self._recv[link_id]
+                self._broken[link_id] = link.broken
+                while len(self._broken) > _BROKEN_KEPT:
+                    self._broken.popitem(last=False)
+        if sum(link.connecting for link in self._recv.values()) >= MAX_CONNECTING:
+            return f"{MAX_CONNECTING} links are connecting already: refused"
+        if len(self._recv) >= MAX_LINKS:
+            return f"this node holds {MAX_LINKS} receive links already: refused"
+        return ""
 
     def links(self) -> list[str]:
         """``backend:send`` / ``backend:recv`` for every live link."""
@@ -299,15 +341,18 @@ class LinkHub:
                       [f"{link.backend}:recv" for link in self._recv.values() if not link.broken])
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close every link and wait (up to ``timeout`` s in all) for their
-        threads; blocking, so an event loop calls it in a thread."""
+        """Close every link and wait (up to ``timeout`` s in all) for the
+        threads of connected ones (a thread still connecting is blocked in
+        C++ and ends when its connect does); blocking, so an event loop
+        calls it in a thread."""
         links = [*self._send.values(), *self._recv.values()]
         self._send.clear()
         self._recv.clear()
+        connected = [link for link in links if link.connected]
         for link in links:
             link.close()
         deadline = time.monotonic() + timeout
-        stuck = [link.id for link in links if not link.join(max(0.0, deadline - time.monotonic()))]
+        stuck = [link.id for link in connected if not link.join(max(0.0, deadline - time.monotonic()))]
         if stuck:
             log.warning("links still busy at close: %s", stuck)
         self._store = None

@@ -172,9 +172,9 @@ async def test_malformed_descriptors_get_an_error_reply(shm_pair):
     auth.secure_client(sock, auth.process_keys())   # a raw but authenticated client
     sock.connect(server.address)
     header = bytes([*codec.MAGIC, codec.PROTOCOL_VERSION, 1 | shm.FLAG_SHM])
-    probe, nonce = pool.probe()   # the handshake: segments of this pool only, from this connection
-    await sock.send_multipart(codec.encode([probe], Envelope(codec.OP_SHM_HELLO, 100, "")))
-    assert await answer(sock) == (Envelope(OP_REPLY, 100, ""), nonce)
+    hello, proof = pool.probe()   # the handshake: segments of this pool only, from this connection
+    await sock.send_multipart(codec.encode(hello, Envelope(codec.OP_SHM_HELLO, 100, "")))
+    assert await answer(sock) == (Envelope(OP_REPLY, 100, ""), proof)
     bad_tables = [
         b"\xc1\xc1",                                                   # not msgpack
         msgpack.packb([]),                                             # empty

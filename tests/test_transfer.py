@@ -153,11 +153,12 @@ def test_peer_killed_mid_transfer_fails_the_pending_receive_at_once():
         t0 = time.monotonic()
         data, error = got.take(1, timeout=25)[1]
         assert data is None and f"link {link} (gloo) failed at message 1" in error
-        assert "Connection closed by peer" in error
+        lost = "Connection closed by peer" if "Connection closed by peer" in error else "Connection reset by peer"
+        assert lost in error   # (which of the two gloo sees depends on when the kill lands)
         assert time.monotonic() - t0 < 10    # the link's timeout is 30 s: the loss itself was detected
         # a broken link refuses later receives at once, with the reason
         hub.receive(link, 2, 16, store, "gloo", torch.device("cpu"), got.done(2))
-        assert "Connection closed by peer" in got.take(1, timeout=5)[2][1]
+        assert lost in got.take(1, timeout=5)[2][1]
     finally:
         proc.kill()
         proc.wait()

@@ -17,7 +17,10 @@ never stops a socket.
 
 Backpressure: a remote tell or ask to a full mailbox pauses that server's
 receiving until space frees (per-socket order is kept); ZeroMQ's high-water
-mark then makes remote senders wait.
+mark then makes remote senders wait.  Limits (before any authentication):
+frames and handshakes per socket (``transport.wire``; larger message parts
+are split on send and joined on receipt here), connections per server
+(``transport.gate``).
 """
 from __future__ import annotations
 
@@ -33,10 +36,11 @@ from tessera_actors.runtime.actor import ActorRef, LocalRef
 from tessera_actors.runtime.errors import (RUNTIME_ERRORS, ActorDead, ActorError, AskTimeout, CodecError,
                                    MailboxFull, RemoteError)
 from tessera_actors.runtime.messages import ErrorReply, Ok
-from transport import auth, codec, guard, shm, shm_frames
+from transport import auth, codec, guard, shm, shm_frames, wire
 from transport.channel import Channel
 from transport.codec import (OP_ASK, OP_FAILED, OP_RAISED, OP_RELEASE, OP_REPLY, OP_SHM_HELLO, OP_STOP, OP_TELL,
                              Envelope)
+from transport.gate import ConnectionGate, ConnectionLimits
 from transport.shm import ShmConfig
 
 log = logging.getLogger("tessera_actors.transport")
@@ -45,24 +49,20 @@ log = logging.getLogger("tessera_actors.transport")
 _envelope = functools.partial(tuple.__new__, Envelope)
 
 
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    return sock
-
-
 class Server:
     """ROUTER endpoint serving the local actors that ``resolve(name)`` finds."""
 
     def __init__(self, ctx: zmq.Context, resolve: Callable[[str], LocalRef | None], *,
                  max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
-                 shm_config: ShmConfig | None = None, keys: auth.ClusterKeys | None = None):
+                 shm_config: ShmConfig | None = None, keys: auth.ClusterKeys | None = None,
+                 limits: ConnectionLimits | None = None):
         """``keys``: serve only clients the cluster keys allow (None: anyone;
-        then shared memory is off, as it is only for authenticated peers)."""
-        self._sock = _socket(ctx, zmq.ROUTER)
+        then shared memory is off, as it is only for authenticated peers);
+        ``limits``: how many connections, proven and not (``transport.gate``)."""
+        self._sock = wire.socket(ctx, zmq.ROUTER)
         if keys is not None:
             auth.secure_server(self._sock, keys)
+        self.gate = ConnectionGate(self._sock, limits)
         self._resolve = resolve
         self._max_frame, self._max_body = max_frame, max_body
         self._chan: Channel | None = None
@@ -70,8 +70,7 @@ class Server:
         self.address = ""
         self.undecodable = 0   # requests that did not decode (logged: the first 20, then every 1000th)
         self._guard: guard.Guard | None = None   # decodes heavy requests off the loop (made at bind)
-        shm_config = shm_config or ShmConfig()
-        # tensors that local peers put in shared memory; answers use ZeroMQ frames
+        shm_config = shm_config or ShmConfig()   # (tensors local peers put in shared memory; answers use frames)
         self._shm = (shm.SegmentReader(self._send_releases, asyncio.get_running_loop())
                      if shm_config.enabled and keys is not None and shm.shm_available() else None)
 
@@ -82,8 +81,14 @@ class Server:
         self._sock.bind(endpoint)
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._guard = guard.Guard(self._decode, self._serve, lambda: self._chan.pause(), lambda: self._chan.resume())
-        self._chan = Channel(self._sock, self._guard.receive)
+        self._chan = Channel(self._sock, self._receive)
+        self.gate.start()
         return self.address
+
+    def _receive(self, frames: list) -> None:
+        if frames[0].bytes not in self.gate.senders:
+            self.gate.saw(frames[0])
+        self._guard.receive(frames)
 
     def _decode(self, payload: list, identity) -> tuple | CodecError:
         """``(envelope, message)``, or the ``CodecError`` (any thread)."""
@@ -128,19 +133,17 @@ class Server:
                 self._send_answer(identity, env.request_id, OP_FAILED,
                                   ErrorReply("CodecError", f"unknown op {op}"))
 
-    async def _shm_hello(self, identity, request_id: int, probe: Any) -> None:
-        """Handshake: answer with the nonce read from the peer's probe segment
-        (on the guard thread: the reader's segments are only touched there)."""
+    async def _shm_hello(self, identity, request_id: int, hello: Any) -> None:
+        """Handshake: answer with the proof of the nonce in the peer's probe
+        segment (on the guard thread: the reader's segments are only touched there)."""
         try:
             if self._shm is None:
                 raise CodecError("shared memory is off on this side")
-            if not (isinstance(probe, list) and len(probe) == 1 and isinstance(probe[0], str)):
-                raise CodecError(f"malformed shared-memory hello {probe!r}")
-            nonce = await self._guard.run(self._shm.read_probe, getattr(identity, "bytes", identity), probe[0])
+            proof = await self._guard.run(self._shm.read_probe, getattr(identity, "bytes", identity), hello)
         except (CodecError, OSError, ValueError) as exc:
             self._send_answer(identity, request_id, OP_FAILED, ErrorReply("ShmUnavailable", str(exc)))
             return
-        self._send_answer(identity, request_id, OP_REPLY, nonce)
+        self._send_answer(identity, request_id, OP_REPLY, proof)
 
     def _send_releases(self, identity: bytes, tokens: list) -> None:
         if self._chan is not None and not self._chan.closed:
@@ -190,7 +193,7 @@ class Server:
             frames = codec.encode(ErrorReply("CodecError", f"reply not encodable: {exc}"),
                                   Envelope(OP_FAILED, request_id))
         try:
-            self._chan.send([identity, *frames])   # ROUTER never blocks: drops if the peer is gone
+            self._chan.send([identity, *wire.split(frames)])   # ROUTER never blocks: drops if the peer is gone
         except zmq.ZMQError as exc:
             log.warning("answer on %s failed: %s", self.address, exc)
 
@@ -200,6 +203,7 @@ class Server:
             task.cancel()
         if self._guard is not None:
             self._guard.close()
+        self.gate.close()
         if self._shm is not None:
             self._shm.close()
         if self._chan is not None:
@@ -251,7 +255,7 @@ class Peer:
                  max_frame: int = codec.DEFAULT_MAX_FRAME, max_body: int = codec.DEFAULT_MAX_BODY,
                  shm_config: ShmConfig | None = None, keys: auth.ClusterKeys | None = None):
         self.endpoint = endpoint
-        sock = _socket(ctx, zmq.DEALER)
+        sock = wire.socket(ctx, zmq.DEALER)
         if keys is not None:
             auth.secure_client(sock, keys)
         self._watch = auth.HandshakeWatch(sock, self._handshake_failed)
@@ -277,16 +281,18 @@ class Peer:
                 fut.set_exception(auth.HandshakeFailed(f"{self.endpoint}: {reason}"))
 
     async def _handshake(self, timeout: float = 10.0) -> None:
-        """Prove the server sees our segments: it must read back a nonce we
-        wrote into a probe segment.  Until then (or if not) frames go over ZeroMQ."""
+        """Prove the server sees our segments: it must answer the proof of a
+        nonce we wrote into a probe segment.  Until then (or if not) frames go over ZeroMQ."""
         pool = shm.SegmentPool(self._shm_config.max_bytes)
         try:
-            name, nonce = pool.probe()
+            hello, proof = pool.probe()
             try:
                 self._hello_rid = next(self._ids)
-                seen = await self.request(OP_SHM_HELLO, "", [name], timeout, self._hello_rid)
+                seen = await self.request(OP_SHM_HELLO, "", hello, timeout, self._hello_rid)
             finally:
-                pool.discard(name)
+                pool.discard(hello[0])
+            if seen != proof and not self.closed:
+                raise OSError("the peer read another nonce")
         except (ActorError, OSError) as exc:
             log.info("shared memory to %s not used: %s", self.endpoint, exc)
             pool.close()
@@ -294,12 +300,10 @@ class Peer:
         except BaseException:
             pool.close()
             raise
-        if seen != nonce or self.closed:
-            if not self.closed:
-                log.warning("shared memory to %s not used: the peer read another nonce", self.endpoint)
+        if self.closed:
             pool.close()
-            return
-        self._shm_pool = pool
+        else:
+            self._shm_pool = pool
 
     async def shm_ready(self) -> bool:
         """Wait for the shared-memory handshake; True when large tensor frames
@@ -309,11 +313,10 @@ class Peer:
         return self._shm_pool is not None
 
     def _frames(self, msg: Any, envelope: Envelope) -> tuple[list, list]:
-        frames = codec.encode(msg, envelope)
-        pool = self._shm_pool
-        if pool is None or len(frames) < 3:
-            return frames, ()
-        return shm_frames.to_shm(frames, pool, self._shm_config.threshold)
+        frames, tokens = codec.encode(msg, envelope), ()
+        if self._shm_pool is not None and len(frames) > 2:
+            frames, tokens = shm_frames.to_shm(frames, self._shm_pool, self._shm_config.threshold)
+        return wire.split(frames), tokens
 
     def _unsent(self, tokens) -> None:
         """A message was dropped before ZeroMQ took it: free its segments."""
@@ -327,8 +330,7 @@ class Peer:
 
     @property
     def pending(self) -> int:
-        """Number of asks awaiting an answer (for leak checks; the
-        shared-memory handshake does not count)."""
+        """Asks awaiting an answer (for leak checks; not the shared-memory handshake)."""
         return len(self._pending) - (self._hello_rid in self._pending)
 
     async def request(self, op: int, target: str, msg: Any, timeout: float, rid: int = 0) -> Any:
@@ -341,10 +343,7 @@ class Peer:
         if self._watch.failure is not None:
             raise auth.HandshakeFailed(f"{self.endpoint}: {self._watch.failure}")
         rid = rid or next(self._ids)
-        frames = codec.encode(msg, _envelope((op, rid, target)))
-        tokens = ()
-        if self._shm_pool is not None and len(frames) > 2:
-            frames, tokens = shm_frames.to_shm(frames, self._shm_pool, self._shm_config.threshold)
+        frames, tokens = self._frames(msg, _envelope((op, rid, target)))
         loop = self._loop
         fut = loop.create_future()
         pending = self._pending
@@ -391,7 +390,8 @@ class Peer:
     def _on_answer(self, frames: list) -> None:
         pending = self._pending
         try:
-            env, value = codec.decode(frames, max_frame=self._max_frame, max_body=self._max_body)
+            whole = wire.join(frames, self._max_frame, self._max_body)
+            env, value = codec.decode(whole, max_frame=self._max_frame, max_body=self._max_body)
         except CodecError as exc:
             env = codec.decode_envelope(frames)
             fut = pending.get(env.request_id) if env else None

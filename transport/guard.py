@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from tessera_actors.runtime.errors import CodecError
-from transport import codec, shm_frames
+from transport import codec, shm_frames, wire
 
 LIGHT_BODY = 16 << 10   # msgpack bytes decoded on the loop
 LIGHT_FRAMES = 16       # tensor frames decoded on the loop (each wrapped without a copy)
@@ -34,7 +34,7 @@ def is_light(payload: Sequence) -> bool:
     and the header's flags."""
     if len(payload) > LIGHT_FRAMES + 2 or len(payload) < 2:
         return len(payload) < 2   # (a malformed request of no body fails at once, on the loop)
-    if shm_frames.has_shm(payload):
+    if shm_frames.has_shm(payload) or wire.is_split(payload):
         return False
     return len(getattr(payload[1], "buffer", payload[1])) <= LIGHT_BODY
 
@@ -45,6 +45,7 @@ def decode_request(payload: Sequence, reader, owner, max_frame: int, max_body: i
     page is touched); raises ``CodecError``.  Blocking: runs on the guard
     thread for requests that are not light."""
     try:
+        payload = wire.join(payload, max_frame, max_body)
         if len(payload) > 3 and shm_frames.has_shm(payload):
             payload = shm_frames.from_shm(payload, reader, owner, max_frame)
         return codec.decode(payload, max_frame=max_frame, max_body=max_body)

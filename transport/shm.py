@@ -9,12 +9,19 @@ its own and reports the segment released at once, so the sender reuses it.
 Safety (the segments live in a directory every local user can write):
 the receiver never maps a peer's segment, it copies the bytes out with
 ``preadv`` on a descriptor, so a peer that truncates a segment makes a read
-come up short (a ``CodecError``), never a SIGBUS; only the sender maps its
-own segments.  The reader opens with ``O_NOFOLLOW``
-(a symlink is refused), requires a regular file with one link owned by this
-user (``st_uid``) and at least the described size, accepts only names of the
-pool that proved itself in this connection's handshake, and is only set up
-on authenticated servers (see ``transport.auth``).
+come up short (a ``CodecError``), never a SIGBUS.  It opens with
+``O_NOFOLLOW`` and requires a regular file with one link owned by this user
+(``st_uid``), of at least the described size and as many bytes of storage
+(a sparse file would make the copy's pages out of nothing); it exists only
+on authenticated servers (``transport.auth``).  Which segments a connection
+may name: a pool draws a random secret, sent in its handshake (encrypted),
+and names segment ``i`` ``tessera-PID-i-MAC``, ``MAC = HMAC(secret,
+"PID-i")``; the reader takes from that connection only names whose MAC it
+recomputes - not another process's segments (a confused deputy), whose
+names /dev/shm shows.  Nobody can predict a pool's next names to create
+them first (squatting); a name taken anyway is skipped, and a pool that
+cannot create a segment sends that frame over ZeroMQ.  The handshake's
+answer is a MAC of the nonce read, never bytes of a segment.
 
 Frames of a message with shared-memory tensors (see ``transport.codec``)::
 
@@ -24,8 +31,8 @@ Frames of a message with shared-memory tensors (see ``transport.codec``)::
 
 Same-host use is opt-in per link and proven, never guessed: only local
 endpoints (``ipc://``, ``tcp://127.x.x.x``, ``tcp://localhost``, ``tcp://[::1]``)
-try it, and only after the receiver read back a random nonce the sender wrote
-into a probe segment (``handshake``).  Otherwise tensors go as ZeroMQ frames.
+try it, once the receiver proved it read a nonce the sender wrote into a
+probe segment (``SegmentPool.probe``).  Otherwise tensors go as ZeroMQ frames.
 
 Cleanup: a pool unlinks its files at ``close`` and at interpreter exit.
 Files left by a process that was killed (SIGKILL, SIGTERM without handler)
@@ -39,6 +46,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import hashlib
+import hmac
 import logging
 import mmap
 import os
@@ -59,7 +68,9 @@ SHM_DIR = "/dev/shm"
 PREFIX = "tessera-"
 FLAG_SHM = 2   # header flag: the last frame is a shared-memory table
 NONCE_BYTES = 16
-_NAME = re.compile(r"tessera-(\d+)-[0-9a-f]+-\d+\Z")
+SECRET_BYTES = 32
+_NAME = re.compile(r"tessera-(\d+)-(\d+)-([0-9a-f]{32})\Z")   # pid, index, MAC
+_CREATE_TRIES = 8    # names tried (each taken by someone else) before a frame goes over ZeroMQ
 _GRAIN = 1 << 20   # segment sizes are multiples of this
 _READER_CACHE = 64   # open segment descriptors a reader keeps
 _MAX_PEERS = 4096    # handshakes a reader remembers (one per connection)
@@ -122,6 +133,16 @@ def sweep_stale() -> list[str]:
     return removed
 
 
+def _mac(secret: bytes, pid: int, index: int) -> str:
+    return hmac.new(secret, f"{pid}-{index}".encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def probe_proof(secret: bytes, nonce: bytes) -> bytes:
+    """What a reader answers for a probe holding ``nonce``: proof that it read
+    the segment, from which the segment's bytes cannot be recovered."""
+    return hmac.new(secret, b"tessera-shm-probe" + nonce, hashlib.sha256).digest()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -168,22 +189,35 @@ class SegmentPool:
             SegmentPool._swept = True
             sweep_stale()
         self.max_bytes = max_bytes
-        self._tag = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self._pid = os.getpid()
+        self._secret = secrets.token_bytes(SECRET_BYTES)   # per pool, so per connection
         self._count = 0
+        self.collisions = 0   # names found taken when creating a segment
         self._segments: dict[str, _Segment] = {}
         self._bytes = 0
         self.closed = False
         _live_pools.add(self)
 
-    @property
-    def names(self) -> list[str]:
-        return list(self._segments)
+    def name(self, index: int) -> str:
+        """The name of this pool's ``index``-th segment (for this connection's reader only)."""
+        return f"{PREFIX}{self._pid}-{index}-{_mac(self._secret, self._pid, index)}"
 
     def _create(self, size: int) -> _Segment:
-        self._count += 1
-        name = f"{self._tag}-{self._count}"
-        fd = os.open(os.path.join(SHM_DIR, name),
-                     os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        """A new segment; ``OSError`` when none could be made (every name tried
+        taken, /dev/shm full, no descriptors left)."""
+        for _ in range(_CREATE_TRIES):
+            self._count += 1
+            name = self.name(self._count)
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name),
+                             os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:   # somebody made it first: never ours to use or unlink
+                self.collisions += 1
+                if self.collisions <= 10:
+                    log.warning("shared-memory segment %s already exists (not made by this pool): skipped", name)
+        else:
+            raise FileExistsError(f"{_CREATE_TRIES} shared-memory segment names in a row were taken")
         try:
             os.ftruncate(fd, size)
             seg = _Segment(name, size, fd)
@@ -201,13 +235,15 @@ class SegmentPool:
         _unlink(seg.name)
         seg.close()
 
-    def probe(self) -> tuple[str, bytes]:
-        """A fresh segment holding a random nonce, for the handshake."""
+    def probe(self) -> tuple[list, bytes]:
+        """For the handshake: the hello to send (``[probe segment name,
+        secret]``; the probe, a fresh segment, holds a random nonce) and the
+        answer a reader that read the probe gives (``probe_proof``)."""
         nonce = secrets.token_bytes(NONCE_BYTES)
         seg = self._create(_PAGE)
         seg.write(nonce)
         seg.busy = True
-        return seg.name, nonce
+        return [seg.name, self._secret], probe_proof(self._secret, nonce)
 
     def discard(self, name: str) -> None:
         """Unlink one segment now (the probe once the handshake is over)."""
@@ -231,7 +267,11 @@ class SegmentPool:
                 if not idle:
                     return None
                 self._drop(min(idle, key=lambda s: s.size))
-            best = self._create(size)
+            try:
+                best = self._create(size)
+            except OSError as exc:
+                log.info("no shared-memory segment of %d bytes (%s): the frame goes over ZeroMQ", size, exc)
+                return None
         best.busy = True
         best.generation += 1
         return best
@@ -279,14 +319,15 @@ class SegmentReader:
     ``on_release(owner, tokens)`` is called on the loop thread with the
     ``(name, generation)`` tokens that were read (or refused); ``owner`` is
     what ``read`` was given (the sender's identity).  A segment is accepted
-    only from the pool whose probe that owner showed in its handshake.
+    only when its name carries the MAC of the secret that owner sent in its
+    handshake (see the module docstring).
     """
 
     def __init__(self, on_release: Callable[[Any, list], None], loop):
         self._on_release = on_release
         self._loop = loop
         self._fds: OrderedDict[str, int] = OrderedDict()
-        self._pools: dict[Any, str] = {}   # owner -> the pool tag its handshake proved
+        self._secrets: dict[Any, bytes] = {}   # owner -> the secret of its handshake
         self._freed: deque = deque()
         self._flush_scheduled = False
         self._lock = threading.Lock()
@@ -318,10 +359,21 @@ class SegmentReader:
                 os.close(self._fds.popitem(last=False)[1])
         else:
             self._fds.move_to_end(name)
-        size = os.fstat(fd).st_size
-        if nbytes > size:
-            raise CodecError(f"descriptor wants {nbytes} bytes of {size}-byte segment {name!r}")
+        st = os.fstat(fd)
+        if nbytes > st.st_size:
+            raise CodecError(f"descriptor wants {nbytes} bytes of {st.st_size}-byte segment {name!r}")
+        if nbytes > st.st_blocks * 512:   # a sender wrote every byte it describes: its pages exist
+            raise CodecError(f"segment {name!r} stores {st.st_blocks * 512} of the {nbytes} bytes described "
+                             "(a sparse file): refused")
         return fd
+
+    def _check_name(self, owner, name: str, secret: bytes | None = None) -> None:
+        """Refuse a segment ``owner``'s pool did not name for this connection."""
+        secret = secret if secret is not None else self._secrets.get(owner)
+        match = _NAME.match(name)
+        if secret is None or match is None or not hmac.compare_digest(
+                match.group(3), _mac(secret, int(match.group(1)), int(match.group(2)))):
+            raise CodecError(f"segment {name!r} was not made for this connection by its peer")
 
     def _forget(self, name: str) -> None:
         fd = self._fds.pop(name, None)
@@ -347,32 +399,42 @@ class SegmentReader:
                 self._spare_bytes += len(mm)
         # else dropped: unmapped once the dying array released its export (closing now would raise)
 
-    def read_probe(self, owner, name: str) -> bytes:
-        """The nonce of a handshake probe segment; from then on ``owner`` may
-        describe segments of that probe's pool only."""
+    def read_probe(self, owner, hello) -> bytes:
+        """The answer to a handshake ``hello`` (``SegmentPool.probe``): the
+        proof of the nonce read from its probe segment, which must carry the
+        hello's secret; from then on ``owner`` may describe segments of that
+        secret only.  Raises ``CodecError``."""
         if self.closed:
             raise CodecError("shared-memory reader is closed")
+        if not (isinstance(hello, list) and len(hello) == 2 and type(hello[0]) is str and type(hello[1]) is bytes
+                and len(hello[1]) == SECRET_BYTES):
+            raise CodecError("malformed shared-memory hello (expected [probe name, secret])")
+        name, secret = hello
+        self._check_name(owner, name, secret)
         try:
             fd = self._open(name, NONCE_BYTES)
             nonce = os.pread(fd, NONCE_BYTES, 0)
+        except OSError as exc:
+            raise CodecError(f"cannot read shared-memory probe {name!r}: {exc.strerror}") from None
         finally:
             self._forget(name)
-        self._pools.pop(owner, None)
-        self._pools[owner] = name.rsplit("-", 1)[0]
-        while len(self._pools) > _MAX_PEERS:   # connections come and go: forget the oldest handshakes
-            self._pools.pop(next(iter(self._pools)))
-        return nonce
+        if len(nonce) != NONCE_BYTES:
+            raise CodecError(f"shared-memory probe {name!r} holds no nonce")
+        self._secrets.pop(owner, None)
+        self._secrets[owner] = secret
+        while len(self._secrets) > _MAX_PEERS:   # connections come and go: forget the oldest handshakes
+            self._secrets.pop(next(iter(self._secrets)))
+        return probe_proof(secret, nonce)
 
     def read(self, owner, name: str, generation: int, nbytes: int):
         """A new uint8 numpy array holding the first ``nbytes`` of the
-        segment (a private copy); the segment is released either way."""
+        segment (a private copy); the segment is released either way, unless
+        it is none of this connection's (then nothing about it goes back)."""
         import numpy as np
+        if self.closed:
+            raise CodecError("shared-memory reader is closed")
+        self._check_name(owner, name)
         try:
-            if self.closed:
-                raise CodecError("shared-memory reader is closed")
-            tag = self._pools.get(owner)
-            if tag is None or not name.startswith(tag + "-"):
-                raise CodecError(f"segment {name!r} is not from this peer's shared-memory pool")
             fd = self._open(name, nbytes)
             mm = self._receive_buffer(nbytes)
             got = 0

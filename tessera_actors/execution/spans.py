@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-DEFAULT_CHUNK_BYTES = 4 << 20
+from transport.wire import PIECE_BYTES
+
+DEFAULT_CHUNK_BYTES = PIECE_BYTES   # a chunk is one frame on the wire (larger ones are split into pieces of this)
 
 
 def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:

@@ -118,23 +118,22 @@ async def test_forged_symlinked_foreign_and_shrunk_segments_are_refused(target, 
     pool, other = shm.SegmentPool(64 << 20), shm.SegmentPool(64 << 20)
     made = []
     try:
-        probe, nonce = pool.probe()
-        await sock.send_multipart(codec.encode([probe], Envelope(codec.OP_SHM_HELLO, 1, "")))
-        assert await answer(sock) == (Envelope(OP_REPLY, 1, ""), nonce)
-        tag = probe.rsplit("-", 1)[0]
+        hello, proof = pool.probe()
+        await sock.send_multipart(codec.encode(hello, Envelope(codec.OP_SHM_HELLO, 1, "")))
+        assert await answer(sock) == (Envelope(OP_REPLY, 1, ""), proof)
         secret = tmp_path / "secret.txt"
         secret.write_bytes(b"S" * 4096)
-        link = f"{tag}-900"
+        link = pool.name(900)   # a name this connection may use, but a symlink
         os.symlink(secret, os.path.join(shm.SHM_DIR, link))
         made.append(link)
         foreign = other.acquire(4096)                       # a segment of another pool (another process's)
         shrunk = pool.acquire(1 << 20)
         shrunk.write(b"x" * (1 << 20))
         os.ftruncate(shrunk.fd, 100)                        # the peer shrinks it after describing it
-        cases = [(link, 4096, "cannot open"), (foreign.name, 4096, "not from this peer"),
+        cases = [(link, 4096, "cannot open"), (foreign.name, 4096, "not made for this connection"),
                  (shrunk.name, 1 << 20, "bytes of 100-byte segment")]
         if os.geteuid() == 0:
-            alien = f"{tag}-901"
+            alien = pool.name(901)
             path = os.path.join(shm.SHM_DIR, alien)
             with open(path, "wb") as f:
                 f.write(b"A" * 4096)
