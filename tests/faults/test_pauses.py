@@ -209,7 +209,7 @@ async def test_a_placement_onto_a_node_paused_meanwhile_is_abandoned_once_the_no
 
 
 async def test_a_loss_is_answered_at_once_while_a_paused_survivors_uninstalls_wait():
-    async with scheduler_and_two_nodes() as (sched, cluster, (dev_a, dev_b)):
+    async with scheduler_and_two_nodes() as (sched, cluster, (_, dev_b)):
         for i in range(4):
             await sched.ask(Place(f"p{i}", "latency"), timeout=60)
         assert await _plans(dev_b) == [f"p{i}" for i in range(4)]
