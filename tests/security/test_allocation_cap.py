@@ -9,8 +9,10 @@ plans that fit, and refuses a kernel that names a device of its own."""
 import msgpack
 import pytest
 import pytest_asyncio
+import torch
 
 from tessera_actors.cluster import LocalCluster
+from tessera_actors.execution.allow import meta_bytes
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.plan import plan_to_dict, single_device_plan
 from tessera_actors.runtime.errors import RemoteError
@@ -57,7 +59,7 @@ def rss(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")   # the node fixture lives as long as the module
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -72,6 +74,7 @@ async def node_device():
         yield system, cluster.nodes[0]
 
 
+@MODULE_LOOP
 @pytest.mark.parametrize("name,op,args,kwargs,alias", HUGE, ids=[h[0] for h in HUGE])
 async def test_a_kernel_that_would_allocate_past_the_devices_cap_is_refused_at_install(node_device, name, op, args,
                                                                                      kwargs, alias):
@@ -89,6 +92,7 @@ async def test_a_kernel_that_would_allocate_past_the_devices_cap_is_refused_at_i
     assert (await device.ask(GetStats(), timeout=10)).values["plans"] == []
 
 
+@MODULE_LOOP
 async def test_kernels_within_the_cap_install_and_run(node_device):
     system, node = node_device
     device = await system.remote_ref(node.endpoint, "device0")
@@ -99,6 +103,7 @@ async def test_kernels_within_the_cap_install_and_run(node_device):
         assert [bytes(d).count(0) for d in done.data] == [128]   # zeros in, zeros padded: the kernel ran
 
 
+@MODULE_LOOP
 async def test_a_kernel_that_names_a_device_of_its_own_is_refused(node_device):
     """A device is a record (``{"dev": ...}``: the plan's device); a named one
     (on a GPU node, another GPU than the capped one) is refused."""
@@ -109,3 +114,14 @@ async def test_a_kernel_that_names_a_device_of_its_own_is_refused(node_device):
         await device.ask(InstallPlan("named", 0, graph, plan, [[0, "", "device0"]]), timeout=60)
     graph, plan = plan_of("aten.empty.memory_format", [[64]], {"dtype": {"dt": "uint8"}, "device": {"dev": "cpu"}})
     await device.ask(InstallPlan("recorded", 0, graph, plan, [[0, "", "device0"]]), timeout=60)
+
+
+def test_ops_whose_values_decide_their_size_are_bounded_by_their_inputs_or_refused():
+    meta = {"device": "meta"}
+    x, mask = torch.empty(1000, **meta), torch.empty(1000, dtype=torch.bool, **meta)
+    ops = torch.ops.aten
+    assert meta_bytes("aten.index.Tensor", ops.index.Tensor, [x, [mask]], {}) == 4000   # each element at most once
+    assert meta_bytes("aten.nonzero.default", ops.nonzero.default, [mask], {}) == 8000  # one int64 per element
+    assert meta_bytes("aten.index.Tensor", ops.index.Tensor, [x, [torch.empty(5, dtype=torch.long, **meta)]], {}) == 20
+    assert "cannot be known before it runs" in meta_bytes("aten.unique_consecutive.default",
+                                                          ops.unique_consecutive.default, [x], {})
