@@ -46,7 +46,8 @@ def _draw(x: torch.Tensor, temperature: float, top_p: float, top_k: int, u: floa
         order = order[:top_k]
     if top_p < 1.0:
         before = torch.cumsum(sorted_p, 0) - sorted_p   # mass of the more likely ids
-        keep = before < top_p                             # always keeps the first
+        keep = before < top_p
+        keep[0] = True   # the most likely id always: a top_p that rounds to 0 in float32 (1e-300) keeps it alone
         sorted_p = sorted_p[keep]
         order = order[keep]
     cdf = torch.cumsum(sorted_p, 0)
