@@ -8,18 +8,25 @@ Prints two tables and writes JSON (with ``git_commit`` and ``command``).
 Synthetic graphs: transformer-like blocks (12 kernels each, repeated layers)
 with random per-signature device cost ratios (``planning.synthetic``), on 2,
 3 and 4 devices of different types and on 16 devices of two types (8 + 8,
-identical within a type).  Targets (issue 29): 1,000 kernels x 2 devices
-<= 0.5 s; x 4 <= 2 s at <= 1% gap; 16 devices of two types <= 30 s at <= 2%
-gap.  ``solve_s``: the planner's solver work (relaxation, its
-neighbourhood, branch and bound; ``solve_total_s``); ``plan_s``: the whole
-planner call (problem build, expansion to devices, simulation of its plan),
-the comparison with the baselines turned off; ``gap``: the solver's, against
-its lower bound.
+identical within a type).  Targets (issue 29): 1,000 kernels x 4 devices
+<= 2 s at <= 1% gap; 16 devices of two types <= 30 s at <= 2% gap; and
+1,000 kernels x 2 devices <= 0.5 s (the paper's 0.43 s).  A target is met
+when the whole planner call (``plan_s``) is within the time, not only the
+solve.  ``solve_s``: the planner's solver work (relaxation, its
+neighbourhood, branch and bound; ``solve_total_s``; on two devices three
+pipeline depths are solved); ``plan_s``: the whole planner call (problem
+build, solves, expansion to devices, simulation of its plan at every
+micro-batch count it tries), the comparison with the baselines turned off;
+``plan_cpu_s``: the CPU seconds of that call (this process's, all
+threads), which the load of a shared box inflates less than ``plan_s``;
+``gap``: the solver's, against its lower bound.  Every row has the load
+average when it ran (the CPU box is shared: wall times scale with it).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -52,10 +59,11 @@ def solve_row(kernels: int, ndev: int, seed: int) -> dict:
     costs = random_costs(g, devs, seed=seed, types=types)
     row = {"kernels": len(g.kernels), "devices": ndev, "device_types": len(set(types or devs))}
     for mode in ("throughput", "latency"):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = MilpPlanner(costs, PlannerConfig(fallback=False)).plan(g, devs, mode)
         sol = plan.meta["solver"]
-        row[mode] = {"solve_s": sol["solve_total_s"], "plan_s": time.perf_counter() - t0, "gap": sol["mip_gap"],
+        row[mode] = {"solve_s": sol["solve_total_s"], "plan_s": time.perf_counter() - t0,
+                     "plan_cpu_s": time.process_time() - c0, "gap": sol["mip_gap"],
                      "status": sol["status"], "classes": sol["classes"], "objective_s": sol["objective_s"],
                      "bound_s": sol["bound_s"], "throughput": plan.meta["predicted"]["throughput"],
                      "step_s": plan.predicted_step_s}
@@ -87,7 +95,7 @@ def verdict(r: dict) -> str:
         return ""
     limit, gap = r["target"]
     t = r["throughput"]
-    ok = t["solve_s"] <= limit and (gap is None or t["gap"] <= gap)
+    ok = t["plan_s"] <= limit and (gap is None or t["gap"] <= gap)
     return ("ok" if ok else "MISSED") + f" <={limit}s" + (f" <={gap * 100:g}%" if gap else "")
 
 
@@ -98,15 +106,18 @@ def main() -> int:
     args = ap.parse_args()
     cases = [(k, d) for k in (100, 500, 1000) for d in (2, 3, 4)] + ([] if args.quick else [(1000, 16)])
     rows = []
-    print(f"{'kernels':>7} {'dev':>3} {'types':>5} | {'thr MILP':>8} {'plan':>6} {'gap':>6} {'cls':>4} "
-          f"{'x best base':>11} | {'lat MILP':>8} {'gap':>6} | target")
+    print(f"{'kernels':>7} {'dev':>3} {'types':>5} | {'thr MILP':>8} {'plan':>6} {'cpu':>6} {'gap':>6} {'cls':>4} "
+          f"{'x best base':>11} | {'lat MILP':>8} {'gap':>6} | {'load':>4} | target")
     for i, (k, d) in enumerate(cases):
         r = solve_row(k, d, seed=i)
+        r["verdict"] = verdict(r)
+        r["load_avg_1m"] = os.getloadavg()[0]        # the box is shared: times scale with its load
         rows.append(r)
         t, lat = r["throughput"], r["latency"]
-        print(f"{r['kernels']:>7} {d:>3} {r['device_types']:>5} | {t['solve_s']:>7.2f}s {t['plan_s']:>5.1f}s "
-              f"{t['gap'] * 100:>5.2f}% {t['classes']:>4} {r['vs_best_baseline']:>11.3f} | {lat['solve_s']:>7.2f}s "
-              f"{lat['gap'] * 100:>5.2f}% | {verdict(r)}", flush=True)
+        print(f"{r['kernels']:>7} {d:>3} {r['device_types']:>5} | {t['solve_s']:>7.2f}s {t['plan_s']:>5.2f}s "
+              f"{t['plan_cpu_s']:>5.2f}s {t['gap'] * 100:>5.2f}% {t['classes']:>4} {r['vs_best_baseline']:>11.3f} | "
+              f"{lat['solve_s']:>7.2f}s "
+              f"{lat['gap'] * 100:>5.2f}% | {r['load_avg_1m']:>4.1f} | {r['verdict']}", flush=True)
     fixtures = fixture_rows()
     if fixtures:
         print("\npredicted throughput (steps/s) on graph fixtures: the throughput plan vs the LP bound and the baselines")

@@ -252,6 +252,7 @@ class KernelGraph:
     outputs: list[int] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     _edges: list[Edge] | None = field(default=None, repr=False)
+    _state_groups: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for i, k in enumerate(self.kernels):
@@ -280,13 +281,16 @@ class KernelGraph:
 
     def state_groups(self) -> list[list[int]]:
         """Kernel ids that touch each state buffer: each group must share a
-        device, because state persists on the device across steps."""
-        groups: dict[int, set[int]] = defaultdict(set)
-        for k in self.kernels:
-            for a in k.accesses:
-                if self.buffers[a.buffer].role == "state":
-                    groups[a.buffer].add(k.id)
-        return [sorted(g) for _, g in sorted(groups.items())]
+        device, because state persists on the device across steps.  Derived
+        once, like :attr:`edges` (a graph is not changed after it is built)."""
+        if self._state_groups is None:
+            groups: dict[int, set[int]] = defaultdict(set)
+            for k in self.kernels:
+                for a in k.accesses:
+                    if self.buffers[a.buffer].role == "state":
+                        groups[a.buffer].add(k.id)
+            self._state_groups = tuple(tuple(sorted(g)) for _, g in sorted(groups.items()))
+        return [list(g) for g in self._state_groups]
 
     def summary(self) -> dict[str, Any]:
         kinds: dict[str, int] = defaultdict(int)

@@ -150,15 +150,15 @@ def build_plan(graph: KernelGraph, devices: Sequence[str], assignment: Sequence[
     (finer units for interleaving several slots on one device's stream)."""
     ndev = len(devices)
     validate_assignment(graph, assignment, ndev)
-    segments: list[Segment] = []
+    runs: list[tuple[int, list[int]]] = []      # (device, kernels) of every segment
     seg_of = [0] * len(graph.kernels)
     cut = set(breaks)
     for k, d in enumerate(assignment):
-        if not segments or segments[-1].device != d or k in cut:
-            segments.append(Segment(len(segments), d, ()))
-        s = segments[-1]
-        segments[-1] = Segment(s.id, d, s.kernels + (k,))
-        seg_of[k] = s.id
+        if not runs or runs[-1][0] != d or k in cut:
+            runs.append((d, []))
+        runs[-1][1].append(k)
+        seg_of[k] = len(runs) - 1
+    segments = [Segment(i, d, tuple(ks)) for i, (d, ks) in enumerate(runs)]
     # One transfer per (producer kernel, consumer device, buffer); placed
     # before the first consuming segment.
     need: dict[tuple[int, int, int], list[tuple[int, int]]] = defaultdict(list)

@@ -8,6 +8,8 @@ calling thread (device actors call it from their worker thread).
 """
 from __future__ import annotations
 
+import itertools
+import sys
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -143,9 +145,19 @@ class AtenProgram:
         n = sum(e - s for s, e in ranges)
         if pinned and torch.cuda.is_available():
             queued = a.is_cuda
+            # two pinned buffers made here (at install) and taken in turn, never one allocated and freed
+            # per step: freeing a block of the caching host allocator records an event on every stream
+            # that used it, and when another device actor's worker is capturing a CUDA graph on one of
+            # them the event joins that capture; the next pinned allocation that polls it fails with
+            # "CUDA error: invalid argument" (seen on an H200, cuda:0 beside a cpu device)
+            ring = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            turn = itertools.count()
 
             def into_pinned() -> torch.Tensor:
-                out = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+                i = next(turn) % 2
+                if sys.getrefcount(ring[i]) > 2:   # the receiver still holds it from two sends ago
+                    ring[i] = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+                out = ring[i]
                 if len(views) == 1:
                     out.copy_(views[0], non_blocking=queued)
                     return out

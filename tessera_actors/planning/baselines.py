@@ -43,6 +43,7 @@ from tessera_actors.planning.coarsen import layer_of
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.inflight import annotate, choose_inflight, default_inflight, fits, memory_inflight
 from tessera_actors.planning.simulate import simulate
+from tessera_actors.planning.symmetry import device_types
 
 _ATTN_SCOPE = re.compile(r"attn|attention", re.I)
 _ATTN_NAME = re.compile(r"attn|attention|sdpa|flash|softmax|rope|rotary|[qkvo]_proj", re.I)
@@ -192,12 +193,23 @@ def layer_split_plan(graph: KernelGraph, devices: Sequence[str], costs: CostTabl
 
 
 def candidate_assignments(graph: KernelGraph, costs: CostTable) -> list[tuple[str, list[int]]]:
-    """Legal single-plan baselines the MILP planner compares itself with."""
-    out = [(f"homo[{costs.devices[d]}]", [d] * len(graph.kernels)) for d in range(costs.ndev)]
+    """Legal single-plan baselines the MILP planner compares itself with.
+    Homo once per type of identical devices (the others predict the same)
+    and only where the budget holds the weights and state; AF in one
+    orientation when its two devices are identical and their link the same
+    both ways (the other is its mirror image)."""
+    types = device_types(costs)
+    held = sum(b.nbytes for b in graph.buffers.values() if b.role in ("weight", "state"))
+    out = [(f"homo[{costs.devices[t[0]]}]", [t[0]] * len(graph.kernels)) for t in types
+           if costs.mem[t[0]] is None or held <= costs.mem[t[0]]]
     if costs.ndev > 1:
         out.append(("layer-split", layer_split_assignment(graph, costs)))
         a, b = _fastest_two(costs)
-        out += [("af", af_assignment(graph, a, b)), ("af", af_assignment(graph, b, a))]
+        out.append(("af", af_assignment(graph, a, b)))
+        mirror = any(a in t and b in t for t in types) and costs.latency[a][b] == costs.latency[b][a] \
+            and costs.bandwidth[a][b] == costs.bandwidth[b][a]
+        if not mirror:
+            out.append(("af", af_assignment(graph, b, a)))
     for _, a in out:
         validate_assignment(graph, a, costs.ndev)
     return out

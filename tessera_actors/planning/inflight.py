@@ -12,7 +12,7 @@ from __future__ import annotations
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan
 from tessera_actors.planning.costs import CostTable
-from tessera_actors.planning.simulate import Prediction, simulate
+from tessera_actors.planning.simulate import Prediction, Simulation
 
 
 def default_inflight(ndev: int) -> int:
@@ -25,10 +25,11 @@ def choose_inflight(plan: Plan, costs: CostTable, max_inflight: int, tol: float 
     """Simulate 1, 2, 4, ... micro-batches in flight (up to ``max_inflight``)
     and return the smallest count whose throughput is within ``tol`` of the
     next doubling (more in flight costs activation memory and latency)."""
-    best = simulate(plan, costs, inflight=1)
+    sim = Simulation(plan, costs)
+    best = sim.predict(1)
     m = 2
     while m <= max_inflight:
-        p = simulate(plan, costs, inflight=m)
+        p = sim.predict(m)
         if p.throughput <= best.throughput * (1 + tol):
             break
         best = p

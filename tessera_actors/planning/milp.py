@@ -113,10 +113,11 @@ def _identical_pairs(costs: CostTable, prob: Problem) -> list[tuple[int, int]]:
 def _columns(prob: Problem, costs: CostTable) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Class times and every group's egress and ingress cost per device, in
     microseconds (the MILP's units)."""
-    G, D = len(prob.comm), prob.ndev
     lat_o, spb_o, lat_i, spb_i = _link_costs(costs)
-    out_c = np.array([[g.count * lat_o[d] + g.nbytes * spb_o[d] for d in range(D)] for g in prob.comm]).reshape(G, D)
-    in_c = np.array([[g.count * lat_i[d] + g.nbytes * spb_i[d] for d in range(D)] for g in prob.comm]).reshape(G, D)
+    count = np.array([g.count for g in prob.comm], dtype=float)[:, None]
+    nbytes = np.array([g.nbytes for g in prob.comm], dtype=float)[:, None]
+    out_c = count * lat_o[None, :] + nbytes * spb_o[None, :]
+    in_c = count * lat_i[None, :] + nbytes * spb_i[None, :]
     return prob.cost * _US, out_c * _US, in_c * _US
 
 

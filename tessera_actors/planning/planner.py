@@ -135,12 +135,18 @@ class MilpPlanner:
         max_inflight = cfg.max_inflight or default_inflight(ndev)
         thr = mode == "throughput"
 
+        seen: dict[tuple[int, ...], tuple[Prediction, float]] = {}
+
         def evaluate(p: Plan) -> tuple[Prediction, float]:
-            if thr:
-                pred = choose_inflight(p, costs, memory_inflight(graph, p, costs, max_inflight))
-            else:
-                pred = simulate(p, costs, inflight=1)
-            return pred, (pred.throughput if thr else -pred.step_s)
+            # depths and baselines may give the same assignment: simulated once
+            key = tuple(p.assignment)
+            if key not in seen:
+                if thr:
+                    pred = choose_inflight(p, costs, memory_inflight(graph, p, costs, max_inflight))
+                else:
+                    pred = simulate(p, costs, inflight=1)
+                seen[key] = (pred, pred.throughput if thr else -pred.step_s)
+            return seen[key]
 
         # The MILP's pipeline-depth row (T >= latency / depth) is optimistic
         # against the simulated priority schedule, so on two devices, where

@@ -53,37 +53,64 @@ def run_programs(plan: Plan, costs: CostTable, items: int, inflight: int,
     """Simulate ``items`` micro-batches; returns (start, finish) time per item,
     per-device busy seconds and, with ``record``, the events.  Micro-batches
     are admitted in order."""
-    r = run([(plan_programs(plan, costs), inflight)], [items], record, plan.name)
-    return r.start, r.finish, r.busy + [0.0] * (len(plan.devices) - len(r.busy)), r.events
+    return Simulation(plan, costs).run(items, inflight, record)
+
+
+class Simulation:
+    """One plan's programs and its step time, built once for predictions at
+    several micro-batch counts (:func:`.inflight.choose_inflight` asks for
+    1, 2, 4, ...)."""
+
+    def __init__(self, plan: Plan, costs: CostTable) -> None:
+        self.plan, self.costs = plan, costs
+        self.programs = plan_programs(plan, costs)
+        self._one: tuple[float, list[Event]] | None = None
+
+    def run(self, items: int, inflight: int,
+            record: bool = False) -> tuple[list[float], list[float], list[float], list[Event]]:
+        """As :func:`run_programs`."""
+        r = run([(self.programs, inflight)], [items], record, self.plan.name)
+        return r.start, r.finish, r.busy + [0.0] * (len(self.plan.devices) - len(r.busy)), r.events
+
+    def step(self, record: bool = False) -> tuple[float, list[Event]]:
+        """Seconds of one micro-batch alone, and its events when ``record``."""
+        if record:
+            _, one, _, ev = self.run(1, 1, record=True)
+            return one[0], ev
+        if self._one is None:
+            self._one = (self.run(1, 1)[1][0], [])
+        return self._one
+
+    def predict(self, inflight: int, items: int | None = None, record: bool = False) -> Prediction:
+        """See :func:`simulate`."""
+        plan, m = self.plan, inflight
+        n = items or max(16, 8 * m)
+        step, ev1 = self.step(record and m == 1)
+        if m == 1:
+            # One at a time: every micro-batch repeats the first exactly.
+            seg_t = self.programs.seconds
+            busy1 = [sum(e.end - e.start for e in ev1 if e.resource == dev) for dev in plan.devices] \
+                if record else [sum(t for s, t in zip(plan.segments, seg_t) if s.device == d)
+                                for d in range(len(plan.devices))]
+            thr = float("inf") if step == 0 else 1.0 / step
+            return Prediction(step, thr, step, [b / step if step else 0.0 for b in busy1], 1, ev1)
+        st, fin, busy, ev = self.run(n, m, record=record)
+        # Measure between the completions of the first and third quarter: the
+        # pipeline is full there (no fill at the start, no drain at the end).
+        a, b = n // 4, (3 * n) // 4
+        span = fin[b] - fin[a]
+        if span <= 0:
+            thr, lat = (float("inf") if step == 0 else 1.0 / step), step
+        else:
+            thr = (b - a) / span
+            lat = sum(f - s for s, f in zip(st[a:b], fin[a:b])) / (b - a)
+        total = fin[-1] if fin[-1] > 0 else 1.0
+        return Prediction(step, thr, lat, [x / total for x in busy], m, ev)
 
 
 def simulate(plan: Plan, costs: CostTable, inflight: int | None = None, items: int | None = None,
              record: bool = False) -> Prediction:
     """Predict ``plan`` (see module docstring). ``inflight`` defaults to
     ``plan.microbatches``; ``items`` (micro-batches simulated for the steady
-    state) to ``max(8, 4 * inflight)``; the first quarter is warm-up."""
-    m = inflight or plan.microbatches or 1
-    n = items or max(16, 8 * m)
-    _, one, _, ev1 = run_programs(plan, costs, 1, 1, record=record and m == 1)
-    step = one[0]
-    if m == 1:
-        # One at a time: every micro-batch repeats the first exactly.
-        busy1 = [sum(e.end - e.start for e in ev1 if e.resource == dev) for dev in plan.devices] \
-            if record else [sum(t for s, t in zip(plan.segments, segment_times(plan, costs)) if s.device == d)
-                            for d in range(len(plan.devices))]
-        thr = float("inf") if step == 0 else 1.0 / step
-        return Prediction(step, thr, step, [b / step if step else 0.0 for b in busy1], 1, ev1)
-    st, fin, busy, ev = run_programs(plan, costs, n, m, record=record)
-    # Measure between the completions of the first and third quarter: the
-    # pipeline is full there (no fill at the start, no drain at the end).
-    a, b = n // 4, (3 * n) // 4
-    span = fin[b] - fin[a]
-    if span <= 0:
-        thr, lat = (float("inf") if step == 0 else 1.0 / step), step
-    else:
-        thr = (b - a) / span
-        lat = sum(f - s for s, f in zip(st[a:b], fin[a:b])) / (b - a)
-    total = fin[-1] if fin[-1] > 0 else 1.0
-    return Prediction(step, thr, lat, [x / total for x in busy], m, ev)
-
-
+    state) to ``max(16, 8 * inflight)``; the first quarter is warm-up."""
+    return Simulation(plan, costs).predict(inflight or plan.microbatches or 1, items, record)

@@ -69,12 +69,32 @@ class Run:
 
 
 class _Sim:
-    """The event loop of :func:`run` (state of one simulation)."""
+    """The event loop of :func:`run` (state of one simulation).
+
+    Hot loop, so plain lists and ints: programs as ``(op, ref)`` with op 0
+    run, 1 send, 2 recv and transfers renumbered densely per job; channels
+    numbered; a transfer of micro-batch ``i`` is ``i * width + tag`` in the
+    channel queues and the arrived set.  After an event only the device it
+    concerns can newly start a segment (every other one is running or has
+    nothing ready), so only that device is tried."""
 
     def __init__(self, jobs: Sequence[tuple[Programs, int]], items: Sequence[int], record: bool) -> None:
         self.jobs, self.items, self.record = list(jobs), list(items), record
         self.ndev = max(len(p.programs) for p, _ in self.jobs)
-        self.plen = [[len(prog) for prog in p.programs] + [0] * (self.ndev - len(p.programs)) for p, _ in self.jobs]
+        chan: dict[Hashable, int] = {}
+        self.progs, self.xchan, self.xdst, self.xdur, self.xtag = [], [], [], [], []
+        for p, _ in self.jobs:
+            tags = list(p.transfers)
+            dense = {t: n for n, t in enumerate(tags)}
+            ops = {"run": 0, "send": 1, "recv": 2}
+            progs = [[(ops[op], ref if op == "run" else dense[ref]) for op, ref in prog] for prog in p.programs]
+            self.progs.append(progs + [[] for _ in range(self.ndev - len(progs))])
+            self.xchan.append([chan.setdefault(p.transfers[t][0], len(chan)) for t in tags])
+            self.xdst.append([p.transfers[t][1] for t in tags])
+            self.xdur.append([p.transfers[t][2] for t in tags])
+            self.xtag.append(tags)
+        self.chan_key = list(chan)
+        self.width = max(1, max(len(t) for t in self.xtag))
         self.job: list[int] = []          # per admitted micro-batch
         self.ptr: list[list[int]] = [[] for _ in range(self.ndev)]
         self.start: list[float] = []
@@ -83,46 +103,47 @@ class _Sim:
         self.queued: list[list[bool]] = [[] for _ in range(self.ndev)]
         self.admitted = [0] * len(self.jobs)
         self.first: list[list[int]] = [[] for _ in self.jobs]   # per job, its micro-batches' numbers
-        self.arrived: set[tuple[int, int]] = set()
+        self.arrived: set[int] = set()
         self.running = [0] * self.ndev    # 1 + the micro-batch whose segment runs; 0: idle
         self.ready: list[list[int]] = [[] for _ in range(self.ndev)]
         self.busy = [0.0] * self.ndev
-        self.chan_busy: dict = {}
-        self.chan_queue: dict = {}
+        self.chan_busy = [False] * len(chan)
+        self.chan_queue: list[list[int]] = [[] for _ in chan]
         self.events: list[Event] = []
         self.heap: list[tuple[float, int, int, int, int]] = []   # (time, seq, kind 0=done 1=arrive, a, b)
         self.seq = 0
 
-    def push(self, t: float, kind: int, a: int, b: int) -> None:
-        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
-        self.seq += 1
-
-    def start_channel(self, key, now: float) -> None:
-        q = self.chan_queue.get(key)
-        if not q or self.chan_busy.get(key):
+    def start_channel(self, c: int, now: float) -> None:
+        q = self.chan_queue[c]
+        if not q or self.chan_busy[c]:
             return
-        item, tag = heapq.heappop(q)
-        p = self.jobs[self.job[item]][0]
-        dur = p.transfers[tag][2]
-        self.chan_busy[key] = True
-        self.push(now + dur, 1, item, tag)
+        i, t = divmod(heapq.heappop(q), self.width)
+        j = self.job[i]
+        dur = self.xdur[j][t]
+        self.chan_busy[c] = True
+        heapq.heappush(self.heap, (now + dur, self.seq, 1, i, t))
+        self.seq += 1
         if self.record:
-            self.events.append(Event(p.names.get(key, str(key)), "xfer", item, now, now + dur, tag))
+            key = self.chan_key[c]
+            self.events.append(Event(self.jobs[j][0].names.get(key, str(key)), "xfer", i, now, now + dur,
+                                     self.xtag[j][t]))
 
     def step_item(self, d: int, i: int, now: float) -> None:
         """Zero-time steps of micro-batch ``i`` on device ``d``."""
         if self.queued[d][i] or self.running[d] == i + 1:
             return
-        p = self.jobs[self.job[i]][0]
-        prog, n, at = (p.programs[d] if d < len(p.programs) else ()), self.plen[self.job[i]][d], self.ptr[d][i]
+        j = self.job[i]
+        prog = self.progs[j][d]
+        n, at = len(prog), self.ptr[d][i]
+        base = i * self.width
         while at < n:
             op, ref = prog[at]
-            if op == "send":
-                key = p.transfers[ref][0]
-                heapq.heappush(self.chan_queue.setdefault(key, []), (i, ref))
-                self.start_channel(key, now)
-            elif op == "recv":
-                if (i, ref) not in self.arrived:
+            if op == 1:
+                c = self.xchan[j][ref]
+                heapq.heappush(self.chan_queue[c], base + ref)
+                self.start_channel(c, now)
+            elif op == 2:
+                if base + ref not in self.arrived:
                     break
             else:
                 heapq.heappush(self.ready[d], i)
@@ -141,14 +162,15 @@ class _Sim:
             return
         i = heapq.heappop(self.ready[d])
         self.queued[d][i] = False
-        p = self.jobs[self.job[i]][0]
-        sid = p.programs[d][self.ptr[d][i]][1]
-        dur = p.seconds[sid]
+        j = self.job[i]
+        sid = self.progs[j][d][self.ptr[d][i]][1]
+        dur = self.jobs[j][0].seconds[sid]
         self.running[d] = i + 1
         self.busy[d] += dur
-        self.push(now + dur, 0, d, i)
+        heapq.heappush(self.heap, (now + dur, self.seq, 0, d, i))
+        self.seq += 1
         if self.record:
-            self.events.append(Event(p.names.get(d, str(d)), "run", i, now, now + dur, sid))
+            self.events.append(Event(self.jobs[j][0].names.get(d, str(d)), "run", i, now, now + dur, sid))
 
     def admit(self, now: float) -> None:
         for j, (_, slots) in enumerate(self.jobs):
@@ -161,7 +183,7 @@ class _Sim:
                 self.job.append(j)
                 self.start.append(now)
                 self.finish.append(-1.0)
-                self.left.append(sum(1 for n in self.plen[j] if n))
+                self.left.append(sum(1 for prog in self.progs[j] if prog))
                 for d in range(self.ndev):
                     self.ptr[d].append(0)
                     self.queued[d].append(False)
@@ -173,22 +195,25 @@ class _Sim:
 
     def loop(self) -> None:
         self.admit(0.0)
-        while self.heap:
-            now, _, kind, a, b = heapq.heappop(self.heap)
+        heap, pop, running, ptr = self.heap, heapq.heappop, self.running, self.ptr
+        step_item, try_run, start_channel = self.step_item, self.try_run, self.start_channel
+        xchan, xdst, job, arrived, chan_busy, width = self.xchan, self.xdst, self.job, self.arrived, \
+            self.chan_busy, self.width
+        while heap:
+            now, _, kind, a, b = pop(heap)
             if kind == 0:
                 d, i = a, b
-                self.running[d] = 0
-                self.ptr[d][i] += 1
-                self.step_item(d, i, now)
+                running[d] = 0
+                ptr[d][i] += 1
             else:
-                i, tag = a, b
-                key, d, _ = self.jobs[self.job[i]][0].transfers[tag]
-                self.arrived.add((i, tag))
-                self.chan_busy[key] = False
-                self.start_channel(key, now)
-                self.step_item(d, i, now)
-            for dd in range(self.ndev):
-                self.try_run(dd, now)
+                i, t = a, b
+                j = job[i]
+                c, d = xchan[j][t], xdst[j][t]
+                arrived.add(i * width + t)
+                chan_busy[c] = False
+                start_channel(c, now)
+            step_item(d, i, now)
+            try_run(d, now)
 
 
 def run(jobs: Sequence[tuple[Programs, int]], items: Sequence[int], record: bool = False, name: str = "") -> Run:
