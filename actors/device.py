@@ -48,6 +48,7 @@ from typing import Any
 import msgpack
 import torch
 
+from tessera_actors.execution.allow import warm_meta
 from tessera_actors.execution.program import AtenProgram, BackendError
 from tessera_actors.execution.spans import sub_ranges
 from tessera_actors.execution.handoff import Handoff, hub_for
@@ -124,6 +125,9 @@ class DeviceActor(Actor):
         self.open_error = ""
         try:
             self.runner = await self._on_worker(SegmentRunner, self.spec, self.graphs)
+            # installs size their kernels on meta tensors (execution/allow.py): torch's first meta run imports
+            # for seconds - started now, on the worker, so the first install does not wait for all of it
+            asyncio.get_running_loop().run_in_executor(self.worker, warm_meta)
         except Exception as e:   # reported by every install, so the node itself keeps serving
             self.open_error = f"{type(e).__name__}: {e}"
             log.error("%s: cannot open the device: %s", self.spec.name, self.open_error)

@@ -24,6 +24,14 @@ and sends them out as placement messages.
 * Several graphs (the buckets of a served model): ``Place.graph`` names one,
   ``values`` may map graph names to their values, and ``Place.pins`` keeps
   state buffers on the devices they already live on (``planning.pinning``).
+* Placements run one at a time, but beside the mailbox (a deferred reply):
+  a placement that waits on a paused node does not hold up ``GetStats``,
+  ``ReportLost`` or ``Readmit``.  A node reported lost abandons every
+  placement that uses it at once (``PlanError`` naming the node; what it had
+  installed on the others is uninstalled), instead of its asks running into
+  ``install_timeout``; the asker places again on the nodes left.
+* Clean-ups never hold up an answer: a loss's uninstalls go out at once,
+  side by side, and are not waited for; a re-admission's go side by side.
 """
 from __future__ import annotations
 
@@ -70,6 +78,19 @@ class Wire:
         return InstallPlan(plan_id, device, self._graph_bytes, self.plan_bytes(), routes, share)
 
 
+class _Placing:
+    """A placement in progress: the node endpoints it may use, and a future
+    set to the endpoint of the first of them reported lost (abandoned)."""
+
+    def __init__(self, endpoints: set[str]) -> None:
+        self.endpoints = endpoints
+        self.abandoned: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def lose(self, endpoint: str) -> None:
+        if endpoint in self.endpoints and not self.abandoned.done():
+            self.abandoned.set_result(endpoint)
+
+
 @dataclass
 class _Node:
     name: str
@@ -109,11 +130,17 @@ class SchedulerActor(Actor):
         self.reported_lost: set[str] = set()   # node names reported dead by an engine
         self.stale: dict[str, set[tuple[str, str]]] = {}   # endpoint -> (plan, device actor) it held when lost
         self.leases = Leases()   # renewed by this scheduler's LeaseActor
+        self._placings: dict[str, _Placing] = {}   # plan id -> placement in progress
+        self._place_lock: asyncio.Lock | None = None   # placements one at a time
+        self._background: set[asyncio.Task] = set()   # placements and clean-ups under way
 
     async def on_start(self) -> None:
+        self._place_lock = asyncio.Lock()
         await self.system.spawn(LeaseActor(self.leases), self.name + LEASE_SUFFIX)
 
     async def on_stop(self) -> None:
+        for task in self._background:
+            task.cancel()   # a placement must not outlive the scheduler (its asker gets ActorDead)
         try:
             await self.system.ref(self.name + LEASE_SUFFIX).stop()
         except ActorDead:
@@ -171,12 +198,17 @@ class SchedulerActor(Actor):
                 or (n.endpoint != here and self.leases.age(n.name) > self.heartbeat_timeout)]
 
     @handler(ReportLost)
-    async def report_lost(self, msg: ReportLost) -> Ok:
-        """Mark the node at ``endpoint`` lost and uninstall the plans that used
-        it from the surviving devices (their pending steps fail at once)."""
+    def report_lost(self, msg: ReportLost) -> Ok:
+        """Mark the node at ``endpoint`` lost, abandon the placements that
+        would use it, and uninstall the plans that used it from the surviving
+        devices (their pending steps fail at once); the uninstalls are sent
+        now, side by side, and not waited for."""
         names = [n.name for n in self.nodes.values() if n.endpoint == msg.endpoint]
         self.reported_lost.update(names)
         log.warning("node(s) %s at %s reported lost: %s", names, msg.endpoint, msg.reason)
+        for placing in self._placings.values():
+            placing.lose(msg.endpoint)
+        gone = []
         for plan_id, routes in list(self.routes.items()):
             if not any(ep == msg.endpoint for _, ep, _ in routes):
                 continue
@@ -184,13 +216,31 @@ class SchedulerActor(Actor):
                 if ep == msg.endpoint:
                     self.stale.setdefault(ep, set()).add((plan_id, name))
                 else:
-                    try:
-                        await (await self._ref(ep, name)).ask(Uninstall(plan_id), timeout=5)
-                    except Exception as e:  # a second casualty: reported by its own failure
-                        log.warning("could not uninstall %r from %s/%s: %s", plan_id, ep, name, e)
+                    gone.append((ep, name, plan_id))
             self.plans.pop(plan_id, None)
             self.routes.pop(plan_id, None)
+        if gone:
+            self._soon(self._uninstall(gone, "a second casualty: reported by its own failure"))
         return Ok(f"lost: {names}")
+
+    async def _uninstall(self, where: list[tuple[str, str, str]], why: str) -> list[BaseException]:
+        """``Uninstall`` each (endpoint, device actor, plan id), side by side
+        (5 s each at most); the failures, logged."""
+        async def one(ep: str, name: str, plan_id: str) -> None:
+            await (await self._ref(ep, name)).ask(Uninstall(plan_id), timeout=5)
+        results = await asyncio.gather(*(one(*w) for w in where), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for (ep, name, plan_id), r in zip(where, results):
+            if isinstance(r, BaseException):
+                log.warning("could not uninstall %r from %s/%s (%s): %s", plan_id, ep, name, why, r)
+        return failed
+
+    def _soon(self, coro) -> asyncio.Task:
+        """Run ``coro`` beside the mailbox (kept until it ends; cancelled when the scheduler stops)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     @handler(Readmit)
     async def readmit(self, msg: Readmit) -> Ok:
@@ -207,8 +257,10 @@ class SchedulerActor(Actor):
         if (info.node, info.pid) != (node.name, node.pid):
             raise ValueError(f"{msg.endpoint} is {info.node} (pid {info.pid}) now, not the node {node.name} "
                              f"(pid {node.pid}) reported lost")
-        for plan_id, name in sorted(self.stale.get(msg.endpoint, ())):
-            await (await self._ref(msg.endpoint, name)).ask(Uninstall(plan_id), timeout=5)
+        stale = sorted(self.stale.get(msg.endpoint, ()))
+        failed = await self._uninstall([(msg.endpoint, name, plan_id) for plan_id, name in stale], "re-admission")
+        if failed:
+            raise failed[0]
         self.stale.pop(msg.endpoint, None)
         self.reported_lost.discard(node.name)
         self.leases.grant(node.name)
@@ -229,19 +281,35 @@ class SchedulerActor(Actor):
         return {}
 
     @handler(Place)
-    async def place(self, msg: Place) -> Placed:
-        # the graph actor may capture the graph first (a served bucket on first use): seconds, not a round trip
-        blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph, objects=True),
-                                                           timeout=self.install_timeout)
-        graph = blob.graph if isinstance(blob.graph, KernelGraph) else graph_from_bytes(blob.data)
-        lost = set(self.lost_nodes())
-        live = [d for d, (node, _, _) in enumerate(self.inventory) if node not in lost]
-        if msg.devices:
-            live = [d for d in live if d in set(msg.devices)]
-        if not live:
-            raise PlanError("no live devices registered")
+    def place(self, msg: Place) -> asyncio.Future:
+        """Answered when the placement is deployed (a deferred reply: the
+        mailbox keeps serving meanwhile); placements run one at a time."""
+        return self._soon(self._place(msg))
+
+    async def _place(self, msg: Place) -> Placed:
+        async with self._place_lock:
+            # the graph actor may capture the graph first (a served bucket on first use): seconds, not a round trip
+            blob = await self.system.ref(self.graph_actor).ask(GetGraph(msg.graph, objects=True),
+                                                               timeout=self.install_timeout)
+            graph = blob.graph if isinstance(blob.graph, KernelGraph) else graph_from_bytes(blob.data)
+            lost = set(self.lost_nodes())
+            live = [d for d, (node, _, _) in enumerate(self.inventory) if node not in lost]
+            if msg.devices:
+                live = [d for d in live if d in set(msg.devices)]
+            if not live:
+                raise PlanError("no live devices registered")
+            placing = self._placings[msg.plan_id] = _Placing({self.nodes[self.inventory[d][0]].endpoint
+                                                              for d in live})
+            try:
+                return await self._plan_and_deploy(msg, graph, blob.data, live, placing)
+            finally:
+                self._placings.pop(msg.plan_id, None)
+
+    async def _plan_and_deploy(self, msg: Place, graph: KernelGraph, graph_bytes: bytes, live: list[int],
+                               placing: _Placing) -> Placed:
         specs = [self.inventory[d][2] for d in live]
-        plan = await asyncio.to_thread(self.planner.plan, graph, specs, msg.mode)
+        plan = await self._unless_lost(placing, msg.plan_id, asyncio.to_thread(self.planner.plan, graph, specs,
+                                                                                msg.mode))
         where = {(self.nodes[self.inventory[d][0]].endpoint, f"device{self.inventory[d][1]}"): i
                  for i, d in enumerate(live)}
         pins = {name: where[tuple(r)] for name, r in msg.pins.items() if tuple(r) in where}
@@ -250,11 +318,27 @@ class SchedulerActor(Actor):
         if (pins or weights) and not respects(graph, plan.assignment, pins, weights):
             assignment = pinned_assignment(graph, pins, weights)
             plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)
-        placed = await self._deploy(msg.plan_id, graph, plan, live, blob.data, msg.graph, msg.share)
+        placed = await self._deploy(msg.plan_id, graph, plan, live, graph_bytes, placing, msg.graph, msg.share)
         return Placed(placed.plan_id, placed.routes, plan) if msg.objects else placed
 
+    async def _unless_lost(self, placing: _Placing, plan_id: str, aw):
+        """``aw``'s result, unless a node of the placement is reported lost
+        first: then ``aw`` is cancelled and ``PlanError`` says which node."""
+        task = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait({task, placing.abandoned}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise PlanError(f"placement of {plan_id!r} abandoned: the node at {placing.abandoned.result()} "
+                            f"was reported lost while it was placed")
+        return task.result()
+
     async def _deploy(self, plan_id: str, graph: KernelGraph, plan: Plan, devs: list[int],
-                      graph_bytes: bytes = b"", graph_name: str = "", share: str = "") -> Placed:
+                      graph_bytes: bytes, placing: _Placing, graph_name: str = "", share: str = "") -> Placed:
         """Install ``plan`` on its devices and load their values: a device
         actor of this process is given the graph and the plan themselves,
         one elsewhere their bytes (each encoded once, when first needed)."""
@@ -264,11 +348,25 @@ class SchedulerActor(Actor):
             routes.append([i, self.nodes[node].endpoint, f"device{local}"])
         wire = Wire(graph, plan, graph_bytes)
         refs: list[ActorRef] = [await self._ref(ep, name) for _, ep, name in routes]
-        installed = await asyncio.gather(*(ref.ask(wire.install(plan_id, i, routes, share, isinstance(ref, LocalRef)),
-                                                   timeout=self.install_timeout) for i, ref in enumerate(refs)))
-        for node in {self.inventory[d][0] for d in devs}:
-            ref = await self._ref(self.nodes[node].endpoint, "transfer")
-            await ref.ask(Routes(plan_id, routes, list(plan.devices)))
+        try:
+            installed = await self._unless_lost(placing, plan_id, asyncio.gather(
+                *(ref.ask(wire.install(plan_id, i, routes, share, isinstance(ref, LocalRef)), timeout=self.install_timeout)
+                  for i, ref in enumerate(refs))))
+            for node in {self.inventory[d][0] for d in devs}:
+                ref = await self._ref(self.nodes[node].endpoint, "transfer")
+                await self._unless_lost(placing, plan_id, ref.ask(Routes(plan_id, routes, list(plan.devices))))
+            await self._load(plan_id, graph, plan, graph_name, share, refs, installed, placing)
+        except Exception:
+            self._forget_partial(plan_id, routes)
+            raise
+        self.plans[plan_id] = plan
+        self.routes[plan_id] = routes
+        log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])
+        return Placed(plan_id, routes, wire.plan_bytes())
+
+    async def _load(self, plan_id: str, graph: KernelGraph, plan: Plan, graph_name: str, share: str,
+                    refs: list[ActorRef], installed: list, placing: _Placing) -> None:
+        """``LoadValues`` to every device: the weights and state it still needs."""
         values = dict(self._values(graph_name))
         for b, buf in graph.buffers.items():
             if b not in values and buf.role == "weight" and buf.name in self.named_values:
@@ -276,11 +374,20 @@ class SchedulerActor(Actor):
         for i, ref in enumerate(refs):
             need = set(installed[i].need) if share else set(plan.resident[i])
             held = [b for b in plan.resident[i] if b in values and b in need]
-            await ref.ask(LoadValues(plan_id, held, [values[b] for b in held]), timeout=self.install_timeout)
-        self.plans[plan_id] = plan
-        self.routes[plan_id] = routes
-        log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])
-        return Placed(plan_id, routes, wire.plan_bytes())
+            await self._unless_lost(placing, plan_id, ref.ask(LoadValues(plan_id, held, [values[b] for b in held]),
+                                                              timeout=self.install_timeout))
+
+    def _forget_partial(self, plan_id: str, routes: list) -> None:
+        """A deployment that failed or was abandoned: its plan goes from the
+        devices that may hold it (now, not waited for); a node reported lost
+        uninstalls it when it is re-admitted."""
+        lost = {self.nodes[n].endpoint for n in self.lost_nodes()}
+        for _, ep, name in routes:
+            if ep in lost:
+                self.stale.setdefault(ep, set()).add((plan_id, name))
+        live = [(ep, name, plan_id) for _, ep, name in routes if ep not in lost]
+        if live:
+            self._soon(self._uninstall(live, "a placement that did not complete"))
 
     async def _ref(self, endpoint: str, name: str) -> ActorRef:
         if not endpoint or endpoint == self.system.address:

@@ -11,7 +11,6 @@ that does not answer within ``step_timeout`` fails the step.
 from __future__ import annotations
 
 import asyncio
-import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
@@ -22,6 +21,7 @@ import torch
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
 from tessera_actors.cluster import LocalCluster
+from tessera_actors.launch import registry
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.runtime.messages import GetStats, Place
@@ -127,11 +127,7 @@ async def split_on_nodes(graph: KernelGraph, values: dict, nodes: Sequence[str],
         await system.spawn(GraphActor(graph), "graph")
         sched = await system.spawn(SchedulerActor(get_planner(planner), values), "scheduler")
         async with LocalCluster(nodes, scheduler=address, node_args=node_args) as cluster:
-            deadline = time.monotonic() + register_timeout
-            while len((await sched.ask(GetStats())).values["nodes"]) < len(nodes):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nodes did not register with the scheduler within {register_timeout:g} s")
-                await asyncio.sleep(0.05)
+            await registry.registered(sched, len(nodes), register_timeout)
             dep = await sched.ask(Place(plan_id, mode), timeout=120)
             plan = plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
             refs = [await system.remote_ref(ep, name) for _, ep, name in dep.routes]

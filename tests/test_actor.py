@@ -21,8 +21,8 @@ class ActGet:
 
 
 @message
-class ActSleep:
-    seconds: float = 0.0
+class ActBlock:
+    """Handled once the actor's ``gate`` is open (the test opens it): a busy handler."""
 
 
 @message
@@ -39,6 +39,8 @@ class Counter(Actor):
     def __init__(self):
         self.starts = 0
         self.stops = 0
+        self.gate = asyncio.Event()       # ActBlock handlers wait for it
+        self.blocked = asyncio.Event()    # set when an ActBlock handler runs
 
     async def on_start(self):
         self.total = 0
@@ -56,10 +58,11 @@ class Counter(Actor):
     def get(self, msg):
         return self.total
 
-    @handler(ActSleep)
-    async def sleep(self, msg):
-        await asyncio.sleep(msg.seconds)
-        return Ok("slept")
+    @handler(ActBlock)
+    async def block(self, msg):
+        self.blocked.set()
+        await self.gate.wait()
+        return Ok("released")
 
     @handler(ActFail)
     def fail(self, msg):
@@ -110,12 +113,20 @@ async def test_ask_tell_and_ping(system):
 
 async def test_spawn_waits_for_on_start_and_names_are_unique(system):
     class Slow(Actor):
+        def __init__(self):
+            self.starting, self.gate, self.ready = asyncio.Event(), asyncio.Event(), False
+
         async def on_start(self):
-            await asyncio.sleep(0.05)
+            self.starting.set()
+            await self.gate.wait()
             self.ready = True
 
     actor = Slow()
-    await system.spawn(actor, "slow")
+    spawning = asyncio.ensure_future(system.spawn(actor, "slow"))
+    await asyncio.wait_for(actor.starting.wait(), 5)
+    assert not spawning.done()   # on_start has not returned: neither has spawn
+    actor.gate.set()
+    await asyncio.wait_for(spawning, 5)
     assert actor.ready and actor.name == "slow" and actor.system is system
     with pytest.raises(NameTaken):
         await system.spawn(Counter(), "slow")
@@ -134,12 +145,14 @@ async def test_on_start_failure_fails_spawn(system):
 
 
 async def test_ask_timeout(system):
-    ref = await system.spawn(Counter(), "c")
+    actor = Counter()
+    ref = await system.spawn(actor, "c")
     with pytest.raises(AskTimeout):
-        await ref.ask(ActSleep(0.2), timeout=0.05)
-    with pytest.raises(TimeoutError):   # AskTimeout is a TimeoutError
-        await ref.ask(ActSleep(0.2), timeout=0.01)
-    assert await ref.ask(ActAdd(1)) == 1   # still serving after the sleeps
+        await ref.ask(ActBlock(), timeout=0.05)
+    with pytest.raises(TimeoutError):   # AskTimeout is a TimeoutError; this one waits in the mailbox
+        await ref.ask(ActGet(), timeout=0.01)
+    actor.gate.set()
+    assert await ref.ask(ActAdd(1), timeout=5) == 1   # still serving; the timed-out ask was not handled
 
 
 async def test_ask_after_stop_is_actor_dead(system):
@@ -157,10 +170,11 @@ async def test_ask_after_stop_is_actor_dead(system):
 
 
 async def test_pending_and_queued_asks_fail_on_stop(system):
-    ref = await system.spawn(Counter(), "c")
-    running = asyncio.ensure_future(ref.ask(ActSleep(10)))
+    actor = Counter()
+    ref = await system.spawn(actor, "c")
+    running = asyncio.ensure_future(ref.ask(ActBlock()))
     queued = [asyncio.ensure_future(ref.ask(ActAdd())) for _ in range(3)]
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(actor.blocked.wait(), 5)   # the first ask is being handled, the others queue
     await ref.stop()
     for fut in [running, *queued]:
         with pytest.raises(ActorDead):
@@ -168,9 +182,10 @@ async def test_pending_and_queued_asks_fail_on_stop(system):
 
 
 async def test_shutdown_fails_pending_asks(system):
-    ref = await system.spawn(Counter(), "c")
-    pending = asyncio.ensure_future(ref.ask(ActSleep(10)))
-    await asyncio.sleep(0.01)
+    actor = Counter()
+    await system.spawn(actor, "c")
+    pending = asyncio.ensure_future(system.ref("c").ask(ActBlock()))
+    await asyncio.wait_for(actor.blocked.wait(), 5)
     await system.shutdown()
     await system.shutdown()   # idempotent
     with pytest.raises(ActorDead):
@@ -245,8 +260,8 @@ async def test_bounded_mailbox_backpressure(system):
     with pytest.raises(MailboxFull):
         ref.tell_nowait(ActAdd())
     third = asyncio.ensure_future(ref.tell(ActAdd()))
-    await asyncio.sleep(0.02)
-    assert not third.done()     # waits for space
+    with pytest.raises(TimeoutError):   # waits for space
+        await asyncio.wait_for(asyncio.shield(third), 0.02)
     actor.gate.set()
     await blocker
     await third
@@ -266,8 +281,8 @@ async def test_blocked_senders_fail_when_the_actor_stops(system):
     actor, ref, blocker = await busy_with_full_mailbox(system)
     blocked_tell = asyncio.ensure_future(ref.tell(ActAdd()))
     blocked_ask = asyncio.ensure_future(ref.ask(ActGet()))
-    await asyncio.sleep(0.02)
-    assert not blocked_tell.done() and not blocked_ask.done()
+    done, _ = await asyncio.wait({blocked_tell, blocked_ask}, timeout=0.02)
+    assert not done   # both wait for space
     await ref.stop()
     for fut in (blocker, blocked_tell, blocked_ask):
         with pytest.raises(ActorDead):
@@ -278,9 +293,10 @@ async def test_blocked_senders_keep_order_and_a_cancelled_one_gives_way(system):
     actor, ref, blocker = await busy_with_full_mailbox(system, ActAdd(1))
     first = asyncio.ensure_future(ref.tell(ActAdd(100)))
     second = asyncio.ensure_future(ref.tell(ActAdd(10)))
-    await asyncio.sleep(0.02)
+    done, _ = await asyncio.wait({first, second}, timeout=0.02)
+    assert not done   # both wait for space, first in line
     first.cancel()
-    await asyncio.sleep(0)
+    await asyncio.gather(first, return_exceptions=True)   # its cancellation is done: it gave way
     actor.gate.set()
     await blocker
     await asyncio.wait_for(second, 1)
@@ -311,15 +327,22 @@ async def test_stop_from_own_handler(system):
         pass
 
     class Quitter(Actor):
+        def __init__(self):
+            self.stopped = asyncio.Event()
+
         @handler(ActQuit)
         async def quit(self, msg):
             await self.ref.stop()
             return "bye"
 
-    ref = await system.spawn(Quitter(), "q")
+        async def on_stop(self):
+            self.stopped.set()
+
+    actor = Quitter()
+    ref = await system.spawn(actor, "q")
     assert await ref.ask(ActQuit()) == "bye"
-    await asyncio.sleep(0.01)
-    assert not ref.alive
+    await asyncio.wait_for(actor.stopped.wait(), 5)   # its loop ended after the answer, and on_stop ran
+    assert not ref.alive and "q" not in system.actors()
 
 
 # --- deferred replies (a handler returns a future it completes later) -------
@@ -330,11 +353,13 @@ class _Later(Actor):
 
     def __init__(self):
         self.pending = []
+        self.taken = asyncio.Event()   # a Ping was handled (its answer deferred)
 
     @handler(Ping)
     def later(self, msg):
         fut = asyncio.get_running_loop().create_future()
         self.pending.append((fut, msg.payload))
+        self.taken.set()
         return fut
 
     @handler(Ok)
@@ -350,14 +375,16 @@ class _Later(Actor):
 
 async def test_deferred_reply_keeps_the_mailbox_serving():
     async with ActorSystem() as system:
-        ref = await system.spawn(_Later(), "later")
+        actor = _Later()
+        ref = await system.spawn(actor, "later")
         first = asyncio.ensure_future(ref.ask(Ping(b"a"), timeout=5))
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(actor.taken.wait(), 5)
         assert not first.done()
         assert (await ref.ask(Ok("go"), timeout=5)).detail == "released"
         assert (await first).payload == b"a"
+        actor.taken.clear()
         failing = asyncio.ensure_future(ref.ask(Ping(b"b"), timeout=5))
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(actor.taken.wait(), 5)
         await ref.ask(Ok("fail"), timeout=5)
         with pytest.raises(RemoteError, match="released with failure"):
             await failing

@@ -41,9 +41,10 @@ def test_a_worker_that_gives_up_leaves_the_bytes_to_the_event_loop():
         assert h.take(("p", 0, 7), timeout=5, give_up=lambda: True) is None
         assert h.take(("p", 0, 7), timeout=0.001) is None
         waiting = asyncio.ensure_future(h.wait(("p", 0, 7), timeout=30))
-        await asyncio.sleep(0)   # the loop registers its wait first
-        threading.Thread(target=h.put, args=(("p", 0, 7), torch.full((3,), 5, dtype=torch.uint8))).start()
-        data = await waiting
+        # the thread starts after the wait's first step (the loop runs its callbacks in order): the loop waits first
+        sender = threading.Thread(target=h.put, args=(("p", 0, 7), torch.full((3,), 5, dtype=torch.uint8)))
+        asyncio.get_running_loop().call_soon(sender.start)
+        data = await asyncio.wait_for(waiting, 30)
         assert data.tolist() == [5, 5, 5]
         assert h.counts["taken_on_loop"] == 1 and h.counts["taken_on_worker"] == 0 and h.held() == 0
     asyncio.run(main())

@@ -39,8 +39,9 @@ class RemoteFail:
 
 
 @message
-class RemoteSleep:
-    seconds: float = 0.0
+class RemoteWait:
+    """``block``: answered once the test opens the actor's gate (a busy handler)."""
+    block: bool = False
 
 
 @message
@@ -56,7 +57,8 @@ class RemoteBadReply:
 class Summer(Actor):
     async def on_start(self):
         self.calls = 0
-        self.sleeping = asyncio.Event()
+        self.waiting = asyncio.Event()   # a RemoteWait is being handled
+        self.gate = asyncio.Event()
 
     @handler(RemoteSum)
     def sum(self, msg):
@@ -67,10 +69,11 @@ class Summer(Actor):
     def fail(self, msg):
         raise KeyError(msg.text)
 
-    @handler(RemoteSleep)
-    async def sleep(self, msg):
-        self.sleeping.set()
-        await asyncio.sleep(msg.seconds)
+    @handler(RemoteWait)
+    async def wait(self, msg):
+        self.waiting.set()
+        if msg.block:
+            await self.gate.wait()
         return self.calls
 
     @handler(RemoteBadReply)
@@ -96,7 +99,7 @@ async def test_remote_ask_with_tensors(pair):
     assert reply.echo.dtype == torch.bfloat16 and torch.equal(reply.echo, t)
     assert await ref.ask(Ping(b"x")) == Pong(b"x")
     await ref.tell(RemoteSum(torch.ones(2)))
-    assert await ref.ask(RemoteSleep(0)) == 2   # the tell was handled first
+    assert await ref.ask(RemoteWait()) == 2   # the tell was handled first
 
 
 async def test_remote_errors_match_local(pair):
@@ -124,8 +127,9 @@ async def test_remote_timeout_leaves_no_pending_entry(pair):
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
     with pytest.raises(AskTimeout):
-        await ref.ask(RemoteSleep(0.3), timeout=0.05)
+        await ref.ask(RemoteWait(block=True), timeout=0.05)
     assert ref._peer.pending == 0
+    server.summer.gate.set()                 # the handler answers now, late: the answer comes before the Pong
     assert await ref.ask(Ping()) == Pong()   # the late answer was dropped
 
 
@@ -142,8 +146,8 @@ async def test_unreachable_peer_times_out():
 async def test_remote_stop_and_pending_asks(pair):
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
-    pending = asyncio.ensure_future(ref.ask(RemoteSleep(10)))
-    await server.summer.sleeping.wait()
+    pending = asyncio.ensure_future(ref.ask(RemoteWait(block=True)))
+    await asyncio.wait_for(server.summer.waiting.wait(), 10)
     await ref.stop()
     with pytest.raises(ActorDead):
         await pending
@@ -156,8 +160,8 @@ async def test_remote_stop_and_pending_asks(pair):
 async def test_client_shutdown_fails_pending_remote_asks(pair):
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
-    pending = asyncio.ensure_future(ref.ask(RemoteSleep(10)))
-    await server.summer.sleeping.wait()
+    pending = asyncio.ensure_future(ref.ask(RemoteWait(block=True)))
+    await asyncio.wait_for(server.summer.waiting.wait(), 10)
     await client.shutdown()
     with pytest.raises(ActorDead):
         await pending
@@ -166,8 +170,8 @@ async def test_client_shutdown_fails_pending_remote_asks(pair):
 async def test_server_shutdown_answers_pending_remote_asks_with_actor_dead(pair):
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
-    pending = asyncio.ensure_future(ref.ask(RemoteSleep(10), timeout=5))
-    await server.summer.sleeping.wait()
+    pending = asyncio.ensure_future(ref.ask(RemoteWait(block=True), timeout=5))
+    await asyncio.wait_for(server.summer.waiting.wait(), 10)
     await server.shutdown()
     with pytest.raises(ActorDead):
         await asyncio.wait_for(pending, 2)
@@ -186,10 +190,10 @@ class SlowCounter(Actor):
 
     @handler(RemoteCount)
     async def count(self, msg):
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(0.001)   # a slow consumer (the behaviour under test): its 2-slot mailbox fills
         self.seen.append(msg.n)
 
-    @handler(RemoteSleep)
+    @handler(RemoteWait)
     def report(self, msg):
         return self.seen
 
@@ -200,7 +204,7 @@ async def test_remote_tells_to_full_mailbox_are_delivered_in_order(pair):
     ref = await client.remote_ref(address, "slow")
     for n in range(50):
         await ref.tell(RemoteCount(n))
-    assert await ref.ask(RemoteSleep()) == list(range(50))
+    assert await ref.ask(RemoteWait()) == list(range(50))
     assert await (await client.remote_ref(address, "summer")).ask(Ping()) == Pong()
 
 
@@ -237,16 +241,21 @@ def test_local_and_remote_under_uvloop():
 
     async def scenario():
         async with ActorSystem("server") as server, ActorSystem("client") as client:
-            local = await server.spawn(Summer(), "summer")
+            summer = Summer()
+            local = await server.spawn(summer, "summer")
             remote = await client.remote_ref(await server.listen(), "summer")
             for ref in (local, remote):
                 assert (await ref.ask(RemoteSum(torch.ones(3, dtype=torch.bfloat16)))).total == 3.0
                 with pytest.raises(RemoteError):
                     await ref.ask(RemoteFail("x"))
                 with pytest.raises(AskTimeout):
-                    await ref.ask(RemoteSleep(0.2), timeout=0.02)
-            pending = asyncio.ensure_future(remote.ask(RemoteSleep(10)))
-            await asyncio.sleep(0.05)
+                    await ref.ask(RemoteWait(block=True), timeout=0.02)
+                summer.gate.set()
+                assert await ref.ask(Ping(), timeout=5) == Pong()   # behind the released handler
+                summer.gate.clear()
+            summer.waiting.clear()
+            pending = asyncio.ensure_future(remote.ask(RemoteWait(block=True)))
+            await asyncio.wait_for(summer.waiting.wait(), 5)
             await local.stop()
             with pytest.raises(ActorDead):
                 await pending

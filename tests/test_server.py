@@ -178,6 +178,15 @@ BAD = [  # (name, method, path, raw body, expected status, expected param or Non
     ("stop of numbers", "POST", CHAT, _with(stop=[1, 2]), 400, "stop"),
     ("stream not a bool", "POST", CHAT, _with(stream="yes"), 400, "stream"),
     ("seed a float", "POST", CHAT, _with(seed=1.5), 400, "seed"),
+    ("seed beyond int64", "POST", CHAT, _with(seed=2 ** 64), 400, "seed"),
+    ("top_k beyond int64", "POST", CHAT, _with(top_k=2 ** 64, stream=True), 400, "top_k"),
+    ("logit_bias id beyond int64", "POST", CHAT, _with(logit_bias={str(2 ** 64): 1}), 400, "logit_bias"),
+    ("logit_bias id of digits that are not ASCII", "POST", CHAT, _with(logit_bias={"\u00b2": 1}), 400, "logit_bias"),
+    ("lone surrogate in content", "POST", CHAT, _with(messages=[{"role": "user", "content": "a\ud800b"}]), 400,
+     "messages"),
+    ("lone surrogate in a prompt", "POST", COMP, json.dumps({"model": MODEL, "prompt": "\udfff"}).encode(), 400,
+     "prompt"),
+    ("lone surrogate in stop", "POST", CHAT, _with(stop=["x\ud800"]), 400, "stop"),
     ("n beyond 16", "POST", CHAT, _with(n=17), 400, "n"),
     ("best_of above n", "POST", COMP, json.dumps({"model": MODEL, "prompt": "a", "best_of": 3}).encode(), 400,
      "best_of"),
@@ -209,6 +218,17 @@ def test_malformed_request_is_a_json_4xx(server, name, method, path, body, statu
     assert "param" in err and "code" in err
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_lone_surrogates_are_named_and_a_top_p_that_rounds_to_zero_is_greedy(server):
+    for body in (_with(messages=[{"role": "user", "content": "a\ud800b"}]), _with(stop=["x\ud800"])):
+        status, _, data = request(server, "POST", CHAT, body)
+        assert status == 400 and "lone surrogate at character 1" in json.loads(data)["error"]["message"], data
+    greedy = post(server, CHAT, {**OK_CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    tiny = post(server, CHAT, {**OK_CHAT, "max_tokens": 6, "temperature": 1, "top_p": 1e-300, "ignore_eos": True})
+    assert greedy[0] == tiny[0] == 200, tiny[2]
+    text = [json.loads(r[2])["choices"][0]["message"]["content"] for r in (greedy, tiny)]
+    assert text[0] == text[1]
 
 
 def test_still_serving_after_malformed_requests(server, client):

@@ -145,6 +145,27 @@ async def test_bad_requests_are_refused_before_any_work_and_a_full_queue_is_busy
         await g.aclose()
 
 
+async def test_bad_input_is_an_invalid_request_or_served_and_the_engine_serves_on(engine):
+    """A top_p that rounds to 0 keeps the most likely token (the greedy
+    tokens); a seed or top_k past int64 (what node deployments carry) and a
+    lone surrogate in the prompt are ``InvalidRequest`` naming the field."""
+    prompt = "Once upon a time"
+    greedy = (await _tokens(engine, prompt, SamplingParams(max_tokens=6, ignore_eos=True)))[0]
+    tiny = SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-300, seed=3, ignore_eos=True)
+    assert (await _tokens(engine, prompt, tiny))[0] == greedy
+    for params, field in [(SamplingParams(seed=2 ** 64), "seed"), (SamplingParams(top_k=2 ** 64), "top_k")]:
+        with pytest.raises(InvalidRequest) as e:
+            await _tokens(engine, prompt, params)
+        assert e.value.param == field
+    for bad, field in [("a\ud800b", "prompt"), ([{"role": "user", "content": "x\udfffy"}], "messages")]:
+        with pytest.raises(InvalidRequest, match="lone surrogate at character 1") as e:
+            await _tokens(engine, bad, SamplingParams(max_tokens=2))
+        assert e.value.param == field
+        with pytest.raises(InvalidRequest, match="lone surrogate"):
+            engine.count_tokens(bad)
+    assert (await _tokens(engine, prompt, SamplingParams(max_tokens=6, ignore_eos=True)))[0] == greedy
+
+
 async def test_chat_messages_use_the_models_template_and_stop_strings_end_the_reply(engine):
     chat = [{"role": "user", "content": "Say hello"}]
     n = engine.count_tokens(chat)

@@ -41,9 +41,18 @@ def test_sampling_follows_the_distribution_and_respects_top_p():
     assert picks == {0, 1}     # 0.5 + 0.3 reaches top_p 0.7; the tail is never drawn
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 1, 300)
+    rows = [[r, 0, 1.0, top_p, 0, seed, 0] for r in (0, 1) for top_p in (1e-300, 1e-45) for seed in range(5)]
+    assert sample_rows(logits, rows) == [int(logits[r, 0].argmax()) for r in (0, 1) for _ in range(10)]
+
+
 @pytest.mark.parametrize("field,value", [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1),
                                          ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("seed", "x"),
-                                         ("stop", [""]), ("temperature", math.nan), ("max_tokens", True)])
+                                         ("stop", [""]), ("temperature", math.nan), ("max_tokens", True),
+                                         ("seed", 2 ** 64), ("seed", -2 ** 63 - 1), ("top_k", 2 ** 64),
+                                         ("stop", ["a\ud800"]), ("logit_bias", {2 ** 64: 1.0})])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**{field: value}).validate()

@@ -50,18 +50,21 @@ async def test_inbox_writes_chunks_in_any_order_and_reports_waiting():
     stream = torch.arange(10, dtype=torch.uint8)
     out = torch.zeros(10, dtype=torch.uint8)
     writes = []
+    written = asyncio.Event()
 
     async def write(offset, data):
         writes.append(offset)
         out[offset:offset + data.numel()] = data
+        written.set()
     inbox.put(3, 7, 8, stream[8:])        # a chunk ahead of its step, out of order
+    t0 = time.perf_counter()
     task = asyncio.ensure_future(inbox.receive(3, 7, 10, write, timeout=5, what="t7"))
-    await asyncio.sleep(0.05)
-    assert writes == [8]                  # written while the rest is still on its way
+    await asyncio.wait_for(written.wait(), 5)
+    assert writes == [8] and not task.done()   # written while the rest is still on its way
     inbox.put(3, 7, 0, stream[:4])
     inbox.put(3, 7, 4, stream[4:8])
-    waited = await task
-    assert torch.equal(out, stream) and waited >= 0.04
+    waited = await asyncio.wait_for(task, 5)
+    assert torch.equal(out, stream) and 0 < waited <= time.perf_counter() - t0   # it waited for the rest
     assert inbox.pending() == 0
 
 
@@ -129,12 +132,12 @@ def test_link_to_an_unreachable_rendezvous_fails_within_its_timeout():
 
 
 SENDER = textwrap.dedent("""
-    import sys, time, torch
+    import sys, threading, torch
     from actors.links import LinkHub
     hub = LinkHub("127.0.0.1", 30)
     link, seq = hub.send("test", "gloo", torch.arange(16, dtype=torch.uint8), False, lambda d, e: None)
     print(link, hub.store_address, flush=True)
-    time.sleep(120)
+    threading.Event().wait()   # alive, mid-transfer, until the test kills it
 """)
 
 

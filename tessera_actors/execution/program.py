@@ -17,7 +17,7 @@ import torch
 from tessera_actors.graph import dtype_from_name
 from tessera_actors.graph import KernelGraph
 
-from tessera_actors.execution.allow import KernelRefused, check_allocation, default_cap, resolve_allowed
+from tessera_actors.execution.allow import KernelRefused, check_allocation, default_cap, resolve_allowed, signature
 
 
 class BackendError(RuntimeError):
@@ -204,21 +204,27 @@ class AtenProgram:
         return write
 
     # -- kernels --------------------------------------------------------
-    def _arg(self, v: Any) -> Any:
+    def _arg(self, v: Any, meta: bool = False) -> Any:
+        """A kernel's argument record as the op takes it: tensor references
+        as views into the arena, or (``meta``) as meta tensors of their
+        shape, strides and dtype, on the meta device (the allocation check)."""
         if isinstance(v, dict):
             if "t" in v:
+                if meta:
+                    _, _, shape, stride, dt = v["t"]
+                    return torch.empty_strided(shape, stride, dtype=dtype_from_name(dt), device="meta")
                 return self.view(v["t"])
             if "dt" in v:
                 return dtype_from_name(v["dt"])
             if "dev" in v:
-                return self.device
+                return torch.device("meta") if meta else self.device
             if "layout" in v:
                 return _torch_constant(v["layout"], torch.layout)
             if "mf" in v:
                 return _torch_constant(v["mf"], torch.memory_format)
             raise BackendError(f"unknown argument record {v!r}")
         if isinstance(v, list):
-            return [self._arg(x) for x in v]
+            return [self._arg(x, meta) for x in v]
         return v
 
     def bind(self, kid: int) -> Callable[[], None]:
@@ -238,7 +244,8 @@ class AtenProgram:
         op = resolve_op(p["op"])
         args = self._arg(p["args"])
         kwargs = {n: self._arg(v) for n, v in p["kwargs"].items()}
-        check_allocation(p["op"], op, args, kwargs, self.cap)
+        check_allocation(p["op"], op, signature((p["args"], p["kwargs"])), lambda: (
+            self._arg(p["args"], True), {n: self._arg(v, True) for n, v in p["kwargs"].items()}), self.cap)
         copies = [(i, self.view(o["ref"]["t"])) for i, o in enumerate(p["outs"])
                   if o is not None and not o["alias"]]
         if not copies:

@@ -15,9 +15,11 @@ Contract:
 * The detector pings every node every ``heartbeat_s`` and hears from the
   launcher when a node's process ends; a node silent for ``lost_after_s``
   (or exited) is reported through ``on_lost`` at once - the stall is
-  bounded by the detector, not by a step timeout.  :meth:`Deployment.replace`
-  then reports it to the scheduler (which uninstalls the old plans, failing
-  their pending steps) and places every bucket again on the survivors.  A
+  bounded by the detector, not by a step timeout - and to the scheduler
+  (which uninstalls the old plans, failing their pending steps, and abandons
+  a placement under way that uses the node: a re-placement never waits on a
+  node paused meanwhile).  :meth:`Deployment.replace` then places every
+  bucket again on the survivors.  A
   lost node is only suspected (``serving/detector.py``): once it answers
   again the scheduler re-admits it; a node its launcher restarted takes its
   old place at the scheduler.  Either is reported through ``on_back`` and
@@ -43,7 +45,7 @@ from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.devices import parse_devices
 from tessera_actors.launch import registry
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import GetStats, Place, Register, ReportLost, Uninstall
+from tessera_actors.runtime.messages import GetStats, Place, Register, Uninstall
 from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
@@ -101,7 +103,6 @@ class Deployment(Measuring, Stepping):
         self.placed: dict[str, PlacedBucket] = {}
         self._placing: dict[str, asyncio.Future] = {}   # buckets being placed
         self._unplaceable: set[str] = set()             # buckets whose placement failed this generation
-        self.lost: set[str] = set()   # node endpoints suspected (reported lost) and not back
         self.suspects: Suspects | None = None
         self.cluster = None   # a LocalLauncher's LocalCluster (the demo and tests read its processes)
         self.system: ActorSystem | None = None
@@ -161,6 +162,16 @@ class Deployment(Measuring, Stepping):
     def _exited(self, endpoint: str) -> None:
         if endpoint not in self.lost:
             self.on_lost([endpoint])
+            self.suspect([endpoint])
+
+    def suspect(self, endpoints: Sequence[str]) -> asyncio.Future:
+        """:meth:`Suspects.lose`: counted lost now, reported to the scheduler (the future)."""
+        return self.suspects.lose(endpoints)
+
+    @property
+    def lost(self) -> set[str]:
+        """Node endpoints suspected (reported lost) and not back."""
+        return self.suspects.lost if self.suspects is not None else set()
 
     def _back(self, endpoint: str) -> None:
         self._watchers.append(asyncio.get_running_loop().create_task(self._readmit(endpoint)))
@@ -175,8 +186,7 @@ class Deployment(Measuring, Stepping):
             return
         st = (await sched.ask(GetStats())).values
         name = next((n for n, ep in st["endpoints"].items() if ep == endpoint), None)
-        for ep in self.suspects.forget(name, endpoint):
-            self.lost.discard(ep)
+        self.suspects.forget(name, endpoint)
         if endpoint not in self.node_endpoints() and self.on_back is not None:
             self.on_back(endpoint)
 
@@ -364,11 +374,7 @@ class Deployment(Measuring, Stepping):
         the loss need); the others are placed when steps ask for them.
         With no ``lost`` (a restarted node is back), the current plans are
         uninstalled and the buckets placed on every live node the same way."""
-        sched = self.system.ref("scheduler")
-        for ep in lost:
-            self.lost.add(ep)
-            await self.suspects.suspect(ep)
-            await sched.ask(ReportLost(ep, "missed its heartbeats"), timeout=120)
+        await self.suspect(lost)
         if not lost:   # a re-admission: nothing uninstalled the old generation's plans (their steps were dropped)
             asks = [ref.ask(Uninstall(p.plan_id), timeout=5) for p in self.placed.values() for ref in p.refs]
             for r in await asyncio.gather(*asks, return_exceptions=True):
@@ -424,5 +430,6 @@ class Deployment(Measuring, Stepping):
             dead = [ep for ep, ok in zip(eps, alive) if not ok and ep not in self.lost]
             if dead:
                 self.on_lost(dead)
+                self.suspect(dead)   # a placement under way that uses them is abandoned at once
 
 

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 
 from tessera_actors.runtime.actor import ActorRef
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import GetStats, Ping, Readmit
+from tessera_actors.runtime.messages import GetStats, Ping, Readmit, ReportLost
 
 log = logging.getLogger("tessera_actors.serving")
 
@@ -68,8 +68,9 @@ def _retrieved(task: asyncio.Future) -> None:
 
 
 class Suspects:
-    """Suspected node endpoints (by the name they registered under), each
-    watched until it answers again or registers elsewhere.
+    """Suspected node endpoints (``lost``, by the name they registered
+    under), each reported to the scheduler and watched until it answers again
+    or registers elsewhere.
 
     ``sched``: the scheduler; ``ping(endpoint)``: does it answer now;
     ``back(endpoint)``: a suspected node is re-admitted at ``endpoint``.
@@ -81,7 +82,29 @@ class Suspects:
         self.sched, self.ping, self.interval_s, self.back = sched, ping, interval_s, back
         self.names: dict[str, str | None] = {}   # suspected endpoint -> the node name registered there
         self._tasks: dict[str, asyncio.Task] = {}
+        self.lost: set[str] = set()
+        self._reports: dict[str, asyncio.Task] = {}   # endpoint -> its suspicion's report to the scheduler
         self.rejoined = asyncio.Event()
+
+    def lose(self, endpoints) -> asyncio.Future:
+        """Count ``endpoints`` lost now, watch them and report them to the
+        scheduler (``ReportLost``: it abandons the placements under way that
+        use them), once per suspicion; the future is done when every one is
+        reported (a re-placement waits for it, so it never places on them)."""
+        for ep in endpoints:
+            if ep not in self._reports:
+                self.lost.add(ep)
+                task = self._reports[ep] = asyncio.get_running_loop().create_task(self._report(ep))
+                task.add_done_callback(_retrieved)
+        return asyncio.gather(*(self._reports[ep] for ep in endpoints))
+
+    async def _report(self, endpoint: str) -> None:
+        try:
+            await self.suspect(endpoint)
+            await self.sched.ask(ReportLost(endpoint, "missed its heartbeats"), timeout=120)
+        except ActorError as e:
+            log.warning("could not report the suspected node at %s: %s", endpoint, e)
+            raise
 
     async def suspect(self, endpoint: str) -> None:
         """Start watching ``endpoint`` (before it is reported lost: the scheduler still says whose it is)."""
@@ -116,6 +139,8 @@ class Suspects:
         eps = [ep for ep, n in self.names.items() if ep == endpoint or (name is not None and n == name)]
         for ep in eps:
             self.names.pop(ep, None)
+            self.lost.discard(ep)
+            self._reports.pop(ep, None)
             task = self._tasks.pop(ep, None)
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
@@ -123,6 +148,7 @@ class Suspects:
         return eps
 
     def stop(self) -> None:
-        for task in self._tasks.values():
+        for task in (*self._tasks.values(), *self._reports.values()):
             task.cancel()
         self._tasks.clear()
+        self._reports.clear()

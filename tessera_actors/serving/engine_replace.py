@@ -61,7 +61,11 @@ class Replacing:
         try:   # the re-prefills' first buckets at once; decode steps stand in on the reference bucket
             await self.deployment.replace(lost, [self._prefill_bucket(r) for r in self._prefill])
         except Exception as e:
-            raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
+            if not self._lost:
+                raise EngineDead(f"could not re-place after losing {lost}: {e}") from e
+            # another node was lost meanwhile (its placement abandoned): the loop recovers again at once
+            log.warning("re-placement after losing %s gave way to the loss of %s: %s", lost, self._lost, e)
+            return
         self._back -= set(self.deployment.node_endpoints())   # back and placed on already: no second re-placement
         self._readmit = self._readmit and bool(self._back)
         log.warning("re-placed in %.2f s; %d requests continue", time.monotonic() - t0, len(self._prefill))

@@ -30,8 +30,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera_actors.serving.params import INT64_MAX, surrogate_at
+
 MAX_STOP = 4                       # OpenAI's limit on stop sequences
-MAX_SEED = 2 ** 63 - 1
+MAX_SEED = INT64_MAX               # seeds and top_k reach the devices as int64
 ROLES = {"system", "user", "assistant", "developer"}
 
 MAX_N = 16                         # choices per prompt
@@ -165,6 +167,17 @@ def _stop(data: dict) -> list[str]:
         raise bad(f"'stop' takes at most {MAX_STOP} sequences, got {len(v)}", "stop")
     if any(not s for s in v):
         raise bad("'stop' sequences must not be empty", "stop")
+    for s in v:
+        _text(s, "'stop'", "stop")
+    return v
+
+
+def _text(v: str, where: str, param: str) -> str:
+    """``v``, unless it holds a lone surrogate (a ``\\ud800`` escape: no character, it cannot be tokenized)."""
+    at = surrogate_at(v)
+    if at is not None:
+        raise bad(f"{where} holds a lone surrogate at character {at} ({v[at]!r}), which is not text; send the "
+                  f"character itself or a valid surrogate pair", param)
     return v
 
 
@@ -211,7 +224,7 @@ def _common(data: dict, kind: str, prompt: str | list[dict], max_tokens: int | N
     return ApiRequest(kind=kind, model=model, prompt=prompt, max_tokens=max_tokens,
                       temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
                       top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                      top_k=_int(data, "top_k", 0) or 0,
+                      top_k=_int(data, "top_k", 0, INT64_MAX) or 0,
                       seed=_int(data, "seed", -MAX_SEED - 1, MAX_SEED),
                       stop=_stop(data), stream=stream,
                       include_usage=_bool(opts, "include_usage") or _bool(opts, "continuous_usage_stats"),
@@ -238,8 +251,9 @@ def _logits_options(data: dict, kind: str) -> dict:
         if not isinstance(bias, dict) or len(bias) > 300:
             raise bad("'logit_bias' must be an object of at most 300 token ids", "logit_bias")
         parsed = {}
-        for key, value in bias.items():
-            if not str(key).isdigit():
+        for raw, value in bias.items():
+            key = str(raw)
+            if not (key.isascii() and key.isdigit() and len(key) <= 19 and int(key) <= INT64_MAX):
                 raise bad(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
                 raise bad(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")
@@ -257,14 +271,14 @@ def _logits_options(data: dict, kind: str) -> dict:
 
 def _content(v: Any, where: str) -> str:
     if isinstance(v, str):
-        return v
+        return _text(v, f"{where}: 'content'", "messages")
     if isinstance(v, list):            # content parts: text only
         out = []
         for part in v:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad(f"{where}: only text content parts ({{'type': 'text', 'text': ...}}) are supported",
                           "messages")
-            out.append(part["text"])
+            out.append(_text(part["text"], f"{where}: a text part", "messages"))
         return "".join(out)
     raise bad(f"{where}: 'content' must be a string or an array of text parts, got {_json_type(v)}", "messages")
 
@@ -314,6 +328,9 @@ def parse_completion(data: dict) -> ApiRequest:
         raise bad(f"'prompt' holds at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     if any(not x for x in prompts):
         raise bad("'prompt' must not be empty", "prompt")
+    for i, x in enumerate(prompts):
+        if isinstance(x, str):
+            _text(x, "'prompt'" if len(prompts) == 1 else f"'prompt'[{i}]", "prompt")
     req = _common(data, "completion", prompts[0], _int(data, "max_tokens", 1) or 16)
     req.prompts, req.ignored = prompts, ignored
     return req

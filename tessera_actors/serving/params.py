@@ -11,6 +11,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+INT64_MAX = 2 ** 63 - 1   # integers a request sends on to the devices: node deployments carry them as int64
+
+
+def surrogate_at(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text`` (a code point a JSON
+    ``\\ud800`` escape can make, which is no character and cannot be
+    encoded or tokenized), None when there is none."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
 
 class EngineError(RuntimeError):
     """Base of the serving errors."""
@@ -79,14 +92,17 @@ class SamplingParams:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise bad("seed", f"must be an integer or null, got {self.seed!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
+            raise bad("top_k", f"must be an integer in [0, 2**63 - 1], got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -INT64_MAX - 1 <= self.seed <= INT64_MAX):
+            raise bad("seed", f"must be a 64-bit signed integer or null, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "must be a list of non-empty strings")
+        if any(surrogate_at(s) is not None for s in self.stop):
+            raise bad("stop", "a stop string holds a lone surrogate (no character: it can never match)")
         if len(self.stop) > 16:
             raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
         self._validate_logits_options(bad)
@@ -103,7 +119,7 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > 300:
             raise bad("logit_bias", "must map at most 300 token ids to numbers")
         for k, b in self.logit_bias.items():
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT64_MAX:
                 raise bad("logit_bias", f"keys must be token ids, got {k!r}")
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from tessera_actors.serving.params import InvalidRequest
+from tessera_actors.serving.params import InvalidRequest, surrogate_at
 
 
 class Tokenizer:
@@ -87,6 +87,10 @@ def check_messages(messages: Any) -> None:
         if m["role"] not in ("system", "user", "assistant", "tool"):
             raise InvalidRequest(f"messages[{i}].role {m['role']!r} is not one of system, user, assistant, tool",
                                  "messages")
+        at = surrogate_at(m["content"])
+        if at is not None:
+            raise InvalidRequest(f"messages[{i}].content holds a lone surrogate at character {at} "
+                                 f"({m['content'][at]!r}): not text", "messages")
 
 
 class Detokenizer:
@@ -136,6 +140,10 @@ def encode_prompt(prompt, template, tokenizer, vocab_size: int, model_name: str)
     messages to a model without a chat template."""
     if isinstance(prompt, str):
         text = prompt
+        at = surrogate_at(text)
+        if at is not None:
+            raise InvalidRequest(f"the prompt holds a lone surrogate at character {at} ({text[at]!r}): not text",
+                                 "prompt")
     else:
         check_messages(prompt)
         if template is None:
