@@ -93,9 +93,10 @@ class Int4Linear(nn.Module):
         """Take decoded ``Q4_0``/``Q4_1`` blocks ([out, in] values 0..15)."""
         if q.shape != (self.out_features, self.in_features) or kind not in INT4_KINDS:
             raise ValueError(f"Int4Linear {self.out_features}x{self.in_features} cannot take {kind} {q.shape}")
-        zero = (m if m is not None else 0.0) + 8.0 * d                     # (q - 8) * d + zero = d * q + m
+        # torch's (q - 8) * scale + zero: Q4_1 d * q + m with zero = m + 8 d; Q4_0 d * (q - 8) with zero 0
+        zero = m + 8.0 * d if kind == "Q4_1" else np.zeros_like(d)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
-        sz = np.stack([d.T, np.broadcast_to(zero, d.shape).T], axis=-1)
+        sz = np.stack([d.T, zero.T], axis=-1)
         self.weight_int4.copy_(packed)
         self.scales_zeros.copy_(torch.from_numpy(np.ascontiguousarray(sz)))
 
