@@ -10,7 +10,13 @@ import torch
 from tessera_actors.capture import capture_module
 from tessera_actors.execution.allow import check_allocation, resolve_allowed
 from tessera_actors.execution.program import AtenProgram, other_device_op
-from tessera_actors.models.quant import Int4Linear, Int8Embedding, Int8Linear, decode_blocks, dequantize
+from tessera_actors.models.quant import (
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    decode_blocks,
+    dequantize,
+)
 
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
 
@@ -140,8 +146,8 @@ def test_quantized_weights_are_refused_where_their_kernels_cannot_run():
 async def test_quantized_smollm2_is_served_split_like_one_device_in_a_quarter_of_the_bytes():
     from tessera_actors import AsyncEngine, SamplingParams
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    cfg = dict(model="smollm2", size="tiny", max_seqs=2, max_model_len=128, prefill_buckets=(16, 64),
-               kv_windows=(), embeddings=False)
+    cfg = {"model": "smollm2", "size": "tiny", "max_seqs": 2, "max_model_len": 128, "prefill_buckets": (16, 64),
+               "kv_windows": (), "embeddings": False}
     got = {}
     for weights in ("quantized", "dense"):
         for devices in ("cpu", "cpu,cpu"):
