@@ -136,14 +136,22 @@ def load_smollm2(size: str = "real", dtype: torch.dtype = torch.float32,
     cfg = LlamaConfig.smollm2_135m(**overrides)
     if not cfg.tie_embeddings:
         raise ValueError("SmolLM2 ties its embeddings; tie_embeddings=False is not supported")
-    with torch.device("meta" if meta else "cpu"):
+    with torch.device("meta"):   # nothing initialised that the file replaces
         model = Llama(cfg)
+    if meta:
         if weights == "quantized":
-            _quantize(model, cfg, load=not meta)
-    if not meta:
+            with torch.device("meta"):
+                _quantize(model, cfg, load=False)
+    else:
+        model = model.to_empty(device="cpu")   # uninitialised memory: every tensor is set below
+        if weights == "quantized":
+            with torch.device("cpu"):
+                _quantize(model, cfg, load=True)
         with torch.no_grad():
             for name, param in model.named_parameters():   # (tied: the embedding's name only)
                 param.copy_(torch.from_numpy(_dense(name, cfg)))
+        model.decoder.reset_constants()
+        model.reset_state()
         model = model.to(device)
     cast_model(model, dtype)
     if weights == "quantized":
