@@ -270,7 +270,7 @@ async def test_a_transformers_llama_with_smollm2s_real_weights_is_served_split_l
     params = SamplingParams(max_tokens=12)
     chat = [{"role": "user", "content": "Name a color."}]
     cfg = dict(devices="cpu,cpu", max_seqs=2, max_model_len=256, prefill_buckets=(16, 64), kv_windows=())
-    async with AsyncEngine(model="smollm2", size="tiny", weights="dense", **cfg) as ours:   # our Llama, 2 layers
+    async with AsyncEngine(model="smollm2", size="tiny", **cfg) as ours:      # our Llama, first 2 layers
         want = await _tokens(ours, chat, params)
     async with AsyncEngine(model="hf:smollm2", overrides={"num_hidden_layers": 2}, **cfg) as theirs:
         got = await _tokens(theirs, chat, params)

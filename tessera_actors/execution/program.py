@@ -8,7 +8,6 @@ calling thread (device actors call it from their worker thread).
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import sys
 from typing import Any, Callable, Iterable, Sequence
@@ -72,13 +71,6 @@ def other_device_op(name: str, device_type: str) -> str | None:
     op = name.split(".")[1] if name.count(".") >= 1 else name
     kind = next((kind for kind, marks in _ONLY_ON.items() if any(m in op for m in marks)), None)   # cpu first
     return kind if kind not in (None, device_type) else None
-
-
-def direct_call(op):
-    """The C++ callable behind an ``OpOverload`` (``op._op``): the same
-    kernel without ``OpOverload.__call__``'s Python frame (on a CPU, where
-    the host runs every kernel, each frame is paid per kernel per step)."""
-    return getattr(op, "_op", op)
 
 
 def resolve_op(name: str):
@@ -256,22 +248,18 @@ class AtenProgram:
             self._arg(p["args"], True), {n: self._arg(v, True) for n, v in p["kwargs"].items()}), self.cap)
         copies = [(i, self.view(o["ref"]["t"])) for i, o in enumerate(p["outs"])
                   if o is not None and not o["alias"]]
-        call = functools.partial(direct_call(op), *args, **kwargs)
         if not copies:
-            return call
+            return lambda: op(*args, **kwargs)
         if len(p["outs"]) == 1:
-            copy_into = copies[0][1].copy_
+            dst = copies[0][1]
 
             def run_one() -> None:
-                copy_into(call())
+                dst.copy_(op(*args, **kwargs))
             into = out_variant(op)
-            if into is None:
-                return run_one
-            return _Into(into, args, kwargs, copies[0][1], run_one,
-                         ready=functools.partial(self._bound.__setitem__, kid))
+            return run_one if into is None else _Into(into, args, kwargs, dst, run_one)
 
         def run_many() -> None:
-            res = call()
+            res = op(*args, **kwargs)
             for i, d in copies:
                 d.copy_(res[i])
         return run_many
@@ -279,10 +267,8 @@ class AtenProgram:
     def run_kernels(self, kernel_ids: Iterable[int]) -> None:
         """The kernels, one after the other, on the current stream (what a
         device's runner captures and replays as one unit)."""
-        bound = self._bound
         for kid in kernel_ids:
-            fn = bound.get(kid)
-            (fn if fn is not None else self.bind(kid))()
+            self.bind(kid)()
 
     def run(self, kernel_ids: Iterable[int]) -> None:
         """The kernels, eagerly (a device actor runs them through its runner)."""
@@ -294,16 +280,12 @@ class _Into:
     that the op wrote into the buffer as it is - same storage, offset, shape
     and strides (a resize would detach the view from the arena) - and if
     not, restores the view and falls back to the result-and-copy run for
-    good.  ``ready`` (optional) is handed the run into the buffer as one
-    C-level call once the first run proved it (the program binds the kernel
-    to it: no frame of this class per step)."""
+    good."""
 
-    __slots__ = ("fn", "into", "args", "kwargs", "dst", "copy", "ready")
+    __slots__ = ("fn", "into", "args", "kwargs", "dst", "copy")
 
-    def __init__(self, into, args, kwargs, dst: torch.Tensor, copy: Callable[[], None],
-                 ready: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def __init__(self, into, args, kwargs, dst: torch.Tensor, copy: Callable[[], None]) -> None:
         self.into, self.args, self.kwargs, self.dst, self.copy = into, args, kwargs, dst, copy
-        self.ready = ready
         self.fn = self._first
 
     def __call__(self) -> None:
@@ -322,8 +304,6 @@ class _Into:
             ok = False
         if ok:
             self.fn = self._run
-            if self.ready is not None:
-                self.ready(functools.partial(direct_call(self.into), *self.args, **self.kwargs, out=self.dst))
             return
         d.set_(storage, where[1], where[2], where[3])
         self.fn = self.copy

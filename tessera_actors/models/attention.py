@@ -67,9 +67,6 @@ class CachedAttention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
-        # one projection to [q | k | v] (None unless a loader sets it, with wq/wk/wv None): two kernels
-        # fewer a layer, and RoPE rotates q and k as one tensor
-        self.wqkv: nn.Module | None = None
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.row_base = 0  # without ``rows``: the batch uses cache rows row_base .. row_base+B-1
         self.kv_window = 0  # > 0: read only the first kv_window slots (every position of the step is below it)
@@ -78,23 +75,15 @@ class CachedAttention(nn.Module):
         register_state(self, "k_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
         register_state(self, "v_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
 
-    def _write(self, k: Tensor, v: Tensor, positions: Tensor, rows: Tensor | None,
-               shared: dict | None = None) -> tuple[Tensor, Tensor]:
-        """Store the new keys/values; return the cache rows of this batch.
-        ``shared``: the step's dict of values every layer reads (the cache
-        rows written, without ``rows``)."""
+    def _write(self, k: Tensor, v: Tensor, positions: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Store the new keys/values; return the cache rows of this batch."""
         B, T = positions.shape
         if rows is None:
             base = self.row_base
             if base + B > self.k_cache.shape[0]:
                 raise ValueError(f"rows {base}..{base + B - 1} exceed the KV cache's max_batch {self.k_cache.shape[0]}")
             k_cache, v_cache = self.k_cache[base:base + B], self.v_cache[base:base + B]
-            key = ("rows", B, T, base, k.device)
-            where = shared.get(key) if shared is not None else None
-            if where is None:
-                where = (torch.arange(B, device=k.device) + base)[:, None].expand(B, T)
-                if shared is not None:
-                    shared[key] = where
+            where = (torch.arange(B, device=k.device) + base)[:, None].expand(B, T)
         else:
             k_cache, v_cache = self.k_cache, self.v_cache
             where = rows[:, None].expand(B, T)
@@ -146,9 +135,12 @@ class CachedAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor,
                 rows: Tensor | None = None, masks: dict | None = None) -> Tensor:
         B, T, _ = x.shape
-        G = self.n_heads // self.n_kv_heads
-        q, k, v = self._project(x, cos, sin)
-        k_cache, v_cache = self._write(k, v, positions, rows, masks)
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        G = H // KV
+        q = apply_rope(self.wq(x).view(B, T, H, hd), cos, sin)
+        k = apply_rope(self.wk(x).view(B, T, KV, hd), cos, sin)
+        v = self.wv(x).view(B, T, KV, hd)
+        k_cache, v_cache = self._write(k, v, positions, rows)
         k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
         # ``masks``: one dict per forward, shared by the layers - the mask of a step is the same in every
         # layer of one shape (sinks are per layer: never shared)
@@ -161,17 +153,6 @@ class CachedAttention(nn.Module):
             if shared:
                 masks[key] = mask
         return self._attend(q, k_cache, v_cache, mask, B, T)
-
-    def _project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B,T,H,hd] and k [B,T,KV,hd] rotated, v [B,T,KV,hd]."""
-        B, T, _ = x.shape
-        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        if self.wqkv is None:
-            return (apply_rope(self.wq(x).view(B, T, H, hd), cos, sin),
-                    apply_rope(self.wk(x).view(B, T, KV, hd), cos, sin), self.wv(x).view(B, T, KV, hd))
-        qkv = self.wqkv(x)
-        qk = apply_rope(qkv[..., :(H + KV) * hd].view(B, T, H + KV, hd), cos, sin)
-        return qk[:, :, :H], qk[:, :, H:], qkv[..., (H + KV) * hd:].view(B, T, KV, hd)
 
     def _attention_mask(self, positions: Tensor, dtype: torch.dtype, B: int, T: int) -> Tensor:
         """The mask in the form the attention call takes: [B, 1, T, S] for

@@ -152,42 +152,31 @@ def rope_inv_freq(head_dim: int, theta: float, llama3_scaling: dict | None = Non
 
 
 def rope_tables(max_pos: int, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
-    """cos/sin tables of shape [max_pos, head_dim] (float32), in the form
-    :func:`apply_rope` takes: ``cos`` repeated over both halves, ``sin`` negated
-    over the first half (``[-sin, sin]``)."""
+    """cos/sin tables of shape [max_pos, head_dim // 2] (float32)."""
     angles = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` [B, T, H, D] in the half-split ("rotate_half") layout with
-    ``cos``/``sin`` [B, T, D] (:func:`rope_tables`' form) already gathered at
-    the token positions: ``x * cos + rotate_half(x) * sin``, four kernels
-    (the same values, bit for bit, as ``[x1 c - x2 s, x2 c + x1 s]``)."""
+    ``cos``/``sin`` [B, T, D/2] already gathered at the token positions."""
     half = x.shape[-1] // 2
     xf = x.float()
-    rotated = torch.cat([xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, :, None, :] + rotated * sin[:, :, None, :]).to(x.dtype)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
-    """Llama feed-forward: down(silu(gate(x)) * up(x)).  ``gate_up`` (None
-    unless a loader sets it, with ``gate`` and ``up`` None): one projection
-    to [gate | up], a kernel fewer a layer."""
+    """Llama feed-forward: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.hidden = hidden
         self.gate = nn.Linear(dim, hidden, bias=False)
         self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
-        self.gate_up: nn.Module | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up is not None:
-            both = self.gate_up(x)
-            return self.down(F.silu(both[..., :self.hidden]) * both[..., self.hidden:])
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 

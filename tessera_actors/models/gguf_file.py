@@ -6,8 +6,7 @@ well under a second. The ``gguf`` package is still used to dequantise blocks.
 
 ``GGUFFile(path)``: ``.metadata`` (key -> int/float/bool/str/list, numeric
 arrays as numpy), ``.tensor_names()``, ``.tensor(name) -> float32 ndarray`` in
-numpy order (``[rows, cols]`` = llama.cpp ``[ne1, ne0]``); ``.kind(name)`` (``"Q4_1"``,
-``"F32"``, ...) and ``.blocks(name)``: its bytes as they are in the file, a row a line.
+numpy order (``[rows, cols]`` = llama.cpp ``[ne1, ne0]``).
 """
 from __future__ import annotations
 
@@ -79,36 +78,19 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def kind(self, name: str) -> str:
-        """The GGML type name of tensor ``name`` (``"Q4_1"``, ``"Q8_0"``, ``"F32"``, ...)."""
-        from gguf.constants import GGMLQuantizationType
-        return GGMLQuantizationType(self._info(name)[1]).name
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._info(name)[0]))
-
-    def _info(self, name: str) -> tuple:
-        if name not in self._tensors:
-            raise KeyError(f"tensor {name!r} not in {self.path}")
-        return self._tensors[name]
-
-    def blocks(self, name: str) -> np.ndarray:
-        """Tensor ``name``'s bytes as stored: uint8 ``[rows, row_bytes]`` (a
-        read-only view of the mapping; rows = all dims but the innermost)."""
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-        _, qtype, offset = self._info(name)
-        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
-        shape = self.shape(name)
-        row_bytes = shape[-1] // block * type_size
-        n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        return self._data[offset:offset + n_rows * row_bytes].reshape(n_rows, row_bytes)
-
     def tensor(self, name: str) -> np.ndarray:
         """Dequantised float32 copy of tensor ``name`` (shape ``dims[::-1]``)."""
-        from gguf.constants import GGMLQuantizationType  # noqa: PLC0415
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415
         from gguf.quants import dequantize  # noqa: PLC0415
 
-        raw = self.blocks(name)
-        kind = GGMLQuantizationType(self._info(name)[1])
-        out = np.ascontiguousarray(dequantize(raw, kind), dtype=np.float32).reshape(self.shape(name))
+        if name not in self._tensors:
+            raise KeyError(f"tensor {name!r} not in {self.path}")
+        dims, qtype, offset = self._tensors[name]
+        kind = GGMLQuantizationType(qtype)
+        block, type_size = GGML_QUANT_SIZES[kind]
+        shape = tuple(int(d) for d in reversed(dims))
+        row_bytes = shape[-1] // block * type_size
+        n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        raw = self._data[offset:offset + n_rows * row_bytes].reshape(n_rows, row_bytes)
+        out = np.ascontiguousarray(dequantize(raw, kind), dtype=np.float32).reshape(shape)
         return out if out.flags.writeable else out.copy()  # never a view of the mapping

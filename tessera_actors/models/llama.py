@@ -118,22 +118,10 @@ class LlamaDecoder(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        cos, sin = self._rope()
+        cos, sin = rope_tables(cfg.max_seq, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.pool = False
-
-    def _rope(self) -> tuple[Tensor, Tensor]:
-        cfg = self.cfg
-        return rope_tables(cfg.max_seq, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-
-    @torch.no_grad()
-    def reset_constants(self) -> None:
-        """Recompute the RoPE tables in place (for a decoder built on the meta
-        device and then given uninitialised memory: ``to_empty``)."""
-        cos, sin = self._rope()
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
 
     def forward(self, h: Tensor, positions: Tensor, rows: Tensor | None = None,
                 last: Tensor | None = None) -> Tensor:

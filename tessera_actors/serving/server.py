@@ -248,8 +248,8 @@ async def serve(cfg: ServeConfig, stop: asyncio.Event | None = None) -> None:
             bar.ready()
             gc.freeze()
             frozen = loop.create_task(_freeze_when_placed(eng))
-            print(f"tessera serve: ready http://{cfg.host}:{port} model {app[STATE].model_name}, "
-                  f"{eng.stats()['weights']} weights (chat page at /, OpenAI API at /v1)", flush=True)
+            print(f"tessera serve: ready http://{cfg.host}:{port} model {app[STATE].model_name} "
+                  f"(chat page at /, OpenAI API at /v1)", flush=True)
             await stopped
     finally:
         stopped.cancel()
