@@ -156,6 +156,9 @@ def meta_bytes(name: str, fn, args: list, kwargs: dict) -> int | str:
         with torch.device("meta"):
             out = fn(*args, **kwargs)
     except Exception as e:   # noqa: BLE001 - whatever a meta kernel raises, the size is unknown
+        wide = _bf16_sized(fn, args, kwargs)
+        if wide is not None:
+            return wide
         bound = _data_sized(name, args, kwargs)
         if bound is not None:
             return bound
@@ -169,6 +172,33 @@ def meta_bytes(name: str, fn, args: list, kwargs: dict) -> int | str:
         if r.alias_info is None:   # not a view of an argument, nor the argument written in place
             fresh += sum(t.numel() * t.element_size() for t in _tensors(o))
     return fresh + grown
+
+
+def _bf16_sized(fn, args: list, kwargs: dict) -> int | None:
+    """Fresh output bytes of ``fn`` from a meta run with its floating tensors
+    in bfloat16, counted at the widest floating input's element size: some
+    meta kernels take bf16 only (``aten._grouped_mm``) while the CPU kernel
+    runs float32 too.  None when that run fails as well."""
+    floats = [t for t in _tensors((args, kwargs)) if t.is_floating_point()]
+    if not floats or all(t.dtype == torch.bfloat16 for t in floats):
+        return None
+    wide = max(t.element_size() for t in floats)
+
+    def cast(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(torch.bfloat16) if v.is_floating_point() else v
+        if isinstance(v, (list, tuple)):
+            return type(v)(cast(x) for x in v)
+        return v
+    try:
+        with torch.device("meta"):
+            out = fn(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+    except Exception:   # noqa: BLE001 - the size stays unknown
+        return None
+    returns = fn._schema.returns
+    outs = out if isinstance(out, (tuple, list)) and len(returns) != 1 else [out]
+    return sum(t.numel() * (wide if t.is_floating_point() else t.element_size())
+               for r, o in zip(returns, outs) if r.alias_info is None for t in _tensors(o))
 
 
 def _on_meta_device(fn, args: list, kwargs: dict) -> tuple[list, dict]:
