@@ -322,10 +322,5 @@ class HandshakeWatch:
 
     def close(self) -> None:
         """Stop watching (before the watched socket closes); idempotent."""
-        if self._chan.closed:
-            return
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._chan.close()
+        from transport.channel import close_monitor
+        close_monitor(self._sock, self._chan)

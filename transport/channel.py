@@ -161,3 +161,15 @@ class Channel:
                 waiter.cancel()
         self._outbox.clear()
         self._sock.close(linger=0)
+
+
+def close_monitor(sock: zmq.Socket, chan: "Channel | None") -> None:
+    """Stop a socket's monitor and close the channel reading it (before the
+    watched socket closes); idempotent."""
+    if chan is None or chan.closed:
+        return
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    chan.close()

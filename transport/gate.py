@@ -149,13 +149,8 @@ class ConnectionGate:
             pass
 
     def close(self) -> None:
-        if self._chan is None or self._chan.closed:
-            return
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._chan.close()
+        from transport.channel import close_monitor
+        close_monitor(self._sock, self._chan)
 
 
 def _addresses(fd: int) -> tuple | None:

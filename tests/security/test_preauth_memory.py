@@ -11,10 +11,8 @@ import time
 
 import pytest
 
-from tessera_actors.cluster import LocalCluster
 from tessera_actors.runtime.messages import Ping, Pong
 from tessera_actors.serving.launch import rss_bytes
-from transport.system import ActorSystem
 
 MiB = 1 << 20
 GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31
@@ -60,13 +58,10 @@ def hung_up(socks: list, want: int, timeout: float) -> int:
 
 
 @pytest.fixture
-async def node():
-    async with ActorSystem("peer") as system, LocalCluster(["cpu"]) as cluster:
-        n = cluster.nodes[0]
-        ref = await system.remote_ref(n.endpoint, "node")
-        assert await ref.ask(Ping(b"warm"), timeout=30) == Pong(b"warm")
-        host, port = n.endpoint[len("tcp://"):].rsplit(":", 1)
-        yield ref, n.proc.pid, host, int(port)
+async def node(warm_node):
+    _, n, ref = warm_node
+    host, port = n.endpoint[len("tcp://"):].rsplit(":", 1)
+    return ref, n.proc.pid, host, int(port)
 
 
 async def test_a_frame_declaring_1_gib_before_the_handshake_costs_the_node_nothing(node):

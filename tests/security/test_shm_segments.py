@@ -13,7 +13,6 @@ import torch
 import zmq
 import zmq.asyncio
 
-from tessera_actors.cluster import LocalCluster
 from tessera_actors.runtime.actor import Actor
 from tessera_actors.runtime.messages import ErrorReply, Ping, Pong
 from tessera_actors.serving.launch import rss_bytes
@@ -34,21 +33,18 @@ SHM_HEADER = bytes([*codec.MAGIC, codec.PROTOCOL_VERSION, 1 | shm.FLAG_SHM])
 
 
 @pytest.fixture
-async def node():
-    async with ActorSystem("peer") as system, LocalCluster(["cpu"]) as cluster:
-        n = cluster.nodes[0]
-        ref = await system.remote_ref(n.endpoint, "node")
-        assert await ref.ask(Ping(b"warm"), timeout=30) == Pong(b"warm")
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        auth.secure_client(sock, system.keys)   # authenticated, but hostile
-        sock.connect(n.endpoint)
-        try:
-            yield ref, n.proc.pid, sock
-        finally:
-            sock.close()
-            ctx.term()
+async def node(warm_node):
+    system, n, ref = warm_node
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    auth.secure_client(sock, system.keys)   # authenticated, but hostile
+    sock.connect(n.endpoint)
+    try:
+        yield ref, n.proc.pid, sock
+    finally:
+        sock.close()
+        ctx.term()
 
 
 async def until_answer(sock, rid: int) -> tuple[list, Envelope, object]:
