@@ -165,13 +165,17 @@ def meta_bytes(name: str, fn, args: list, kwargs: dict) -> int | str:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         return f"its output sizes cannot be known before it runs ({type(e).__name__}: {why})"
     grown = sum(max(0, t.untyped_storage().nbytes() - n) for t, n in zip(tensors, before))
+    return _fresh_bytes(fn, out) + grown
+
+
+def _fresh_bytes(fn, out, float_size: int = 0) -> int:
+    """Bytes of the results of ``fn`` (its output ``out``) that are not a
+    view of an argument nor an argument written in place; ``float_size``:
+    count floating results at that element size instead of their own."""
     returns = fn._schema.returns
     outs = out if isinstance(out, (tuple, list)) and len(returns) != 1 else [out]
-    fresh = 0
-    for r, o in zip(returns, outs):
-        if r.alias_info is None:   # not a view of an argument, nor the argument written in place
-            fresh += sum(t.numel() * t.element_size() for t in _tensors(o))
-    return fresh + grown
+    return sum(t.numel() * (float_size if float_size and t.is_floating_point() else t.element_size())
+               for r, o in zip(returns, outs) if r.alias_info is None for t in _tensors(o))
 
 
 def _bf16_sized(fn, args: list, kwargs: dict) -> int | None:
@@ -195,10 +199,7 @@ def _bf16_sized(fn, args: list, kwargs: dict) -> int | None:
             out = fn(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
     except Exception:   # noqa: BLE001 - the size stays unknown
         return None
-    returns = fn._schema.returns
-    outs = out if isinstance(out, (tuple, list)) and len(returns) != 1 else [out]
-    return sum(t.numel() * (wide if t.is_floating_point() else t.element_size())
-               for r, o in zip(returns, outs) if r.alias_info is None for t in _tensors(o))
+    return _fresh_bytes(fn, out, wide)
 
 
 def _on_meta_device(fn, args: list, kwargs: dict) -> tuple[list, dict]:
