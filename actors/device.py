@@ -54,7 +54,7 @@ from tessera_actors.execution.spans import sub_ranges
 from tessera_actors.execution.handoff import Handoff, hub_for
 from tessera_actors.execution.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
-from tessera_actors.execution.sharing import Shares
+from tessera_actors.execution.sharing import Shares, scratch_layout
 from tessera_actors.execution.streaming import program_for, staging_of, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
@@ -175,11 +175,14 @@ class DeviceActor(Actor):
         slots, slot_bytes = staging_of(plan, d)
         have = shares.ring(msg.share, slots, slot_bytes, msg.plan_id) if streamed else None
 
+        scratch = scratch_layout(graph, plan, d)
+
         def build() -> tuple[AtenProgram, Any]:
-            # one staging ring and one host home per weight serve the whole share group; the plan's own
-            # buffers get what the group's leave of the budget
+            # one staging ring and one host home per weight serve the whole share group, one scratch every
+            # plan's segment-local temporaries; the plan's own buffers get what these leave of the budget
             shared, homes, ring, left = shares.allocate(graph, keys, home_keys, have, slots, slot_bytes,
-                                                        self.runner.device, self.runner.backend, self.spec.mem)
+                                                        self.runner.device, self.runner.backend, self.spec.mem,
+                                                        scratch, self.runner.recapture)
             prog = program_for(cls, graph, plan, d, self.runner, left, shared, self.spec.slow, ring, homes)
             for s in mine:
                 for k in s.kernels:
@@ -243,9 +246,11 @@ class DeviceActor(Actor):
         own = sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
                       **self._streaming_stats(),
-                      **self.handoff.counts, "shared_bytes": sh.device_bytes() - sh.staging_bytes(),
+                      **self.handoff.counts,
+                      "shared_bytes": sh.device_bytes() - sh.staging_bytes() - sh.scratch_bytes(),
                       "staging_bytes": sh.staging_bytes(), "home_bytes": sum(t.numel() for t in sh.homes.values()),
-                      # what this device allocated: shared weights and state, staging, every plan's own buffers
+                      "scratch_bytes": sh.scratch_bytes(), "plan_bytes": own,
+                      # what this device allocated: shared weights and state, staging, scratch, every plan's own
                       "allocated_bytes": sh.device_bytes() + own})
 
     def _streaming_stats(self) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def dtype_name(dt) -> str:
     return str(dt).removeprefix("torch.")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Buffer:
     """One allocation. ``nbytes`` is its size; ``dtype``/``shape`` describe
     the tensor it was created for (informational: kernels carry their own
@@ -83,7 +83,7 @@ class Buffer:
             raise GraphError(f"buffer {self.id}: negative size {self.nbytes}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Access:
     """Bytes ``[start, end)`` of buffer ``buffer`` read and/or written."""
 
@@ -105,7 +105,7 @@ class Access:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Kernel:
     """One kernel launch in program order.
 
@@ -139,7 +139,7 @@ class Kernel:
                 raise GraphError(f"kernel {self.id}: unknown access mode {a.mode!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Edge:
     """``src`` must run before ``dst``. For RAW edges ``ranges`` are the bytes
     of ``buffer`` that ``dst`` needs from ``src``."""
@@ -265,6 +265,12 @@ class KernelGraph:
             self._edges = compute_edges(self.kernels, self.buffers)
         return self._edges
 
+    def forget_edges(self) -> None:
+        """Drop the derived edges (:attr:`edges` computes them again when
+        asked): a served bucket's graph needs them to be placed, not to run,
+        and a real-size model's take over a megabyte a bucket."""
+        self._edges = None
+
     def preds(self) -> list[list[int]]:
         """Predecessor kernel ids of every kernel (any edge kind)."""
         p: list[set[int]] = [set() for _ in self.kernels]
@@ -333,7 +339,7 @@ class KernelGraph:
             for b in _records(d, "buffers", 6):
                 _ints(b[0:2], "buffer")
                 buffers[b[0]] = Buffer(b[0], b[1], _str(b[2]), _str(b[3]), _str(b[4]), tuple(_ints(b[5], "shape")))
-            kernels = []
+            kernels, same = [], {}
             for k in _records(d, "kernels", 11):
                 _ints(k[0:1], "kernel id")
                 accesses = []
@@ -344,9 +350,10 @@ class KernelGraph:
                     size = buffers[buf].nbytes if buf in buffers else None
                     if size is None or not 0 <= start <= end <= size:
                         raise GraphError(f"kernel {k[0]}: access {a!r} outside buffer {buf} ({size} bytes)")
-                    accesses.append(Access(buf, start, end, _str(mode)))
-                kernels.append(Kernel(k[0], _str(k[1]), _str(k[2]), tuple(accesses), bool(k[4]), _num(k[5]),
-                                      _num(k[6]), _str(k[7]), _ints([k[8]], "layer")[0], _str(k[9]), k[10]))
+                    accesses.append(shared_value(Access(buf, start, end, _str(mode)), same))
+                name, sig, scope = (shared_value(_str(x), same) for x in (k[1], k[7], k[9]))
+                kernels.append(Kernel(k[0], name, _str(k[2]), tuple(accesses), bool(k[4]), _num(k[5]),
+                                      _num(k[6]), sig, _ints([k[8]], "layer")[0], scope, shared_value(k[10], same)))
             inputs, outputs, meta = d["inputs"], _list(d["outputs"], "outputs"), d["meta"]
             if not isinstance(inputs, dict) or not isinstance(meta, dict):
                 raise GraphError("inputs and meta must be maps")
@@ -387,6 +394,39 @@ class KernelGraph:
             return cls.from_dict(d)
         except GraphError as e:
             raise GraphError(f"{path}: {e}") from None
+
+
+def shared_value(v: Any, same: dict) -> Any:
+    """``v`` with every part equal to one seen before (``same``: what was
+    seen, one table per graph) replaced by that one object.  A kernel
+    payload is plain data (maps, lists, numbers, strings) and a graph's
+    payloads, accesses and names repeat the same tensor references, dtypes
+    and signatures layer after layer (temporaries share slots): shared,
+    they take about a ninth of the memory.  Nothing changes a graph's kernels after it is built, so the
+    shared parts are never written.  Scalars compare with their type
+    (``1``, ``1.0`` and ``True`` stay apart); a value that cannot be hashed
+    is kept as it is."""
+    t = type(v)
+    if t is dict:
+        v = {k: shared_value(x, same) for k, x in v.items()}
+        key = ("d", tuple((k, _key(x)) for k, x in v.items()))
+    elif t is list:
+        v = [shared_value(x, same) for x in v]
+        key = ("l", tuple(_key(x) for x in v))
+    elif t is Access or t is str:
+        key = v if t is Access else ("s", v)
+    else:
+        return v
+    try:
+        return same.setdefault(key, v)
+    except TypeError:   # an unhashable leaf (never in a captured payload)
+        return v
+
+
+def _key(x: Any) -> Any:
+    """The key of a part :func:`shared_value` made canonical: its identity
+    for a map or list (equal ones are one object by now), else its type and value."""
+    return id(x) if type(x) in (dict, list) else (type(x), x)
 
 
 FILE_MAGIC = b"TSRAGRPH\x00\x02"   # graph files since checksums: magic + sha256(body) + body

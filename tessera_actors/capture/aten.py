@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tessera_actors.capture.errors import CaptureError
 from tessera_actors.capture.fused import whole_ops
-from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph, dtype_name as _dtype_name
+from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph, dtype_name as _dtype_name, shared_value
 from tessera_actors.capture.hostreads import allowed_random, python_level_reads, record_guard, user_site
 from tessera_actors.capture.pytree import encode_constant, flatten_inputs, flatten_outputs
 
@@ -327,15 +327,17 @@ def _buffers(storages: list[dict], packed: dict, base: int, remap: dict[int, int
 
 
 def _kernels(records: list[dict], remap: dict[int, int]) -> list[Kernel]:
-    """One kernel per recorded op, its accesses and payload on the packed buffers."""
-    kernels = []
+    """One kernel per recorded op, its accesses and payload on the packed buffers
+    (equal parts shared: ``graph.shared_value``)."""
+    kernels, same = [], {}
     for i, r in enumerate(records):
-        acc = tuple(Access(remap.get(b, b), s, e, m) for b, s, e, m in r["accesses"])
+        acc = tuple(shared_value(Access(remap.get(b, b), s, e, m), same) for b, s, e, m in r["accesses"])
         payload = _remap_payload({"op": r["op"], "args": r["args"], "kwargs": r["kwargs"], "outs": r["outs"]}, remap)
+        payload = shared_value(payload, same)
         m = re.search(r"(?:^|\.)(?:layers|blocks|h)\.(\d+)(?:\.|$)", r["scope"])
-        kernels.append(Kernel(i, r["qual"].removeprefix("aten::"), "library", acc, False, r["flops"],
-                              float(sum(a.nbytes for a in acc)), r["sig"], int(m.group(1)) if m else -1,
-                              r["scope"], payload))
+        kernels.append(Kernel(i, shared_value(r["qual"].removeprefix("aten::"), same), "library", acc, False,
+                              r["flops"], float(sum(a.nbytes for a in acc)), shared_value(r["sig"], same),
+                              int(m.group(1)) if m else -1, shared_value(r["scope"], same), payload))
     return kernels
 
 

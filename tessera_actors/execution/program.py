@@ -73,6 +73,12 @@ def other_device_op(name: str, device_type: str) -> str | None:
     return kind if kind not in (None, device_type) else None
 
 
+def _in_place(name: str) -> bool:
+    """Whether ``aten.x_.overload`` is an in-place op (its name ends in ``_``)."""
+    parts = str(name).split(".")
+    return parts[1 if len(parts) > 1 else 0].endswith("_")
+
+
 def resolve_op(name: str):
     """``aten.mm.default`` -> ``torch.ops.aten.mm.default``, for ops on the
     allow-list only (``tessera_actors.execution.allow``; else ``KernelRefused``)."""
@@ -104,6 +110,9 @@ class AtenProgram:
             self.arena[b] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, device=device)
         self.nbytes = need
         self._bound: dict[int, Callable[[], None]] = {}
+        # a tensor reference's view, made once for every kernel that names it (the kernels of one
+        # bucket name the same few hundred references thousands of times); in-place ops get their own
+        self._views: dict[tuple, torch.Tensor] = {}
 
     # -- memory ---------------------------------------------------------
     def view(self, ref: Sequence[Any]) -> torch.Tensor:
@@ -204,16 +213,17 @@ class AtenProgram:
         return write
 
     # -- kernels --------------------------------------------------------
-    def _arg(self, v: Any, meta: bool = False) -> Any:
+    def _arg(self, v: Any, meta: bool = False, own: bool = True) -> Any:
         """A kernel's argument record as the op takes it: tensor references
-        as views into the arena, or (``meta``) as meta tensors of their
+        as views into the arena (``own``: a view of its own, else the one
+        every kernel shares), or (``meta``) as meta tensors of their
         shape, strides and dtype, on the meta device (the allocation check)."""
         if isinstance(v, dict):
             if "t" in v:
                 if meta:
                     _, _, shape, stride, dt = v["t"]
                     return torch.empty_strided(shape, stride, dtype=dtype_from_name(dt), device="meta")
-                return self.view(v["t"])
+                return self.view(v["t"]) if own else self.shared_view(v["t"])
             if "dt" in v:
                 return dtype_from_name(v["dt"])
             if "dev" in v:
@@ -224,8 +234,18 @@ class AtenProgram:
                 return _torch_constant(v["mf"], torch.memory_format)
             raise BackendError(f"unknown argument record {v!r}")
         if isinstance(v, list):
-            return [self._arg(x, meta) for x in v]
+            return [self._arg(x, meta, own) for x in v]
         return v
+
+    def shared_view(self, ref: Sequence[Any]) -> torch.Tensor:
+        """:meth:`view` of ``ref``, one tensor for every kernel argument that
+        names it (the kernels share it: none may change its shape or strides)."""
+        b, off, shape, stride, dt = ref
+        key = (b, off, tuple(shape), tuple(stride), dt)
+        t = self._views.get(key)
+        if t is None:
+            t = self._views[key] = self.view(ref)
+        return t
 
     def bind(self, kid: int) -> Callable[[], None]:
         fn = self._bound.get(kid)
@@ -242,12 +262,16 @@ class AtenProgram:
                                 f"graph was captured on a {other} device (capture on meta, or record the "
                                 "composite whole: tessera_actors/capture/fused.py)")
         op = resolve_op(p["op"])
-        args = self._arg(p["args"])
-        kwargs = {n: self._arg(v) for n, v in p["kwargs"].items()}
+        # an in-place op (``unsqueeze_``, ``resize_``, ``index_put_``) may change its argument's shape or
+        # strides, not just its bytes: it gets views of its own; every other kernel shares them
+        own = _in_place(p["op"])
+        args = self._arg(p["args"], own=own)
+        kwargs = {n: self._arg(v, own=own) for n, v in p["kwargs"].items()}
         check_allocation(p["op"], op, signature((p["args"], p["kwargs"])), lambda: (
             self._arg(p["args"], True), {n: self._arg(v, True) for n, v in p["kwargs"].items()}), self.cap)
-        copies = [(i, self.view(o["ref"]["t"])) for i, o in enumerate(p["outs"])
-                  if o is not None and not o["alias"]]
+        # an out= run that resizes its output is restored at once (_Into), so outputs may share views too
+        copies = [(i, self.view(o["ref"]["t"]) if own else self.shared_view(o["ref"]["t"]))
+                  for i, o in enumerate(p["outs"]) if o is not None and not o["alias"]]
         if not copies:
             return lambda: op(*args, **kwargs)
         if len(p["outs"]) == 1:

@@ -183,6 +183,20 @@ class SegmentRunner:
         self._eager_only = {k for k in self._eager_only if k[0] != plan_id}
         self.per_plan.pop(plan_id, None)
 
+    def recapture(self) -> None:
+        """Forget every captured CUDA graph (their units stay warmed up: the
+        next run of each captures it again), once the device finished what
+        is queued: memory they recorded the address of is about to move
+        (the device's scratch grows, ``execution/sharing.py``).  On a CPU a
+        replayable unit is the function itself and records no address."""
+        if self.device.type != "cuda":
+            return
+        self.synchronize()
+        for key, unit in self._units.items():
+            if unit is not None:
+                self._units[key] = None
+                self.counts["units"] -= 1
+
     def synchronize(self) -> None:
         be = self.backend
         be.host_wait(be.record(self.compute))

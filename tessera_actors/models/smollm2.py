@@ -88,6 +88,14 @@ def _reader() -> GGUFFile:
     return GGUFFile(gguf_path())
 
 
+def release_file() -> None:
+    """Close this process's view of the GGUF file (the next read opens it
+    again): its pages read so far count in the process's resident memory
+    (about 94 MB once every tensor was read), and a loaded model and its
+    tokenizer hold copies of what they read."""
+    _reader.cache_clear()
+
+
 def _tensor(name: str) -> np.ndarray:
     return _reader().tensor(name)
 

@@ -232,8 +232,9 @@ def load_served_model(cfg: EngineConfig, core_only: bool = False, progress=None)
         buckets[embed.name] = embed
     meta_gguf = None
     if cfg.model in ("smollm2", "hf:smollm2"):
-        from tessera_actors.models.smollm2 import _reader
+        from tessera_actors.models.smollm2 import _reader, release_file
         meta_gguf = _reader().metadata
+        release_file()   # the weights and the metadata are read: the file's pages need not stay resident
     vocab = getattr(getattr(real, "cfg", None), "vocab_size", None) or 0
     served = ServedModel(cfg, real, meta, vocab, buckets, meta_gguf)
     if capture_kind(cfg) == "inductor":

@@ -213,7 +213,9 @@ class Deployment(Measuring, Stepping):
                                     weights=weights or {}, objects=True), timeout=600)
         plan = dep.plan if isinstance(dep.plan, Plan) else plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
-        return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graph(bucket), plan))
+        graph = self.served.graph(bucket)
+        graph.forget_edges()   # placed: the next bucket's planning reuses that memory (a re-placement derives them again)
+        return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(graph, plan))
 
     def core_buckets(self) -> set[str]:
         """Buckets placed before the engine serves (:func:`core_buckets`;
