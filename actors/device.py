@@ -27,6 +27,11 @@ Contract:
   tensor per (group, buffer name) and every plan of the group runs on it, so
   a prefill plan fills the KV rows a decode plan then reads.  The tensors
   live as long as the device actor (a re-placed deployment reuses them).
+  A CPU device given a weight's bytes by a scheduler of its own process
+  (``InstallPlan.adopt``) holds those bytes as they are: one copy of the
+  weights in the process, not the engine's and the device's.  Every plan of
+  the device keeps its segment-local temporaries in one scratch
+  (``execution/sharing.py``).
 * Sampling (``RunStep.sample``, or a decode step's ``RunStep.rows``): the
   device holding the step's logits draws the tokens there, on the worker
   (``tessera_actors.execution.sampling``), and answers ``StepDone.tokens``;
@@ -177,18 +182,19 @@ class DeviceActor(Actor):
 
         scratch = scratch_layout(graph, plan, d)
 
-        def build() -> tuple[AtenProgram, Any]:
+        def build() -> tuple[AtenProgram, Any, set]:
             # one staging ring and one host home per weight serve the whole share group, one scratch every
             # plan's segment-local temporaries; the plan's own buffers get what these leave of the budget
-            shared, homes, ring, left = shares.allocate(graph, keys, home_keys, have, slots, slot_bytes,
-                                                        self.runner.device, self.runner.backend, self.spec.mem,
-                                                        scratch, self.runner.recapture)
+            shared, homes, ring, left, adopted = shares.allocate(
+                graph, keys, home_keys, have, slots, slot_bytes, self.runner.device, self.runner.backend,
+                self.spec.mem, scratch, self.runner.recapture, msg.adopt)
             prog = program_for(cls, graph, plan, d, self.runner, left, shared, self.spec.slow, ring, homes)
             for s in mine:
                 for k in s.kernels:
                     prog.bind(k)
-            return prog, ring
-        prog, ring = await self._on_worker(build)
+            return prog, ring, adopted
+        prog, ring, adopted = await self._on_worker(build)
+        shares.loaded.update(adopted)
         inst = _Installed(graph, plan, d, prog)
         inst.share_keys = keys
         inst.home_keys = home_keys
@@ -198,7 +204,9 @@ class DeviceActor(Actor):
         self.plans[msg.plan_id] = inst
         need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
                 and (keys.get(b) or home_keys.get(b)) not in shares.loaded]
-        return Installed(msg.plan_id, d, prog.nbytes, sum(len(s.kernels) for s in mine), len(mine), need)
+        # the plan's buffers wherever they live: its own, and its temporaries in the device's scratch
+        resident = prog.nbytes + sum(graph.buffers[b].nbytes for b in scratch[0])
+        return Installed(msg.plan_id, d, resident, sum(len(s.kernels) for s in mine), len(mine), need)
 
     def _peers(self, routes: list, me: int) -> dict[int, Handoff]:
         """The hand-offs of the plan devices served by device actors of this

@@ -70,9 +70,13 @@ class Wire:
             self._plan_bytes = msgpack.packb(plan_to_dict(self.plan), use_bin_type=True)
         return self._plan_bytes
 
-    def install(self, plan_id: str, device: int, routes: list, share: str, here: bool) -> InstallPlan:
+    def install(self, plan_id: str, device: int, routes: list, share: str, here: bool,
+                values: dict | None = None) -> InstallPlan:
+        """``values``: weight bytes by buffer id that a device of this process may adopt (``InstallPlan.adopt``)."""
         if here:
-            return InstallPlan(plan_id, device, self.graph, self.plan, routes, share)
+            adopt = {b: values[b] for b in self.plan.resident[device]
+                     if b in values and self.graph.buffers[b].role == "weight"} if share and values else {}
+            return InstallPlan(plan_id, device, self.graph, self.plan, routes, share, adopt)
         if self._graph_bytes is None:
             self._graph_bytes = msgpack.packb(self.graph.to_dict(), use_bin_type=True)
         return InstallPlan(plan_id, device, self._graph_bytes, self.plan_bytes(), routes, share)
@@ -348,14 +352,15 @@ class SchedulerActor(Actor):
             routes.append([i, self.nodes[node].endpoint, f"device{local}"])
         wire = Wire(graph, plan, graph_bytes)
         refs: list[ActorRef] = [await self._ref(ep, name) for _, ep, name in routes]
+        values = self._initial_values(graph, graph_name)
         try:
             installed = await self._unless_lost(placing, plan_id, asyncio.gather(
-                *(ref.ask(wire.install(plan_id, i, routes, share, isinstance(ref, LocalRef)), timeout=self.install_timeout)
-                  for i, ref in enumerate(refs))))
+                *(ref.ask(wire.install(plan_id, i, routes, share, isinstance(ref, LocalRef), values),
+                          timeout=self.install_timeout) for i, ref in enumerate(refs))))
             for node in {self.inventory[d][0] for d in devs}:
                 ref = await self._ref(self.nodes[node].endpoint, "transfer")
                 await self._unless_lost(placing, plan_id, ref.ask(Routes(plan_id, routes, list(plan.devices))))
-            await self._load(plan_id, graph, plan, graph_name, share, refs, installed, placing)
+            await self._load(plan_id, plan, values, share, refs, installed, placing)
         except Exception:
             self._forget_partial(plan_id, routes)
             raise
@@ -364,13 +369,17 @@ class SchedulerActor(Actor):
         log.info("deployed plan %r on %s", plan_id, [r[1:] for r in routes])
         return Placed(plan_id, routes, wire.plan_bytes())
 
-    async def _load(self, plan_id: str, graph: KernelGraph, plan: Plan, graph_name: str, share: str,
-                    refs: list[ActorRef], installed: list, placing: _Placing) -> None:
-        """``LoadValues`` to every device: the weights and state it still needs."""
+    def _initial_values(self, graph: KernelGraph, graph_name: str) -> dict:
+        """The initial bytes of the graph's weight and state buffers, by buffer id."""
         values = dict(self._values(graph_name))
         for b, buf in graph.buffers.items():
             if b not in values and buf.role == "weight" and buf.name in self.named_values:
                 values[b] = self.named_values[buf.name]
+        return values
+
+    async def _load(self, plan_id: str, plan: Plan, values: dict, share: str,
+                    refs: list[ActorRef], installed: list, placing: _Placing) -> None:
+        """``LoadValues`` to every device: the weights and state it still needs."""
         for i, ref in enumerate(refs):
             need = set(installed[i].need) if share else set(plan.resident[i])
             held = [b for b in plan.resident[i] if b in values and b in need]

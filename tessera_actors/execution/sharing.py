@@ -83,6 +83,16 @@ def zeroed(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(pages, dtype=torch.uint8)   # holds the mapping
 
 
+def _adoptable(value: Any, nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """``value`` when a CPU device may hold it as a buffer of ``nbytes``: flat
+    contiguous uint8 host bytes of exactly that size; else None (copied)."""
+    if device.type != "cpu" or not isinstance(value, torch.Tensor):
+        return None
+    if value.device.type != "cpu" or value.dtype != torch.uint8 or value.dim() != 1 or value.numel() != nbytes:
+        return None
+    return value if value.is_contiguous() else None
+
+
 class Shares:
     def __init__(self, device_name: str) -> None:
         self.device_name = device_name
@@ -125,15 +135,17 @@ class Shares:
 
     def allocate(self, graph: KernelGraph, keys: dict, home_keys: dict, ring: Staging | None, slots: int,
                  slot_bytes: int, device: torch.device, backend: Any, budget: int | None,
-                 scratch: tuple[dict[int, int], int] = ({}, 0), moved: Callable[[], None] = lambda: None
-                 ) -> tuple[dict, dict, Staging | None, int | None]:
+                 scratch: tuple[dict[int, int], int] = ({}, 0), moved: Callable[[], None] = lambda: None,
+                 adopt: dict | None = None) -> tuple[dict, dict, Staging | None, int | None, set]:
         """On the worker: the group's tensors for ``keys`` and homes for
-        ``home_keys`` (made where missing), the ring (``ring``, or a new one
-        when the plan streams), views into the device's scratch for the
-        plan's ``scratch`` layout (:func:`scratch_layout`; grown to it when
-        smaller, after ``moved()``, which must forget whatever recorded the
-        scratch's address), and the bytes the plan's own buffers may take
-        of ``budget`` (None: no budget)."""
+        ``home_keys`` (made where missing; a missing weight that ``adopt``
+        offers as host bytes of its size, on a CPU device, is that tensor
+        itself), the ring (``ring``, or a new one when the plan streams),
+        views into the device's scratch for the plan's ``scratch`` layout
+        (:func:`scratch_layout`; grown to it when smaller, after ``moved()``,
+        which must forget whatever recorded the scratch's address), the
+        bytes the plan's own buffers may take of ``budget`` (None: no
+        budget), and the keys adopted (their values are held: loaded)."""
         new = {key: max(graph.buffers[b].nbytes, 1) for b, key in keys.items() if key not in self.shared}
         offsets, span = scratch
         grow = max(0, span - self.scratch_bytes())
@@ -147,9 +159,13 @@ class Shares:
         if grow:
             self._grow_scratch(span, device, moved)
         shared = {b: self.scratch[off:off + max(graph.buffers[b].nbytes, 1)] for b, off in offsets.items()}
+        adopted = set()
         for b, key in keys.items():
             if key not in self.shared:
-                self.shared[key] = zeroed(new[key], device)
+                held_as_is = _adoptable((adopt or {}).get(b), new[key], device)
+                self.shared[key] = held_as_is if held_as_is is not None else zeroed(new[key], device)
+                if held_as_is is not None:
+                    adopted.add(key)
             shared[b] = self.shared[key]
         homes = {}
         for b, key in home_keys.items():
@@ -157,7 +173,7 @@ class Shares:
                 self.homes[key] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8,
                                               pin_memory=device.type == "cuda")
             homes[b] = self.homes[key]
-        return shared, homes, ring if home_keys else None, None if budget is None else budget - held
+        return shared, homes, ring if home_keys else None, None if budget is None else budget - held, adopted
 
     def _grow_scratch(self, nbytes: int, device: torch.device, moved: Callable[[], None]) -> None:
         """The scratch made ``nbytes`` long: a new one, or the storage every

@@ -131,19 +131,27 @@ class InstallPlan:
     process). Reply: ``Installed``.  ``share`` (non-empty) names a group of
     plans whose named weight and state buffers are one set of tensors on the
     device (the bucket graphs of one served model share weights and the KV
-    cache): a buffer of the same name and size is allocated once per group."""
+    cache): a buffer of the same name and size is allocated once per group.
+    ``adopt``, to a device actor of the sender's process only: the initial
+    bytes of weight buffers (buffer id -> flat uint8 host tensor) that a
+    CPU device may hold as they are for its share group, instead of a copy
+    (kernels only read weights); the ones it holds are not in ``need``."""
     plan_id: str
     device: int
     graph: object
     plan: object
     routes: list = dataclasses.field(default_factory=list)
     share: str = ""
+    adopt: dict = dataclasses.field(default_factory=dict)
 
 
 @message
 class Installed:
     """``need``: the weight/state buffers of the plan whose values the device
-    does not hold yet (those of a share group it loaded before are held)."""
+    does not hold yet (those of a share group it loaded before are held);
+    ``resident_bytes``: the bytes of the plan's own buffers there, its
+    temporaries in the device's shared scratch included (not the share
+    group's weights and state)."""
     plan_id: str
     device: int
     resident_bytes: int = 0
