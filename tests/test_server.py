@@ -327,6 +327,11 @@ def test_metrics_and_placement(server, client):
     for name in ("tessera_queue_depth", "tessera_kv_slots_in_use", "tessera_bytes_moved_per_step",
                  "tessera_plan_switches_total", "tessera_healthy"):
         assert name in after, name
+    # where the memory goes: the process, and what the devices allocated (weights, KV cache, activations)
+    assert total(after, "tessera_process_resident_bytes") > total(after, "tessera_weight_bytes") > 0
+    assert (total(after, "tessera_device_bytes") >= total(after, "tessera_weight_bytes")
+            + total(after, "tessera_kv_cache_bytes") + total(after, "tessera_activation_bytes"))
+    assert total(after, "tessera_activation_bytes") > 0
 
     stats = json.loads(request(server, "GET", "/v1/tessera/stats")[2])
     place = stats["engine"]["placement"]

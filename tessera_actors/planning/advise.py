@@ -121,7 +121,9 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="llama", choices=MODELS)
     p.add_argument("--gpus", required=True,
                    help=f"two GPU types L,R (with counts: 8xB200,8xH100) from: {', '.join(SPECS)}")
-    p.add_argument("--workload", default="conversation", choices=sorted(WORKLOADS))
+    p.add_argument("--workload", default="conversation", choices=sorted(WORKLOADS),
+                   help="what a request is: conversation = a 1024-token prompt, 128 output tokens, a 2048-token "
+                        "KV cache (default: conversation)")
     p.add_argument("--budget", type=float, default=None, help="$/hour: recommend the mix with the most tokens/$")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--png", default=None, help="write a bar chart of the comparison")

@@ -62,6 +62,10 @@ from tessera_actors.serving.params import EngineDead
 
 log = logging.getLogger("tessera_actors.serving")
 
+# a device actor's bytes (GetStats): everything it allocated, the share groups' weights and state, the
+# scratch every plan's temporaries share, and the plans' own buffers (inputs, outputs, cross-segment values)
+MEMORY_STATS = ("allocated_bytes", "shared_bytes", "scratch_bytes", "plan_bytes")
+
 
 def _feeding_device(graph, plan: Plan) -> int | None:
     """The plan device that reads ``input_ids`` and holds the logits (the
@@ -114,6 +118,7 @@ class Deployment(Measuring, Stepping):
         self.bucket_counts: dict[str, dict[str, int]] = {}   # bucket -> RUN_COUNTS over its steps
         self.since = time.monotonic()          # when the current placement started
         self._busy_log: deque = deque()        # (time, busy_s copy) after steps: busy fractions over a window
+        self.device_memory: dict[str, dict] = {}   # device actor -> its GetStats bytes, after its latest placement
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> None:
@@ -215,7 +220,18 @@ class Deployment(Measuring, Stepping):
         refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
         graph = self.served.graph(bucket)
         graph.forget_edges()   # placed: the next bucket's planning reuses that memory (a re-placement derives them again)
+        await self._note_memory(dep.routes, refs)
         return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(graph, plan))
+
+    async def _note_memory(self, routes: list, refs: list) -> None:
+        """What the plan's devices hold now (:attr:`device_memory`): an
+        answer that does not come within a second leaves the last one."""
+        for (_, endpoint, name), ref in zip(routes, refs):
+            try:
+                st = (await ref.ask(GetStats(), timeout=1.0)).values
+            except Exception:   # a slow or lost node: memory is reported, never waited for
+                continue
+            self.device_memory[f"{endpoint}/{name}"] = {k: st.get(k, 0) for k in MEMORY_STATS}
 
     def core_buckets(self) -> set[str]:
         """Buckets placed before the engine serves (:func:`core_buckets`;
@@ -235,6 +251,7 @@ class Deployment(Measuring, Stepping):
         a loss: the requests continue as soon as the buckets they need are
         in place, not after all of them)."""
         ref_name = self.reference_bucket()
+        self.device_memory = {}   # this placement's devices only
         ref = await self._place(ref_name, {})
         homes = state_homes(self.served.graphs[ref_name], ref.plan.assignment)
         self.pins = {name: ref.routes[d][1:] for name, d in homes.items()}

@@ -36,7 +36,7 @@ class Reporting:
                 "lost": sorted(rt.lost) if rt else [],
                 "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.buckets) if rt else 0,
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},
-                "memory": memory_report(self.served if rt else None, self.cfg),
+                "memory": memory_report(self.served if rt else None, self.cfg, rt.device_memory if rt else None),
                 "bucket_stats": self._bucket_stats(), "host_s": self.host_times(), **self._pcie(), **self.counters}
 
     def host_times(self) -> dict[str, float]:

@@ -258,7 +258,7 @@ def _span(text: str) -> tuple[int, int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from tessera_actors.serving.flags import add_engine_arguments
     p.add_argument("--url", default=None, help="a running tessera serve (default: an in-process AsyncEngine)")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="with --url: the server's --api-key (sent as a bearer token)")
     p.add_argument("--compare", action="store_true",
                    help="in-process: run the trace through the engine and through HTTP on it, side by side")
     p.add_argument("--baseline", default=None, choices=["sequential"],
@@ -275,15 +275,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default="poisson", choices=["poisson", "conversation", "burst"],
                    help="Poisson arrivals, multi-turn conversations, or every request at once")
     p.add_argument("--rate", type=float, default=2.0, help="requests/s (conversation: conversations/s)")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=64, help="requests in the trace (conversation: turns in all)")
     p.add_argument("--turns", type=int, default=4, help="conversation trace: turns per conversation")
     p.add_argument("--prompt-tokens", type=_span, default=None,
                    help="LO-HI prompt tokens (poisson: 50-400; conversation: new message, 20-100)")
     p.add_argument("--output-tokens", type=_span, default=(32, 128), help="LO-HI output tokens (32-128)")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace (arrivals, lengths, prompt words)")
     p.add_argument("--warmup", type=int, default=4, help="short requests sent at once before each measured run")
-    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="goodput SLO: time per output token, ms")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO: time to first token, ms")
     p.add_argument("--out", default="benchmarks/results", help="folder for the JSON and the PNG")
     p.add_argument("--name", default=None, help="file stem (default serve_<trace>_<mode>)")
     p.add_argument("--trace-dir", default=None, help="in-process: the engine's trace-event JSON goes here")

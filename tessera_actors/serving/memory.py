@@ -1,10 +1,11 @@
 """Where a served model's memory goes, and the KV cache sized from a budget.
 
 A served model holds, per device, its share of the weights and of the KV
-cache (one copy for every bucket: ``InstallPlan.share``), plus each placed
-bucket's own activation buffers; the engine's process also keeps the
-weights it loads from (to place buckets later and to re-place after a lost
-node) and every bucket's graph.  The KV cache is the part a user sizes:
+cache (one copy for every bucket: ``InstallPlan.share``), one scratch that
+every bucket's temporaries share, and each placed bucket's own inputs and
+outputs; the engine's process also keeps the weights it loads from (to
+place buckets later and to re-place after a lost node; in-process CPU
+devices hold those same tensors) and every bucket's graph.  The KV cache is the part a user sizes:
 ``max_seqs`` rows of ``max_model_len`` positions, within
 ``EngineConfig.kv_cache_memory`` (:func:`fit_kv_cache`).
 """
@@ -74,17 +75,25 @@ def fit_kv_cache(cfg: EngineConfig, row_bytes: int) -> EngineConfig:
     return dataclasses.replace(cfg, max_seqs=int(rows))
 
 
-def memory_report(served, cfg: EngineConfig) -> dict:
+def memory_report(served, cfg: EngineConfig, devices: dict | None = None) -> dict:
     """Bytes by what holds them (``engine.stats()["memory"]``, ``/metrics``):
     the process's resident set; the KV cache (``kv_rows`` x ``max_model_len``
-    over all devices) and the weights (one copy on the devices; the
-    engine's own copy to place from, until it is given back) once the model
-    is loaded."""
+    over all devices: reserved, resident as sequences write it on a CPU)
+    and the weights (one copy on the devices; the engine's own to place
+    from, until it is given back: in-process CPU devices hold the very
+    same tensors) once the model is loaded; and once buckets are placed,
+    what the devices allocated (``device_bytes``) and of it the activation
+    buffers (``activation_bytes``: each device's scratch, which every
+    bucket's temporaries share, and the buckets' own inputs and outputs);
+    ``devices``: the deployment's ``device_memory``."""
     out = {"rss_bytes": rss_bytes(), "kv_cache_budget_bytes": kv_budget_bytes(cfg) or 0,
            "kv_rows": cfg.max_seqs, "max_model_len": cfg.max_model_len}
     if served is not None:
         out.update(kv_cache_bytes=served.kv_bytes, weight_bytes=served.weight_bytes,
                    engine_weight_bytes=served.weight_bytes if served.weights else 0)
+    if devices:
+        out.update(device_bytes=sum(d["allocated_bytes"] for d in devices.values()),
+                   activation_bytes=sum(d["scratch_bytes"] + d["plan_bytes"] for d in devices.values()))
     return out
 
 

@@ -114,6 +114,10 @@ class _EngineCollector:
         yield gauge("tessera_kv_cache_budget_bytes", "the KV cache's memory budget (0: none)",
                     mem.get("kv_cache_budget_bytes"))
         yield gauge("tessera_weight_bytes", "bytes of the model's weights (one copy)", mem.get("weight_bytes"))
+        yield gauge("tessera_device_bytes", "bytes the devices allocated: weights, KV cache, activation buffers",
+                    mem.get("device_bytes"))
+        yield gauge("tessera_activation_bytes", "the devices' activation buffers: a scratch per device that every "
+                    "bucket's temporaries share, and each bucket's inputs and outputs", mem.get("activation_bytes"))
         yield gauge("tessera_buckets_placed", "bucket graphs placed (the rest are placed in the background)",
                     s.get("buckets_placed"))
 
