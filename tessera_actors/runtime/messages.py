@@ -291,7 +291,7 @@ class Ship:
 @message
 class Deliver:
     """To a device actor: the bytes of transfer ``tag`` for step ``step``,
-    or one chunk of them starting at byte ``offset`` of the transfer's byte
+    or one span of them starting at byte ``offset`` of the transfer's byte
     stream.  A non-empty ``error`` (``data`` None) says the bytes will not
     come: the sender or its data-plane link failed."""
     plan_id: str
