@@ -132,11 +132,19 @@ async def test_unreachable_peer_times_out():
         assert ref._peer.pending == 0
 
 
-async def test_remote_stop_and_pending_asks(pair):
+async def blocked_ask(pair, timeout: float = 10.0):
+    """(the client's ref to the summer, its pending ``RemoteWait`` ask) once
+    the server's handler is inside the ask, blocked on its gate."""
     server, client, address = pair
     ref = await client.remote_ref(address, "summer")
-    pending = asyncio.ensure_future(ref.ask(RemoteWait(block=True)))
+    pending = asyncio.ensure_future(ref.ask(RemoteWait(block=True), timeout=timeout))
     await asyncio.wait_for(server.summer.waiting.wait(), 10)
+    return ref, pending
+
+
+async def test_remote_stop_and_pending_asks(pair):
+    server, client, address = pair
+    ref, pending = await blocked_ask(pair)
     await ref.stop()
     with pytest.raises(ActorDead):
         await pending
@@ -147,20 +155,16 @@ async def test_remote_stop_and_pending_asks(pair):
 
 
 async def test_client_shutdown_fails_pending_remote_asks(pair):
-    server, client, address = pair
-    ref = await client.remote_ref(address, "summer")
-    pending = asyncio.ensure_future(ref.ask(RemoteWait(block=True)))
-    await asyncio.wait_for(server.summer.waiting.wait(), 10)
+    client = pair[1]
+    _, pending = await blocked_ask(pair)
     await client.shutdown()
     with pytest.raises(ActorDead):
         await pending
 
 
 async def test_server_shutdown_answers_pending_remote_asks_with_actor_dead(pair):
-    server, client, address = pair
-    ref = await client.remote_ref(address, "summer")
-    pending = asyncio.ensure_future(ref.ask(RemoteWait(block=True), timeout=5))
-    await asyncio.wait_for(server.summer.waiting.wait(), 10)
+    server = pair[0]
+    _, pending = await blocked_ask(pair, timeout=5)
     await server.shutdown()
     with pytest.raises(ActorDead):
         await asyncio.wait_for(pending, 2)
