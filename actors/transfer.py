@@ -85,7 +85,7 @@ class TransferActor(Actor):
         key = (endpoint, name)
         ref = self.refs.get(key)
         if ref is None or not ref.alive:
-            ref = self.system.ref(name) if not endpoint else await self.system.remote_ref(endpoint, name)
+            ref = await self.system.ref_at(endpoint, name)
             self.refs[key] = ref
         return ref
 
