@@ -7,8 +7,8 @@ Contract:
 * ``RunStep`` is answered with ``StepDone`` when this device has finished its
   program for that step.  Steps of one plan run in the order they arrive, one
   at a time; the mailbox stays open meanwhile, so ``Deliver`` messages (the
-  bytes of cross-device transfers, whole or in chunks, possibly ahead of
-  their step) are taken while a step waits for them; each chunk is written
+  bytes of cross-device transfers, whole or in spans, possibly ahead of
+  their step) are taken while a step waits for them; each span is written
   as soon as it arrives, and a ``Deliver`` carrying an error fails the step.
 * Torch work never runs on the event loop: it goes to the device's single
   worker thread, so the actor keeps answering while a segment runs, and a
@@ -373,7 +373,7 @@ class DeviceActor(Actor):
 
     async def _receive(self, plan_id: str, inst: _Installed, msg: RunStep, t, run: StepRun) -> float:
         """Wait on the loop for transfer ``t`` of ``msg`` and stage its bytes
-        (whole, or chunk by chunk as they arrive); seconds waited."""
+        (whole, or span by span as they arrive); seconds waited."""
         plan = inst.plan
         what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
         started = time.time()
@@ -387,9 +387,9 @@ class DeviceActor(Actor):
             run.stage(t.buffer, t.ranges, data)
             waited = time.perf_counter() - w0
         else:
-            async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
+            async def write(offset, data, t=t):   # one span: the stream bytes from offset on
                 # written by the worker call that runs the kernels after it (one thread hop per
-                # device change, not one per transfer and chunk)
+                # device change, not one per transfer and span)
                 run.stage(t.buffer, sub_ranges(t.ranges, offset, data.numel() * data.element_size()), data)
             waited = await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
         run.received()

@@ -48,7 +48,7 @@ PLAN_COUNTS = ("captures", "replays", "eager_runs", "capture_failures")
 
 
 def graphs_from_env() -> bool:
-    """``TESSERA_CUDA_GRAPHS``: ``0``/``off``/``false``/``no`` run every chunk
+    """``TESSERA_CUDA_GRAPHS``: ``0``/``off``/``false``/``no`` run every segment
     eagerly (debugging); unset or ``1``/``on``/``true``/``yes`` capture."""
     text = os.environ.get(GRAPHS_ENV, "1").strip().lower()
     if text in ("1", "on", "true", "yes", ""):

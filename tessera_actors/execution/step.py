@@ -153,7 +153,7 @@ class StepRun:
         self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
 
     def stage(self, buffer: int, ranges: list, data: Any) -> None:
-        """Received bytes (a whole transfer, or one chunk of it) the next
+        """Received bytes (a whole transfer, or one span of it) the next
         :meth:`advance` writes before its kernels."""
         self.staged.append((buffer, ranges, data))
 

@@ -212,7 +212,7 @@ class Deployment(Measuring, Stepping):
         dep = await sched.ask(Place(plan_id, "throughput", graph=bucket, pins=pins, share=self.served.name,
                                     weights=weights or {}, objects=True), timeout=600)
         plan = dep.plan if isinstance(dep.plan, Plan) else plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
-        refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
+        refs = [await self.system.ref_at(ep, name) for _, ep, name in dep.routes]
         return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(self.served.graph(bucket), plan))
 
     def core_buckets(self) -> set[str]:
@@ -406,11 +406,6 @@ class Deployment(Measuring, Stepping):
                 await asyncio.wait_for(self.suspects.rejoined.wait(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 pass
-
-    async def _ref(self, endpoint: str, name: str) -> ActorRef:
-        if not endpoint or endpoint == self.system.address:
-            return self.system.ref(name)
-        return await self.system.remote_ref(endpoint, name)
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:
