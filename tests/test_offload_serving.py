@@ -70,6 +70,33 @@ async def test_served_offload_plans_share_one_ring_and_give_single_device_tokens
     assert stats["shared_bytes"] + stats["staging_bytes"] <= budget()
 
 
+@pytest.mark.parametrize("policy", ["streaming", "tessera"])
+async def test_the_budgeted_device_counts_every_byte_it_holds_for_every_bucket(policy):
+    """What the budgeted device keeps alive - found by walking the objects it
+    holds, after steps of every bucket - is what it reports (``allocated_bytes``
+    on the device, ``home_bytes`` in host memory), and within the budget the
+    planner planned every bucket for: the decode rows and sampling state a
+    plan keeps between steps included (they were not counted)."""
+    from held_walk import reachable_bytes
+    async with AsyncEngine(devices="cpu?threads=1,cpu", gpu_budget=budget(),
+                           planner_options=dict(OPTIONS, policy=policy), **CFG) as eng:
+        await eng.wait_placed()
+        await asyncio.gather(*(_greedy(eng, p, 4) for p in PROMPTS))   # decode:4, prefill:8 and :16
+        await _greedy(eng, [7, 8], 4)                                  # decode:1
+        stepped = {b for b, c in eng.stats()["bucket_stats"].items() if c.get("replays", 0) + c.get("eager_runs", 0)}
+        placed = dict(eng.deployment.placed)
+        device = eng.deployment.system.ref("device0")
+        stats = (await device.ask(GetStats())).values
+        walked = reachable_bytes(device._actor)
+    assert set(placed) == {"decode:4@0", "decode:1@0", "prefill:8", "prefill:16"} and stepped >= set(placed), stepped
+    assert len(stats["plans"]) == 4
+    assert walked == stats["allocated_bytes"] + stats["home_bytes"]
+    assert stats["step_state_bytes"] > 0
+    assert stats["allocated_bytes"] <= budget()
+    assert all(p.plan.meta["offload"]["gpu_bytes"] <= p.plan.meta["offload"]["budget"] == budget()
+               for p in placed.values())
+
+
 def test_planner_options_from_flags_and_a_bad_one_is_refused_by_name():
     from tessera_actors.serving.flags import planner_options
     assert planner_options(["policy=streaming", "cpu_bps=3.9e10", "reserve=1024"]) == {
