@@ -142,6 +142,11 @@ def test_gpu_budget_needs_a_gpu_and_a_cpu_and_one_budget():
     from tessera_actors.serving.config import EngineConfig
     c = EngineConfig(devices="cuda:0,cpu?threads=12", gpu_budget="8GiB")
     assert c.devices == f"cuda:0?mem={8 << 30},cpu?threads=12" and c.planner == "offload"
+    # a GPU keeps a reserve of its budget for what no graph names (a given one stays); a CPU stand-in none
+    assert c.planner_options == {"reserve": 320 << 20}
+    assert EngineConfig(devices="cuda:0,cpu", gpu_budget="8GiB", planner_options={"reserve": 5}).planner_options == {
+        "reserve": 5}
+    assert EngineConfig(devices="cpu?threads=1,cpu", gpu_budget="8GiB").planner_options == {}
     for bad, why in ((dict(devices="cpu"), "a GPU and a CPU"), (dict(devices="cuda:0,cuda:1"), "a GPU and a CPU"),
                      (dict(devices="cuda:0?mem=1GiB,cpu"), "give one"), (dict(devices="cuda:0,cpu", planner="milp"),
                                                                           "offload planner"),
