@@ -52,6 +52,7 @@ from tessera_actors.execution.allow import warm_meta
 from tessera_actors.execution.program import AtenProgram, BackendError
 from tessera_actors.execution.spans import sub_ranges
 from tessera_actors.execution.handoff import Handoff, hub_for
+from tessera_actors.execution.held import storage_bytes
 from tessera_actors.execution.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from tessera_actors.execution.sharing import Shares
@@ -240,13 +241,31 @@ class DeviceActor(Actor):
         graphs = self.runner.stats() if self.runner is not None else {"graphs": False}
         graphs["per_plan"] = {p: dict(c) for p, c in self.runner.per_plan.items()} if self.runner is not None else {}
         sh = self.shares
-        own = sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
                       **self._streaming_stats(),
                       **self.handoff.counts, "shared_bytes": sh.device_bytes() - sh.staging_bytes(),
                       "staging_bytes": sh.staging_bytes(), "home_bytes": sum(t.numel() for t in sh.homes.values()),
-                      # what this device allocated: shared weights and state, staging, every plan's own buffers
-                      "allocated_bytes": sh.device_bytes() + own})
+                      **self._held(graphs.get("capture_pool_bytes", 0))})
+
+    def _held(self, pool_bytes: int) -> dict[str, int]:
+        """What this device holds (:mod:`tessera_actors.execution.held`):
+        ``allocated_bytes``, every byte of it - the share groups' weights,
+        state and staging rings, every installed plan's own buffers, what
+        their steps keep between steps (``step_state_bytes``) and the
+        capture pool of its graphs (``capture_pool_bytes``)."""
+        if self.runner is None:
+            return {"allocated_bytes": 0, "step_state_bytes": 0, "capture_pool_bytes": 0}
+        dev = self.runner.device
+        sh = self.shares
+        plans = [i for i in self.plans.values() if i.prog is not None]
+        buffers = [*sh.shared.values(), *(r.buf for r, _ in sh.rings.values()),
+                   *(t for i in plans for t in i.prog.arena.values()),
+                   *(i.prog.ring.buf for i in plans if getattr(i.prog, "ring", None) is not None)]
+        kept = [t for i in plans if i.step is not None for t in i.step.kept()]
+        arenas = storage_bytes(buffers, dev)
+        held = storage_bytes(buffers + kept, dev)
+        return {"allocated_bytes": held + pool_bytes, "step_state_bytes": held - arenas,
+                "capture_pool_bytes": pool_bytes}
 
     def _streaming_stats(self) -> dict[str, Any]:
         """Over the installed plans that stream weights here: copies queued and
