@@ -185,14 +185,13 @@ def decode_rows(seqs: Seq[Sequence], lo: int, plan: str | None, base: int, numbe
     reads input_ids does not sample).  A sequence whose previous token is
     in flight must go on (the device feeds it)."""
     key, now = (plan, base), (plan, number) if number is not None else None
-    order, new, records = [], [], []
-    for i, s in enumerate(seqs):
-        r = s.slot - lo
-        order.append(r)
-        if s.fed != key or base < 0:
+    order = [s.slot - lo for s in seqs]
+    new, records = [], []
+    for i, s in enumerate(seqs):   # (one pass, every row every step: what a steady row costs is two tests)
+        if base < 0 or s.fed != key:
             if s.pending:
                 raise ValueError(f"request {s.rid}: its previous token is in flight but not in the fed step")
-            new.append(s.sample_row(r, whole=False))
+            new.append(s.sample_row(order[i], whole=False))
         if s.record is not None and s.record.needs_tokens:
             records.append([i, s.record.changing(s)])
         s.fed = now

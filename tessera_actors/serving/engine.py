@@ -378,20 +378,25 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         carries take on the device (possible only on the same plan, when its
         tokens can feed the next step there)."""
         limit = self.max_model_len
-        reqs, seqs, last, top = [], [], 0, 0   # the rows, their sequences, the largest position and slot
-        for r in rows:
+        reqs, seqs, end, top = [], [], 0, 0   # the rows, their sequences, the largest position + 1 and slot
+        needs_tokens = False
+        for r in rows:   # (Sequence.may_decode, next_position: inlined, every row every step)
             s = r.seq
-            n = len(s.generated) + s.pending   # (Sequence.may_decode, next_position: inlined, every row every step)
-            if r.finished is None and n < s.params.max_tokens and len(s.prompt) + n < limit:
+            n = len(s.generated) + s.pending
+            at = len(s.prompt) + n
+            if r.finished is None and n < s.params.max_tokens and at < limit:
                 reqs.append(r)
                 seqs.append(s)
-                last, top = max(last, len(s.prompt) + n - 1), max(top, s.slot)
+                end, top = max(end, at), max(top, s.slot)
+                if s.record is not None and s.record.needs_tokens:
+                    needs_tokens = True
         if not reqs or self._switching:
             return None   # a plan switch waits for every decode step in flight to land: none starts meanwhile
         if prev is not None and (prev.number is None or prev.generation != self.deployment.generation or self._prefill
-                                 or any(r.seq.record is not None and r.seq.record.needs_tokens for r in reqs)):
+                                 or needs_tokens):
             return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device;
             #              penalties and JSON masks are computed from the tokens so far)
+        last = end - 1
         lo, hi = self.slots.bounds[g]
         size = smallest_bucket(decode_sizes(self.cfg, hi - lo), top - lo + 1)
         bucket = self.deployment.runnable(bucket_name("decode", size, lo, window_for(self.cfg, last)), (lo, hi))
@@ -411,12 +416,14 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
 
     def _complete(self, task: asyncio.Task, info: _Step) -> None:
         key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
-        self._landed(info)
         try:
             result = task.result()
-        except asyncio.CancelledError:
-            return
-        except StepFailed as e:
+        except BaseException as e:
+            self._landed(info)   # (a decode step that ran lands its rows as it accepts their tokens)
+            if isinstance(e, asyncio.CancelledError):
+                return
+            if not isinstance(e, StepFailed):
+                raise
             if self._lost or generation != self.deployment.generation:
                 return   # a loss is pending, or the step belonged to a placement since replaced: recovery redoes it
             self.deployment.restart_rows(bucket)
@@ -429,6 +436,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
         if key == "prefill":
+            self._landed(info)
             entry = 0   # the step's sampled entries: one per sequence whose prompt it ended, in row order
             for req, m in zip(reqs, n):
                 seq = req.seq
@@ -446,7 +454,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                 self._accept(req, result.tokens[entry], result.logprobs[entry], result.top(entry))
                 entry += 1
             return
-        self._accept_step(reqs, result)
+        self._accept_step(reqs, result)   # (the rows land there)
 
     def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
         for req in reqs:
