@@ -93,26 +93,30 @@ class Worker:
             item = get()
             if item is _STOP:
                 return
-            fn, args, fut, loop = item
             self._started += 1
-            if broken is not None:
-                fn, args = _raise, (broken,)
-            if loop is None:
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
-                continue
+            _run_one(*item, broken)
+            item = None   # nothing of a call is kept while waiting for the next (an uninstalled program is freed)
+
+
+def _run_one(fn: Callable, args: tuple, fut, loop, broken: BaseException | None) -> None:
+    """One call on the thread: its result to ``fut`` (through ``loop`` for an asyncio future)."""
+    if broken is not None:
+        fn, args = _raise, (broken,)
+    if loop is None:
+        if fut.set_running_or_notify_cancel():
             try:
-                value, ok = fn(*args), True
+                fut.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                value, ok = e, False
-            try:
-                loop.call_soon_threadsafe(_resolve, fut, ok, value)
-            except RuntimeError:   # the loop closed: nobody waits for the answer
-                pass
+                fut.set_exception(e)
+        return
+    try:
+        value, ok = fn(*args), True
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+        value, ok = e, False
+    try:
+        loop.call_soon_threadsafe(_resolve, fut, ok, value)
+    except RuntimeError:   # the loop closed: nobody waits for the answer
+        pass
 
 
 __all__ = ["Worker"]
