@@ -25,6 +25,23 @@ log = logging.getLogger("tessera_actors.cuda")
 _CAPTURE_LOCK = threading.Lock()
 
 _GREEN: contextvars.ContextVar = contextvars.ContextVar("tessera_green_context", default=None)
+_GREEN_CONTEXTS: dict[tuple[int, int], object] = {}
+_GREEN_LOCK = threading.Lock()
+
+
+def green_context(index: int, sms: int):
+    """The process's green context of ``sms`` SMs on GPU ``index``: made once
+    and kept for the life of the process.  Pinned host blocks record an event
+    on every stream that copied through them when they are freed, which may be
+    long after the partition's backend is gone (a plan's persistent buffers,
+    collected with it); a context destroyed by then makes that record fail
+    inside a destructor, and the process aborts ("context is destroyed")."""
+    with _GREEN_LOCK:
+        ctx = _GREEN_CONTEXTS.get((index, sms))
+        if ctx is None:
+            from torch.cuda.green_contexts import GreenContext
+            ctx = _GREEN_CONTEXTS[(index, sms)] = GreenContext.create(num_sms=sms, device_id=index)
+        return ctx
 
 
 def current_green():
@@ -50,8 +67,7 @@ class CudaBackend:
         if spec.sms is not None:
             if spec.sms > self.sm_count:
                 raise ValueError(f"{spec.name}: asks for {spec.sms} SMs, the GPU has {self.sm_count}")
-            from torch.cuda.green_contexts import GreenContext
-            self.green = GreenContext.create(num_sms=spec.sms, device_id=spec.index)
+            self.green = green_context(spec.index, spec.sms)
         if spec.mem is not None:
             frac = spec.mem / props.total_memory
             if frac > 1:
