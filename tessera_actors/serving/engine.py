@@ -300,7 +300,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
 
     # -- the loop -------------------------------------------------------------------
     async def _loop(self) -> None:
-        inflight: dict[asyncio.Task, _Step] = {}
+        inflight: dict[asyncio.Future, _Step] = {}   # steps in flight (tasks, or futures of Deployment.step_soon)
         clock = time.thread_time   # CPU seconds: what a loaded machine or the worker holding the GIL adds is not ours
         t0 = clock()
         try:
@@ -333,7 +333,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
 
-    def _stepped(self, task: asyncio.Task) -> None:
+    def _stepped(self, task: asyncio.Future) -> None:
         self._wake.set()   # the loop takes the steps that ended
 
     def _group_rows(self) -> list[list[_Request]]:
@@ -345,7 +345,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                 rows[group[seq.slot]].append(req)
         return rows
 
-    def _launch(self, inflight: dict[asyncio.Task, _Step]) -> None:
+    def _launch(self, inflight: dict[asyncio.Future, _Step]) -> None:
         loop = asyncio.get_running_loop()
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
             reqs, chunks, bucket = self._prefill_batch()
@@ -403,8 +403,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         if prev is not None and bucket != prev.bucket:
             return None   # a different plan: wait for the tokens
         number, step_rows, feeds = self.deployment.decode_rows(bucket, seqs, lo, limit - 1)
-        task = asyncio.get_running_loop().create_task(self.deployment.step(
-            bucket, {}, [], [s.rid for s in seqs], number, decode=step_rows))
+        task = self.deployment.step_soon(bucket, [s.rid for s in seqs], number, step_rows)   # (a future)
         task.add_done_callback(self._stepped)
         for r in reqs:
             r.in_step += 1
@@ -414,7 +413,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         return task, _Step(key, reqs, [], bucket, self.deployment.generation, next(self._order),
                            number if feeds and self.cfg.lookahead else None)
 
-    def _complete(self, task: asyncio.Task, info: _Step) -> None:
+    def _complete(self, task: asyncio.Future, info: _Step) -> None:
         key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
         try:
             result = task.result()
