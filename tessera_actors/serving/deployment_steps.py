@@ -32,16 +32,20 @@ class Stepping:
         p.steps += 1
         return p.steps - 1
 
-    def decode_rows(self, bucket: str, seqs: Sequence, lo: int, pad: int) -> tuple[int | None, StepRows, bool]:
+    def decode_rows(self, bucket: str, seqs: Sequence, lo: int, pad: int, continues: int | None = None
+                    ) -> tuple[int | None, StepRows, bool]:
         """(the step number, the rows, whether the step's tokens can feed the
         next step on the device) of the next decode step of ``seqs`` on
         ``bucket``: :func:`~tessera_actors.serving.batch.decode_rows` as a
-        change of the bucket's latest step sent with rows."""
+        change of the bucket's latest step sent with rows; ``continues``:
+        ``seqs`` are the rows of that step number, as they were (no row
+        needs looking at when it is the bucket's latest)."""
         p = self.placed.get(bucket)
         number = self.reserve(bucket)
         base = p.rows_at if p is not None and p.rows_at is not None else -1
         rows = decode_rows(seqs, lo, p.plan_id if p is not None else None, base, number,
-                           p.order if p is not None else None, pad, p is None or p.feeds is None)
+                           p.order if p is not None else None, pad, p is None or p.feeds is None,
+                           same=continues is not None and base >= 0 and continues == base)
         if p is not None:
             p.rows_at = number
             if rows.order is not None:
