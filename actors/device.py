@@ -41,7 +41,6 @@ import collections
 import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +55,7 @@ from tessera_actors.execution.held import storage_bytes
 from tessera_actors.execution.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from tessera_actors.execution.sharing import Shares
+from tessera_actors.execution.worker import Worker
 from tessera_actors.execution.streaming import program_for, staging_of, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
@@ -107,8 +107,7 @@ class DeviceActor(Actor):
         self.shares = Shares(spec.name)   # what the share groups hold across plans
         self.steps_run = 0
         self.busy_s = 0.0
-        self.waiter: ThreadPoolExecutor | None = None
-        self._queued = 0
+        self.waiter: Worker | None = None
 
     async def on_start(self) -> None:
         # a thread starts with the intra-op thread count last set in the process: a device without
@@ -118,7 +117,7 @@ class DeviceActor(Actor):
         def init() -> None:
             torch.get_num_threads()          # this thread's lazy intra-op init first (it would reset the count
             torch.set_num_threads(threads)   # to the process's latest one at the thread's first op)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"dev-{self.spec.name}", initializer=init)
+        self.worker = Worker(f"dev-{self.spec.name}", init)
         self.transfer = self.system.ref(self.transfer_name)
         self.handoff: Handoff = hub_for(self.system).register(self.name, asyncio.get_running_loop())
         # streams and green contexts belong to the thread that uses them: open the device there
@@ -128,7 +127,7 @@ class DeviceActor(Actor):
             self.runner = await self._on_worker(SegmentRunner, self.spec, self.graphs)
             # installs size their kernels on meta tensors (execution/allow.py): torch's first meta run imports
             # for seconds - started now, on the worker, so the first install does not wait for all of it
-            asyncio.get_running_loop().run_in_executor(self.worker, warm_meta)
+            self.worker.call(warm_meta)
         except Exception as e:   # reported by every install, so the node itself keeps serving
             self.open_error = f"{type(e).__name__}: {e}"
             log.error("%s: cannot open the device: %s", self.spec.name, self.open_error)
@@ -138,21 +137,16 @@ class DeviceActor(Actor):
             hub_for(self.system).unregister(self.name, self.handoff)
         for inst in self.plans.values():
             self._fail_plan(inst, "device stopped")
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        self.worker.shutdown()
         if self.waiter is not None:
-            self.waiter.shutdown(wait=False, cancel_futures=True)
+            self.waiter.shutdown()
         # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
         self.plans.clear()
         self.shares.clear()
         self.runner = None
 
     async def _on_worker(self, fn, *args):
-        self._queued += 1   # calls submitted and not started: a worker waiting for a hand-off stops for them
-
-        def run():
-            self._queued -= 1
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.worker, run)
+        return await self.worker.call(fn, *args)
 
     # -- installation ---------------------------------------------------
     @handler(InstallPlan)
@@ -229,8 +223,7 @@ class DeviceActor(Actor):
         if inst is not None:
             self._fail_plan(inst, "plan uninstalled")
             if self.runner is not None:
-                done = asyncio.get_running_loop().run_in_executor(self.worker, self.runner.forget, msg.plan_id,
-                                                                  inst.prog)
+                done = self.worker.call(self.runner.forget, msg.plan_id, inst.prog)
                 if msg.wait:
                     await done
             inst.prog = None
@@ -372,7 +365,7 @@ class DeviceActor(Actor):
         call is queued) and goes on in the same call, so a chain of
         hand-offs between co-located devices never passes through the loop."""
         step = inst.step
-        run = step.begin(msg, self.handoff, self.spin_s, lambda: self._queued > 0)
+        run = step.begin(msg, self.handoff, self.spin_s, lambda: self.worker.pending > 0)
         busy = wait = 0.0
         try:
             while True:
@@ -424,7 +417,7 @@ class DeviceActor(Actor):
             landed = loop.create_future()
             landed.set_result(None)
             return landed
-        return loop.run_in_executor(self._waiter(), self.runner.backend.host_wait, run.landing)
+        return self._waiter().call(self.runner.backend.host_wait, run.landing)
 
     def _answer(self, msg: RunStep, fut: asyncio.Future, landed: asyncio.Future, run: StepRun) -> None:
         """Answer a step whose work landed."""
@@ -447,9 +440,9 @@ class DeviceActor(Actor):
                                 top_logprobs=out.top_logprobs, streamed_bytes=moved,
                                 kernel_s=run.kernel_s, host_s=run.host_s))
 
-    def _waiter(self) -> ThreadPoolExecutor:
+    def _waiter(self) -> Worker:
         """The thread that waits for launched steps to land (the worker stays
         free to launch the next one meanwhile)."""
         if self.waiter is None:
-            self.waiter = ThreadPoolExecutor(1, thread_name_prefix=f"land-{self.spec.name}")
+            self.waiter = Worker(f"land-{self.spec.name}")
         return self.waiter
