@@ -7,8 +7,8 @@ Contract:
 * ``RunStep`` is answered with ``StepDone`` when this device has finished its
   program for that step.  Steps of one plan run in the order they arrive, one
   at a time; the mailbox stays open meanwhile, so ``Deliver`` messages (the
-  bytes of cross-device transfers, whole or in chunks, possibly ahead of
-  their step) are taken while a step waits for them; each chunk is written
+  bytes of cross-device transfers, whole or in spans, possibly ahead of
+  their step) are taken while a step waits for them; each span is written
   as soon as it arrives, and a ``Deliver`` carrying an error fails the step.
 * Torch work never runs on the event loop: it goes to the device's single
   worker thread, so the actor keeps answering while a segment runs, and a
@@ -46,7 +46,6 @@ import collections
 import contextlib
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +56,11 @@ from tessera_actors.execution.allow import warm_meta
 from tessera_actors.execution.program import AtenProgram, BackendError
 from tessera_actors.execution.spans import sub_ranges
 from tessera_actors.execution.handoff import Handoff, hub_for
+from tessera_actors.execution.held import storage_bytes
 from tessera_actors.execution.inbox import Inbox, TransferFailed
 from tessera_actors.execution.segments import SegmentRunner, graphs_from_env, program_class
 from tessera_actors.execution.sharing import Shares, scratch_layout
+from tessera_actors.execution.worker import Worker
 from tessera_actors.execution.streaming import program_for, staging_of, streamed_buffers
 from tessera_actors.runtime.actor import Actor, handler
 from tessera_actors.devices import DeviceSpec
@@ -111,8 +112,7 @@ class DeviceActor(Actor):
         self.shares = Shares(spec.name)   # what the share groups hold across plans
         self.steps_run = 0
         self.busy_s = 0.0
-        self.waiter: ThreadPoolExecutor | None = None
-        self._queued = 0
+        self.waiter: Worker | None = None
 
     async def on_start(self) -> None:
         # a thread starts with the intra-op thread count last set in the process: a device without
@@ -122,7 +122,7 @@ class DeviceActor(Actor):
         def init() -> None:
             torch.get_num_threads()          # this thread's lazy intra-op init first (it would reset the count
             torch.set_num_threads(threads)   # to the process's latest one at the thread's first op)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix=f"dev-{self.spec.name}", initializer=init)
+        self.worker = Worker(f"dev-{self.spec.name}", init)
         self.transfer = self.system.ref(self.transfer_name)
         self.handoff: Handoff = hub_for(self.system).register(self.name, asyncio.get_running_loop())
         # streams and green contexts belong to the thread that uses them: open the device there
@@ -132,7 +132,7 @@ class DeviceActor(Actor):
             self.runner = await self._on_worker(SegmentRunner, self.spec, self.graphs)
             # installs size their kernels on meta tensors (execution/allow.py): torch's first meta run imports
             # for seconds - started now, on the worker, so the first install does not wait for all of it
-            asyncio.get_running_loop().run_in_executor(self.worker, warm_meta)
+            self.worker.call(warm_meta)
         except Exception as e:   # reported by every install, so the node itself keeps serving
             self.open_error = f"{type(e).__name__}: {e}"
             log.error("%s: cannot open the device: %s", self.spec.name, self.open_error)
@@ -142,21 +142,16 @@ class DeviceActor(Actor):
             hub_for(self.system).unregister(self.name, self.handoff)
         for inst in self.plans.values():
             self._fail_plan(inst, "device stopped")
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        self.worker.shutdown()
         if self.waiter is not None:
-            self.waiter.shutdown(wait=False, cancel_futures=True)
+            self.waiter.shutdown()
         # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
         self.plans.clear()
         self.shares.clear()
         self.runner = None
 
     async def _on_worker(self, fn, *args):
-        self._queued += 1   # calls submitted and not started: a worker waiting for a hand-off stops for them
-
-        def run():
-            self._queued -= 1
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.worker, run)
+        return await self.worker.call(fn, *args)
 
     # -- installation ---------------------------------------------------
     @handler(InstallPlan)
@@ -239,8 +234,7 @@ class DeviceActor(Actor):
         if inst is not None:
             self._fail_plan(inst, "plan uninstalled")
             if self.runner is not None:
-                done = asyncio.get_running_loop().run_in_executor(self.worker, self.runner.forget, msg.plan_id,
-                                                                  inst.prog)
+                done = self.worker.call(self.runner.forget, msg.plan_id, inst.prog)
                 if msg.wait:
                     await done
             inst.prog = None
@@ -251,15 +245,35 @@ class DeviceActor(Actor):
         graphs = self.runner.stats() if self.runner is not None else {"graphs": False}
         graphs["per_plan"] = {p: dict(c) for p, c in self.runner.per_plan.items()} if self.runner is not None else {}
         sh = self.shares
-        own = sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None)
         return Stats({"steps": self.steps_run, "busy_s": self.busy_s, "plans": list(self.plans), **graphs,
                       **self._streaming_stats(),
                       **self.handoff.counts,
                       "shared_bytes": sh.device_bytes() - sh.staging_bytes() - sh.scratch_bytes(),
                       "staging_bytes": sh.staging_bytes(), "home_bytes": sum(t.numel() for t in sh.homes.values()),
-                      "scratch_bytes": sh.scratch_bytes(), "plan_bytes": own,
-                      # what this device allocated: shared weights and state, staging, scratch, every plan's own
-                      "allocated_bytes": sh.device_bytes() + own})
+                      "scratch_bytes": sh.scratch_bytes(),
+                      "plan_bytes": sum(i.prog.nbytes for i in self.plans.values() if i.prog is not None),
+                      **self._held(graphs.get("capture_pool_bytes", 0))})
+
+    def _held(self, pool_bytes: int) -> dict[str, int]:
+        """What this device holds (:mod:`tessera_actors.execution.held`):
+        ``allocated_bytes``, every byte of it - the share groups' weights,
+        state and staging rings, the scratch of every plan's temporaries,
+        every installed plan's own buffers, what their steps keep between
+        steps (``step_state_bytes``) and the capture pool of its graphs
+        (``capture_pool_bytes``)."""
+        if self.runner is None:
+            return {"allocated_bytes": 0, "step_state_bytes": 0, "capture_pool_bytes": 0}
+        dev = self.runner.device
+        sh = self.shares
+        plans = [i for i in self.plans.values() if i.prog is not None]
+        buffers = [*sh.shared.values(), *(r.buf for r, _ in sh.rings.values()), *sh.scratch_tensors(),
+                   *(t for i in plans for t in i.prog.arena.values()),
+                   *(i.prog.ring.buf for i in plans if getattr(i.prog, "ring", None) is not None)]
+        kept = [t for i in plans if i.step is not None for t in i.step.kept()]
+        arenas = storage_bytes(buffers, dev)
+        held = storage_bytes(buffers + kept, dev)
+        return {"allocated_bytes": held + pool_bytes, "step_state_bytes": held - arenas,
+                "capture_pool_bytes": pool_bytes}
 
     def _streaming_stats(self) -> dict[str, Any]:
         """Over the installed plans that stream weights here: copies queued and
@@ -366,7 +380,7 @@ class DeviceActor(Actor):
         call is queued) and goes on in the same call, so a chain of
         hand-offs between co-located devices never passes through the loop."""
         step = inst.step
-        run = step.begin(msg, self.handoff, self.spin_s, lambda: self._queued > 0)
+        run = step.begin(msg, self.handoff, self.spin_s, lambda: self.worker.pending > 0)
         busy = wait = 0.0
         try:
             while True:
@@ -386,7 +400,7 @@ class DeviceActor(Actor):
 
     async def _receive(self, plan_id: str, inst: _Installed, msg: RunStep, t, run: StepRun) -> float:
         """Wait on the loop for transfer ``t`` of ``msg`` and stage its bytes
-        (whole, or chunk by chunk as they arrive); seconds waited."""
+        (whole, or span by span as they arrive); seconds waited."""
         plan = inst.plan
         what = f"{self.spec.name}: transfer {t.tag} from device {t.src} ({plan.devices[t.src]})"
         started = time.time()
@@ -400,9 +414,9 @@ class DeviceActor(Actor):
             run.stage(t.buffer, t.ranges, data)
             waited = time.perf_counter() - w0
         else:
-            async def write(offset, data, t=t):   # one chunk: the stream bytes from offset on
+            async def write(offset, data, t=t):   # one span: the stream bytes from offset on
                 # written by the worker call that runs the kernels after it (one thread hop per
-                # device change, not one per transfer and chunk)
+                # device change, not one per transfer and span)
                 run.stage(t.buffer, sub_ranges(t.ranges, offset, data.numel() * data.element_size()), data)
             waited = await inst.inbox.receive(msg.step, t.tag, t.nbytes, write, self.recv_timeout, what)
         run.received()
@@ -418,7 +432,7 @@ class DeviceActor(Actor):
             landed = loop.create_future()
             landed.set_result(None)
             return landed
-        return loop.run_in_executor(self._waiter(), self.runner.backend.host_wait, run.landing)
+        return self._waiter().call(self.runner.backend.host_wait, run.landing)
 
     def _answer(self, msg: RunStep, fut: asyncio.Future, landed: asyncio.Future, run: StepRun) -> None:
         """Answer a step whose work landed."""
@@ -441,9 +455,9 @@ class DeviceActor(Actor):
                                 top_logprobs=out.top_logprobs, streamed_bytes=moved,
                                 kernel_s=run.kernel_s, host_s=run.host_s))
 
-    def _waiter(self) -> ThreadPoolExecutor:
+    def _waiter(self) -> Worker:
         """The thread that waits for launched steps to land (the worker stays
         free to launch the next one meanwhile)."""
         if self.waiter is None:
-            self.waiter = ThreadPoolExecutor(1, thread_name_prefix=f"land-{self.spec.name}")
+            self.waiter = Worker(f"land-{self.spec.name}")
         return self.waiter

@@ -185,7 +185,7 @@ class SchedulerActor(Actor):
     async def _answers(self, endpoint: str, new_pid: int, timeout: float = 1.0) -> bool:
         """Whether another process than ``new_pid`` still serves a node at ``endpoint``."""
         try:
-            info = await (await self._ref(endpoint, "node")).ask(Describe(), timeout=timeout)
+            info = await (await self.system.ref_at(endpoint, "node")).ask(Describe(), timeout=timeout)
         except ActorError:
             return False
         return getattr(info, "pid", None) != new_pid
@@ -231,7 +231,7 @@ class SchedulerActor(Actor):
         """``Uninstall`` each (endpoint, device actor, plan id), side by side
         (5 s each at most); the failures, logged."""
         async def one(ep: str, name: str, plan_id: str) -> None:
-            await (await self._ref(ep, name)).ask(Uninstall(plan_id), timeout=5)
+            await (await self.system.ref_at(ep, name)).ask(Uninstall(plan_id), timeout=5)
         results = await asyncio.gather(*(one(*w) for w in where), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         for (ep, name, plan_id), r in zip(where, results):
@@ -257,7 +257,7 @@ class SchedulerActor(Actor):
             raise LookupError(f"no node is registered at {msg.endpoint}")
         if node.name not in self.reported_lost:
             return Ok(f"{node.name} was not lost")
-        info = await (await self._ref(msg.endpoint, "node")).ask(Describe(), timeout=5)
+        info = await (await self.system.ref_at(msg.endpoint, "node")).ask(Describe(), timeout=5)
         if (info.node, info.pid) != (node.name, node.pid):
             raise ValueError(f"{msg.endpoint} is {info.node} (pid {info.pid}) now, not the node {node.name} "
                              f"(pid {node.pid}) reported lost")
@@ -351,14 +351,14 @@ class SchedulerActor(Actor):
             node, local, _ = self.inventory[d]
             routes.append([i, self.nodes[node].endpoint, f"device{local}"])
         wire = Wire(graph, plan, graph_bytes)
-        refs: list[ActorRef] = [await self._ref(ep, name) for _, ep, name in routes]
+        refs: list[ActorRef] = [await self.system.ref_at(ep, name) for _, ep, name in routes]
         values = self._initial_values(graph, graph_name)
         try:
             installed = await self._unless_lost(placing, plan_id, asyncio.gather(
                 *(ref.ask(wire.install(plan_id, i, routes, share, isinstance(ref, LocalRef), values),
                           timeout=self.install_timeout) for i, ref in enumerate(refs))))
             for node in {self.inventory[d][0] for d in devs}:
-                ref = await self._ref(self.nodes[node].endpoint, "transfer")
+                ref = await self.system.ref_at(self.nodes[node].endpoint, "transfer")
                 await self._unless_lost(placing, plan_id, ref.ask(Routes(plan_id, routes, list(plan.devices))))
             await self._load(plan_id, plan, values, share, refs, installed, placing)
         except Exception:
@@ -397,8 +397,3 @@ class SchedulerActor(Actor):
         live = [(ep, name, plan_id) for _, ep, name in routes if ep not in lost]
         if live:
             self._soon(self._uninstall(live, "a placement that did not complete"))
-
-    async def _ref(self, endpoint: str, name: str) -> ActorRef:
-        if not endpoint or endpoint == self.system.address:
-            return self.system.ref(name)
-        return await self.system.remote_ref(endpoint, name)

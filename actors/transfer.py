@@ -15,14 +15,14 @@ another process take the node's *data plane* (``TransferConfig``):
   device actor as ``Deliver``.  A failed link reaches the receiving device
   as a ``Deliver`` carrying the error, so its step fails at once.
 
-Either plane sends a transfer above ``chunk_bytes`` as chunks (``Deliver``
-with a byte offset): staging of chunk i+1, the wire of chunk i and the
-receiver's write of chunk i-1 overlap.
+Either plane sends a transfer above ``span_bytes`` as spans (``Deliver``
+with a byte offset): staging of span i+1, the wire of span i and the
+receiver's write of span i-1 overlap.
 
 ``Ship`` is fire-and-forget for the sending device, so its next segment can
 start while the bytes travel; order between ships to one destination is kept.
 Counters answer ``GetStats``: bytes and transfers (local, remote), remote
-messages (``remote_chunks``), bytes sent and received over links.  Link
+messages (``remote_spans``), bytes sent and received over links.  Link
 completions come back from link threads as callbacks on the actor's event
 loop (``_from_thread``); they only count and forward, never block.
 """
@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from tessera_actors.execution.spans import chunk_spans
+from tessera_actors.execution.spans import split_spans
 from actors.links import LinkHub, backend_available
 from tessera_actors.runtime.actor import Actor, ActorRef, handler
 from tessera_actors.devices import DeviceSpec
@@ -62,7 +62,7 @@ class TransferActor(Actor):
         self.hub: LinkHub | None = None   # created on first use of the dist plane
         self.tasks: set[asyncio.Task] = set()
         self.counts = {"local_bytes": 0, "local_transfers": 0, "remote_bytes": 0, "remote_transfers": 0,
-                       "remote_chunks": 0, "link_bytes_sent": 0, "link_bytes_received": 0, "link_errors": 0}
+                       "remote_spans": 0, "link_bytes_sent": 0, "link_bytes_received": 0, "link_errors": 0}
 
     async def on_start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -85,7 +85,7 @@ class TransferActor(Actor):
         key = (endpoint, name)
         ref = self.refs.get(key)
         if ref is None or not ref.alive:
-            ref = self.system.ref(name) if not endpoint else await self.system.remote_ref(endpoint, name)
+            ref = await self.system.ref_at(endpoint, name)
             self.refs[key] = ref
         return ref
 
@@ -122,36 +122,36 @@ class TransferActor(Actor):
             self.counts["local_bytes"] += nbytes
             self.counts["local_transfers"] += 1
             return
-        spans = chunk_spans(nbytes, self.cfg.chunk_bytes)
+        spans = split_spans(nbytes, self.cfg.span_bytes)
         if self.cfg.data_plane == "dist":
             await self._ship_link(msg, endpoint, name, _as_bytes(data), spans)
         else:
             await self._ship_zmq(msg, await self._ref(endpoint, name), data, spans)
         self.counts["remote_bytes"] += nbytes
         self.counts["remote_transfers"] += 1
-        self.counts["remote_chunks"] += len(spans)
+        self.counts["remote_spans"] += len(spans)
 
     async def _ship_zmq(self, msg: Ship, ref: ActorRef, data: torch.Tensor, spans: list[tuple[int, int]]) -> None:
-        """Deliver messages, one per chunk; CUDA chunk i+1 is staged while chunk i goes out."""
+        """Deliver messages, one per span; CUDA span i+1 is staged while span i goes out."""
         flat = _as_bytes(data)
         staged = None
         try:
             for i, (off, n) in enumerate(spans):
                 if data.is_cuda:
-                    chunk = await (staged or asyncio.to_thread(_host_copy, flat, off, n))
+                    piece = await (staged or asyncio.to_thread(_host_copy, flat, off, n))
                     staged = None
                     if i + 1 < len(spans):
                         staged = asyncio.ensure_future(asyncio.to_thread(_host_copy, flat, *spans[i + 1]))
                 else:
-                    chunk = data if len(spans) == 1 else flat[off:off + n]
-                await ref.tell(Deliver(msg.plan_id, msg.step, msg.tag, chunk, off))
+                    piece = data if len(spans) == 1 else flat[off:off + n]
+                await ref.tell(Deliver(msg.plan_id, msg.step, msg.tag, piece, off))
         finally:
             if staged is not None:
                 staged.cancel()
 
     async def _ship_link(self, msg: Ship, endpoint: str, name: str, flat: torch.Tensor,
                          spans: list[tuple[int, int]]) -> None:
-        """Queue each chunk on the link to ``endpoint`` and send its header;
+        """Queue each span on the link to ``endpoint`` and send its header;
         headers leave in seq order, so the receiver posts receives in send order."""
         specs = self.devices.get(msg.plan_id) or []
         dst = DeviceSpec.parse(specs[msg.dst]) if msg.dst < len(specs) else DeviceSpec("cpu")
@@ -210,6 +210,6 @@ class TransferActor(Actor):
     def stats(self, msg: GetStats) -> Stats:
         values = dict(self.counts)
         values["data_plane"] = self.cfg.data_plane
-        values["chunk_bytes"] = self.cfg.chunk_bytes
+        values["span_bytes"] = self.cfg.span_bytes
         values["links"] = self.hub.links() if self.hub is not None else []
         return Stats(values)

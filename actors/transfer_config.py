@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera_actors.execution.spans import DEFAULT_CHUNK_BYTES
+from tessera_actors.execution.spans import DEFAULT_SPAN_BYTES
 
 DATA_PLANES = ("zmq", "dist")
 
@@ -14,13 +14,13 @@ DATA_PLANES = ("zmq", "dist")
 @dataclass
 class TransferConfig:
     """How a node moves bytes to other processes (node flags ``--data-plane``,
-    ``--chunk-bytes``, ``--dist-host``, ``--link-timeout``, ``--dist-rendezvous``).
+    ``--span-bytes``, ``--dist-host``, ``--link-timeout``, ``--dist-rendezvous``).
     ``rendezvous``: ``host:port`` of one TCPStore that every node's links meet
     in (a launcher's: torchrun's, or the one its rank 0 or the Ray driver
     hosts); empty: each sending node hosts its own on ``dist_host``.
     ``host_rendezvous``: this node creates that store when it starts."""
     data_plane: str = "zmq"
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES   # 0: never chunk
+    span_bytes: int = DEFAULT_SPAN_BYTES     # 0: never split
     dist_host: str = "127.0.0.1"             # address peers reach this node's links at
     link_timeout_s: float = 60.0             # connecting a link, and each operation on it
     rendezvous: str = ""
@@ -29,8 +29,8 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"--data-plane {self.data_plane!r}: expected one of {', '.join(DATA_PLANES)}")
-        if self.chunk_bytes < 0:
-            raise ValueError("--chunk-bytes must be 0 (no chunking) or positive")
+        if self.span_bytes < 0:
+            raise ValueError("--span-bytes must be 0 (never split) or positive")
         if self.link_timeout_s <= 0:
             raise ValueError("--link-timeout must be positive")
         if not self.dist_host:

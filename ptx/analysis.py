@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ptx.dataflow import Provenance
 from ptx.origins import MEM, UNKNOWN, Site, Summary
-from ptx.model import Function, Instruction, Module
+from ptx.model import Function, Module
 from ptx.parser import no_gc, parse
 
 NONE, READ, WRITE, READWRITE = "none", "read", "write", "readwrite"
@@ -113,17 +113,6 @@ def _written_symbols(provs, summaries) -> set[str]:
     return out
 
 
-def _callees(fn: Function) -> set[str]:
-    out = set()
-    for s in fn.body:
-        if isinstance(s, Instruction) and s.base == "call":
-            for op in s.operands:
-                if not op.startswith(("(", "%")):
-                    out.add(op)
-                    break
-    return out
-
-
 def _summaries(module: Module) -> dict[str, Summary]:
     """Bottom-up summaries of every ``.func`` with a body; cycles stay absent."""
     done: dict[str, Summary] = {}
@@ -136,7 +125,7 @@ def _summaries(module: Module) -> dict[str, Summary]:
             return
         active.add(name)
         fn = bodies[name]
-        stack = [(fn, iter(sorted(_callees(fn))))]
+        stack = [(fn, iter(sorted(fn.callees())))]
         # iterative DFS keeps deep call chains off the Python stack
         while stack:
             cur, it = stack[-1]
@@ -148,7 +137,7 @@ def _summaries(module: Module) -> dict[str, Summary]:
                 continue
             if nxt in bodies and nxt not in done and nxt not in active:
                 active.add(nxt)
-                stack.append((bodies[nxt], iter(sorted(_callees(bodies[nxt])))))
+                stack.append((bodies[nxt], iter(sorted(bodies[nxt].callees()))))
 
     for name in bodies:
         visit(name)

@@ -254,14 +254,7 @@ def _add_probe_param(fn: Function, lines: list[str]) -> None:
 def _reachable(module: Module) -> dict[str, set[str]]:
     direct: dict[str, set[str]] = {}
     for fn in module.functions.values():
-        names = set()
-        for s in fn.body:
-            if isinstance(s, Instruction) and s.base == "call":
-                for op in s.operands:
-                    if not op.startswith(("(", "%")):
-                        names.add(op)
-                        break
-        direct[fn.name] = names
+        direct[fn.name] = fn.callees()
     out = {}
     for fn in module.entries:
         seen: set[str] = set()

@@ -157,6 +157,17 @@ class Function:
         """The instructions of the body, in order."""
         return [s for s in self.body if isinstance(s, Instruction)]
 
+    def callees(self) -> set[str]:
+        """The names of the functions the body calls (each ``call``'s first
+        operand that is neither a return list ``(...)`` nor a register)."""
+        out = set()
+        for s in self.instructions:
+            if s.base == "call":
+                name = next((op for op in s.operands if not op.startswith(("(", "%"))), None)
+                if name is not None:
+                    out.add(name)
+        return out
+
     def param(self, name: str) -> Param | None:
         """The parameter called ``name``, or ``None``."""
         for p in self.params:

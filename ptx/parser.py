@@ -234,11 +234,10 @@ class _Parser:
         text = text.strip()
         if not text:
             return out
-        for chunk in text.split(","):
-            chunk_line = line
-            words = chunk.split()
+        for decl in text.split(","):
+            words = decl.split()
             if not words:
-                raise PtxParseError("empty parameter in list", chunk_line)
+                raise PtxParseError("empty parameter in list", line)
             name_tok = words[-1]
             dims = re.findall(r"\[(\d*)\]", name_tok)
             name = name_tok.split("[", 1)[0]
@@ -258,7 +257,7 @@ class _Parser:
                     ptype = w
                 i += 1
             if ptype is None:
-                raise PtxParseError(f"parameter {name!r} has no type", chunk_line)
+                raise PtxParseError(f"parameter {name!r} has no type", line)
             elem = type_bytes(ptype) if ptype[1:] not in ("texref", "samplerref", "surfref") else 8
             array_len = None
             size = elem
@@ -267,7 +266,7 @@ class _Parser:
                 for d in dims:
                     array_len *= int(d) if d else 0
                 size = elem * array_len
-            out.append(Param(len(out), name, ptype, size, chunk_line, align, array_len, is_ptr, space))
+            out.append(Param(len(out), name, ptype, size, line, align, array_len, is_ptr, space))
         return out
 
     # -- statements ----------------------------------------------------

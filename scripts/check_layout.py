@@ -33,8 +33,8 @@ MAX_FUNCTION = 80
 
 # bottom first; a unit may import its own layer or any below.  The data model and the pure planning
 # logic (torch-free) are at the bottom; transport sits on the actor runtime (its codec encodes the
-# runtime's messages, its endpoints are actor refs; the runtime reaches it only through the remote
-# interface it is handed); the executor core sits under the actors that drive it.
+# runtime's messages, its endpoints are actor refs; the runtime never imports it: transport's ActorSystem
+# subclasses the runtime's LocalSystem); the executor core sits under the actors that drive it.
 LAYERS = (
     ("model", ("ptx", "tessera_actors.graph", "tessera_actors.plan", "tessera_actors.devices",
                "tessera_actors.provenance")),

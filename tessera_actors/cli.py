@@ -146,7 +146,7 @@ def demo_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--data-plane", default="zmq",
                     help="how node processes move transfer bytes: zmq, or dist (torch.distributed: NCCL between "
                          "GPUs, gloo otherwise)")
-    ap.add_argument("--chunk-bytes", default="", help="nodes send transfers above this size in pipelined chunks "
+    ap.add_argument("--span-bytes", default="", help="nodes send transfers above this size in pipelined spans "
                                                       "(e.g. 64KiB; default: the node default, 4MiB)")
 
 

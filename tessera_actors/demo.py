@@ -35,7 +35,7 @@ class DemoConfig:
     new_tokens: int = 16
     seed: int = 0
     data_plane: str = "zmq"        # how the nodes move bytes between them: zmq | dist
-    chunk_bytes: str = ""          # the nodes' --chunk-bytes ("" = their default)
+    span_bytes: str = ""           # the nodes' --span-bytes ("" = their default)
     requests: int = 4              # concurrent requests (KV slots)
 
     def __post_init__(self) -> None:
@@ -43,8 +43,8 @@ class DemoConfig:
             raise ValueError("--prompt-len, --new-tokens and --requests must be at least 1")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"--data-plane {self.data_plane!r}: expected one of {', '.join(DATA_PLANES)}")
-        if self.chunk_bytes:
-            parse_bytes(self.chunk_bytes)
+        if self.span_bytes:
+            parse_bytes(self.span_bytes)
         if not self.nodes:
             raise ValueError("at least one node is needed")
         for node in self.nodes:   # fail here, with the reason, rather than in a child process
@@ -110,11 +110,11 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
         got = await asyncio.gather(*(_collect(eng, p, params) for p in prompts))
         dt = time.perf_counter() - t0
         stats = eng.stats()
-        moved, chunks = 0, 0
+        moved, spans = 0, 0
         for ep in sorted({ep for _, ep, _ in placed.routes}):
             st = (await (await rt.system.remote_ref(ep, "transfer")).ask(GetStats())).values
             moved += st["remote_bytes"] + st["local_bytes"]
-            chunks += st.get("remote_chunks", 0)
+            spans += st.get("remote_spans", 0)
     finally:
         await eng.stop()
     codes = [n.exit_code for n in rt.cluster.nodes]
@@ -124,7 +124,7 @@ async def run_demo(cfg: DemoConfig, out=print) -> int:
     out(f"{steps} engine steps ({stats['prefill_steps']} prompt chunks, {stats['decode_steps']} decode) in {dt:.3f} s; "
         f"{stats['generated_tokens']} tokens ({stats['generated_tokens'] / dt:.1f}/s); bytes moved between devices: "
         f"{moved} ({moved / max(steps, 1):.0f} per step, the decode plan predicts {placed.plan.bytes_per_step()})")
-    out(f"data plane    : {cfg.data_plane}, {chunks} messages between processes")
+    out(f"data plane    : {cfg.data_plane}, {spans} messages between processes")
     out(f"nodes exited with {codes}")
     if stats["recoveries"]:
         out(f"recoveries    : {stats['recoveries']} (a node was counted lost; the rest ran re-placed)")
@@ -152,12 +152,12 @@ async def _collect(eng, prompt, params) -> tuple[list[int], list[float]]:
 def node_args(cfg: DemoConfig) -> list[str]:
     """The node daemon flags that carry the demo's data-plane choice."""
     args = ["--data-plane", cfg.data_plane]
-    return args + (["--chunk-bytes", cfg.chunk_bytes] if cfg.chunk_bytes else [])
+    return args + (["--span-bytes", cfg.span_bytes] if cfg.span_bytes else [])
 
 
 def main(args: argparse.Namespace) -> int:
     cfg = DemoConfig(args.model, args.size, tuple(n for n in args.nodes.split(";") if n.strip()), args.planner,
-                     args.mode, args.prompt_len, args.new_tokens, args.seed, args.data_plane, args.chunk_bytes,
+                     args.mode, args.prompt_len, args.new_tokens, args.seed, args.data_plane, args.span_bytes,
                      args.requests)
     try:
         import uvloop

@@ -211,8 +211,8 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
     ap.add_argument("--data-plane", default="zmq", choices=DATA_PLANES,
                     help="how transfer bytes reach other nodes: zmq (ZeroMQ frames) or dist (torch.distributed "
                          "point-to-point: NCCL between GPUs, gloo otherwise; headers still go over ZeroMQ)")
-    ap.add_argument("--chunk-bytes", default="4MiB",
-                    help="transfers above this size go in chunks of it, pipelined (0: never chunk)")
+    ap.add_argument("--span-bytes", default="4MiB",
+                    help="transfers above this size go in spans of it, pipelined (0: never split)")
     ap.add_argument("--dist-host", default="",
                     help="address other nodes reach this node's data-plane links at (default: the --listen host)")
     ap.add_argument("--dist-rendezvous", default="",
@@ -241,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> NodeConfig:
         elif not a.insecure and auth.generated_here:
             raise ValueError("no cluster keys: pass --keys DIR (create it with `tessera keys DIR`) or --secret FILE, "
                              "set TESSERA_KEYS, or turn authentication off with --insecure")
-        transfer = TransferConfig(a.data_plane, parse_bytes(a.chunk_bytes), a.dist_host or listen_host(a.listen),
+        transfer = TransferConfig(a.data_plane, parse_bytes(a.span_bytes), a.dist_host or listen_host(a.listen),
                                   a.link_timeout, a.dist_rendezvous, hosting)
         return NodeConfig(a.listen, parse_devices(a.devices), a.scheduler, a.name, a.heartbeat, a.lease,
                           a.register_timeout, transfer, a.recv_timeout, keys, a.insecure)

@@ -388,3 +388,28 @@ async def test_deferred_reply_keeps_the_mailbox_serving():
         await ref.ask(Ok("fail"), timeout=5)
         with pytest.raises(RemoteError, match="released with failure"):
             await failing
+
+
+async def test_ask_soon_answers_like_ask_times_out_and_fails_on_a_stopped_actor(system):
+    actor = Counter()
+    ref = await system.spawn(actor, "c")
+    sent = [ref.ask_soon(ActAdd(1)) for _ in range(3)]   # sent at once, answered in mailbox order
+    assert [await f for f in sent] == [1, 2, 3]
+    with pytest.raises(RemoteError):
+        await ref.ask_soon(ActFail())
+    with pytest.raises(AskTimeout):
+        await ref.ask_soon(ActBlock(), timeout=0.05)
+    actor.gate.set()
+    assert await ref.ask_soon(ActGet(), timeout=5) == 3   # still serving
+    await ref.stop()
+    with pytest.raises(ActorDead):
+        await ref.ask_soon(ActGet())
+
+
+async def test_ask_soon_waits_for_room_in_a_full_mailbox(system):
+    actor, ref, blocker = await busy_with_full_mailbox(system)
+    later = ref.ask_soon(ActGet(), timeout=5)
+    assert not later.done()
+    actor.gate.set()
+    await blocker
+    assert await later == 2

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tessera_actors.execution.spans import chunk_spans
+from tessera_actors.execution.spans import split_spans
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from plan_stepper import StepFailed, greedy_decode, split_on_nodes
@@ -50,7 +50,7 @@ async def split_decode(graph, values, nodes, node_args):
     return tokens, logits, run.plan, run.engine.steps, stats, routes, [n.exit_code for n in run.cluster.nodes]
 
 
-def check_bytes_moved(plan, steps, stats, routes, plane, chunk):
+def check_bytes_moved(plan, steps, stats, routes, plane, span):
     """Every transfer crossed processes once per step, in the expected number
     of messages; on the dist plane the links carried exactly those bytes."""
     assert len(set(routes.values())) == len(routes)            # one device per node: every transfer is remote
@@ -58,8 +58,8 @@ def check_bytes_moved(plan, steps, stats, routes, plane, chunk):
     assert total == plan.bytes_per_step() * steps > 0
     assert sum(st["local_bytes"] for st in stats.values()) == 0
     assert sum(st["remote_transfers"] for st in stats.values()) == len(plan.transfers) * steps
-    messages = sum(len(chunk_spans(t.nbytes, chunk)) for t in plan.transfers) * steps
-    assert sum(st["remote_chunks"] for st in stats.values()) == messages
+    messages = sum(len(split_spans(t.nbytes, span)) for t in plan.transfers) * steps
+    assert sum(st["remote_spans"] for st in stats.values()) == messages
     for ep, st in stats.items():
         assert st["data_plane"] == plane and st["link_errors"] == 0
         sent = sum(t.nbytes for t in plan.transfers if routes[t.src] == ep) * steps
@@ -71,19 +71,19 @@ def check_bytes_moved(plan, steps, stats, routes, plane, chunk):
             assert st["link_bytes_sent"] == st["link_bytes_received"] == 0
 
 
-@pytest.mark.parametrize("plane,chunk", [("dist", None), ("dist", 16), ("zmq", 16)],
-                         ids=["gloo", "gloo-chunked", "zmq-chunked"])
-def test_split_over_node_processes_is_bitwise_single_device(decode_graph, plane, chunk):
+@pytest.mark.parametrize("plane,span", [("dist", None), ("dist", 16), ("zmq", 16)],
+                         ids=["gloo", "gloo-spans", "zmq-spans"])
+def test_split_over_node_processes_is_bitwise_single_device(decode_graph, plane, span):
     graph, values = decode_graph
     ref_tokens, ref_logits = single_device(graph, values, "cpu")
-    args = ["--data-plane", plane] + (["--chunk-bytes", str(chunk)] if chunk else [])
+    args = ["--data-plane", plane] + (["--span-bytes", str(span)] if span else [])
     nodes = ("cpu?threads=1", "cpu?threads=1")
     tokens, logits, plan, steps, stats, routes, codes = asyncio.run(split_decode(graph, values, nodes, args))
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
-    if chunk:   # the test forces chunking: some transfer really was split
-        assert any(t.nbytes > chunk for t in plan.transfers)
-    check_bytes_moved(plan, steps, stats, routes, plane, chunk or 4 << 20)
+    if span:   # the test forces spans: some transfer really was split
+        assert any(t.nbytes > span for t in plan.transfers)
+    check_bytes_moved(plan, steps, stats, routes, plane, span or 4 << 20)
     if plane == "dist":
         assert any("gloo:send" in st["links"] for st in stats.values())
         assert any("gloo:recv" in st["links"] for st in stats.values())
@@ -116,20 +116,20 @@ async def test_dist_plane_peer_killed_mid_run_fails_steps_with_clear_errors_in_b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk", [None, 64], ids=["whole", "chunked"])
-def test_nccl_links_between_node_processes_on_two_gpus_match_single_gpu(decode_graph, chunk):
+@pytest.mark.parametrize("span", [None, 64], ids=["whole", "spans"])
+def test_nccl_links_between_node_processes_on_two_gpus_match_single_gpu(decode_graph, span):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs: one node process per GPU")
     graph, values = decode_graph
     ref_tokens, ref_logits = single_device(graph, values, "cuda:0")
-    args = ["--data-plane", "dist"] + (["--chunk-bytes", str(chunk)] if chunk else [])
+    args = ["--data-plane", "dist"] + (["--span-bytes", str(span)] if span else [])
     tokens, logits, plan, steps, stats, routes, codes = asyncio.run(
         split_decode(graph, values, ("cuda:0", "cuda:1"), args))
     assert tokens == ref_tokens
     cos = min(torch.nn.functional.cosine_similarity(a.double().flatten().cpu(), b.double().flatten().cpu(), dim=0)
               for a, b in zip(logits, ref_logits))
     assert cos >= 0.999
-    check_bytes_moved(plan, steps, stats, routes, "dist", chunk or 4 << 20)
+    check_bytes_moved(plan, steps, stats, routes, "dist", span or 4 << 20)
     assert any("nccl:send" in st["links"] for st in stats.values())
     assert any("nccl:recv" in st["links"] for st in stats.values())
     assert codes == [0, 0]

@@ -1,6 +1,7 @@
-"""Device actors run their chunks of kernels eagerly once, then captured and
-replayed (CUDA graphs on CUDA; the same logic, trivially, on CPU): greedy
-decoding through them equals a single device, step after step.
+"""Device actors run their segments (runs of kernels between transfers)
+eagerly once, then captured and replayed (CUDA graphs on CUDA; the same
+logic, trivially, on CPU): greedy decoding through them equals a single
+device, step after step.
 
 CPU here; the ``gpu`` tests deploy the same way on ``cuda:0`` with an
 SM-limited partition (and on two GPUs when there are two), for graphs from
@@ -60,7 +61,7 @@ async def decode(graph, plan, values, new_tokens, graphs=None):
     return tokens, [x.cpu() for x in logits], stats, engine.steps
 
 
-def chunks(plan, d):
+def segments(plan, d):
     """Runs of kernels device ``d`` executes without a transfer in between."""
     prog = plan.programs[d]
     return sum(st.op == "run" and (i == 0 or prog[i - 1].op != "run") for i, st in enumerate(prog))
@@ -77,7 +78,7 @@ def tiny():
 
 
 # -- CPU ------------------------------------------------------------------------
-async def test_split_decoding_replays_each_chunk_and_equals_single_device(tiny):
+async def test_split_decoding_replays_each_segment_and_equals_single_device(tiny):
     g = tiny.graph
     devices = ["cpu?threads=1", "cpu?threads=1"]
     runner = PlanRunner(g, single_device_plan(g, "cpu"), tiny.values)
@@ -89,7 +90,7 @@ async def test_split_decoding_replays_each_chunk_and_equals_single_device(tiny):
     assert ref_tokens == want_tokens
     plans = [ContiguousPlanner().plan(g, devices),
              build_plan(g, devices, random_assignment(g, 2, random.Random(0), runs=8), name="scattered")]
-    assert max(chunks(plans[1], d) for d in range(2)) >= 4   # chunks between transfers, both ways
+    assert max(segments(plans[1], d) for d in range(2)) >= 4   # segments between transfers, both ways
     for plan in plans:
         assert plan.transfers, plan.name
         tokens, logits, stats, steps = await decode(g, plan, tiny.values, 16)
@@ -97,13 +98,13 @@ async def test_split_decoding_replays_each_chunk_and_equals_single_device(tiny):
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), plan.name
         assert steps == len(PROMPT) + 16
         for d, st in enumerate(stats):
-            n = chunks(plan, d)   # each chunk: warmed up once, captured once, replayed every later step
+            n = segments(plan, d)   # each segment: warmed up once, captured once, replayed every later step
             assert st["graphs"] and st["steps"] == steps
             assert (st["eager_runs"], st["captures"], st["units"]) == (n, n, n), (plan.name, d, st)
             assert st["replays"] == n * (steps - 1) and st["capture_failures"] == 0
 
 
-async def test_graphs_off_runs_every_chunk_eagerly_with_the_same_tokens(tiny, monkeypatch):
+async def test_graphs_off_runs_every_segment_eagerly_with_the_same_tokens(tiny, monkeypatch):
     g = tiny.graph
     plan = ContiguousPlanner().plan(g, ["cpu", "cpu"])
     on_tokens, on_logits, _, _ = await decode(g, plan, tiny.values, 6)
@@ -112,7 +113,7 @@ async def test_graphs_off_runs_every_chunk_eagerly_with_the_same_tokens(tiny, mo
     assert tokens == on_tokens and all(torch.equal(a, b) for a, b in zip(logits, on_logits))
     for d, st in enumerate(stats):
         assert not st["graphs"] and st["captures"] == st["replays"] == 0
-        assert st["eager_runs"] == chunks(plan, d) * steps
+        assert st["eager_runs"] == segments(plan, d) * steps
     monkeypatch.setenv(GRAPHS_ENV, "maybe")
     with pytest.raises(ValueError, match="TESSERA_CUDA_GRAPHS='maybe'"):
         graphs_from_env()
@@ -120,14 +121,14 @@ async def test_graphs_off_runs_every_chunk_eagerly_with_the_same_tokens(tiny, mo
     assert graphs_from_env()
 
 
-async def test_uninstall_drops_the_captured_chunks(tiny):
+async def test_uninstall_drops_the_captured_segments(tiny):
     g = tiny.graph
     plan = ContiguousPlanner().plan(g, ["cpu", "cpu"])
     async with ActorSystem("t") as system:
         engine = await deploy(system, g, plan, tiny.values)
         await greedy_decode(engine.step, PROMPT, 2)
         dev = engine.devices[0]
-        assert (await dev.ask(GetStats())).values["units"] == chunks(plan, 0)
+        assert (await dev.ask(GetStats())).values["units"] == segments(plan, 0)
         arena = weakref.ref(next(iter(dev._actor.plans["p"].prog.arena.values())))
         await dev.ask(Uninstall("p", wait=True))   # answered once the plan's memory is let go
         st = (await dev.ask(GetStats())).values
@@ -136,9 +137,9 @@ async def test_uninstall_drops_the_captured_chunks(tiny):
         assert arena() is None          # the next plan gets the memory (a GPU budget counts it)
 
 
-def test_a_chunk_that_cannot_be_captured_keeps_running_eagerly(tiny):
+def test_a_segment_that_cannot_be_captured_keeps_running_eagerly(tiny):
     """A capture failure (e.g. a kernel that syncs with the host) costs speed,
-    never a result: the chunk stays eager and outputs stay exact."""
+    never a result: the segment stays eager and outputs stay exact."""
     g = tiny.graph
     inp = {"input_ids": torch.tensor([[5]]), "positions": torch.tensor([0])}
     want = PlanRunner(g, single_device_plan(g, "cpu"), tiny.values).step(inp)
@@ -194,7 +195,7 @@ def cuda_capture(request):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("devices", PAIRS)
-async def test_cuda_split_decoding_with_captured_chunks_matches_single_device(devices, cuda_capture):
+async def test_cuda_split_decoding_with_captured_segments_matches_single_device(devices, cuda_capture):
     if torch.cuda.device_count() < 1 + max(DeviceSpec.parse(d).index for d in devices):
         pytest.skip(f"needs {1 + max(DeviceSpec.parse(d).index for d in devices)} GPUs")
     g, values = cuda_capture.graph, cuda_capture.values
@@ -206,7 +207,7 @@ async def test_cuda_split_decoding_with_captured_chunks_matches_single_device(de
     assert tokens == ref_tokens
     assert min(cosine(a, b) for a, b in zip(logits, ref_logits)) >= 0.999
     for d, st in enumerate(stats):
-        n = chunks(plan, d)
+        n = segments(plan, d)
         assert st["capture_failures"] == 0, st["last_capture_error"]
         assert (st["eager_runs"], st["captures"]) == (n, n), st
         assert st["replays"] == n * (steps - 1), st

@@ -56,6 +56,27 @@ def test_offload_bench_cpu_smoke(tmp_path):
     assert (out / "offload.png").stat().st_size > 0
 
 
+async def test_a_failed_row_keeps_nothing_of_its_engine():
+    """A row whose engine fails is reported by its error's text alone: no
+    traceback or chained error keeps the engine's frames (and through them
+    a failed step's device memory) alive into the next row."""
+    from tessera_actors.bench.offload_engine import RowFailed, serve
+    from tessera_actors.serving.config import EngineConfig
+    conf = EngineConfig(model="llama", size="tiny", devices="cpu?threads=1,cpu", gpu_budget=1 << 20, max_seqs=1,
+                        max_model_len=64, decode_buckets=(1,), prefill_buckets=(8,), kv_windows=(), embeddings=False,
+                        planner_options={"policy": "fastest"})
+    with pytest.raises(RowFailed, match="unknown offload policy 'fastest'") as info:
+        await serve(conf, (1,), 2, 0, 0, "bad")
+    err = info.value
+    assert err.__cause__ is None and err.__context__ is None
+    frames = []
+    tb = err.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert "_run" not in frames and frames[-1] == "serve", frames
+
+
 @pytest.mark.gpu
 def test_offload_bench_on_a_gpu_with_two_real_size_layers(tmp_path):
     """A subprocess: the budget caps the allocator of the whole process."""
@@ -79,3 +100,32 @@ def test_offload_bench_on_a_gpu_with_two_real_size_layers(tmp_path):
         st = t["gpu_stats"]
         assert st["replays"] > 0 and st["capture_failures"] == 0, st
         assert st["streamed_copies_ahead_used"] > 0, st
+
+
+@pytest.mark.gpu
+def test_every_policy_holds_its_gpu_budget_with_every_bucket_captured(tmp_path):
+    """Every bucket of every policy (decode b1 and b8, prompt chunks of 32 and
+    512 tokens) runs its GPU pieces as CUDA graph replays within the budget:
+    the graphs of one device share one memory pool, which the reserve holds
+    (a pool per graph held a 2 MiB segment or more each: hundreds of streamed
+    pieces ran out of the budget).  A subprocess: the budget caps the
+    allocator of the whole process."""
+    out = tmp_path / "gpu"
+    reserve = 160 << 20
+    cmd = [sys.executable, "-m", "tessera_actors.cli", "bench", "offload", "--model", "llama", "--size", "real",
+           "--layers", "2", "--gpu-budget", "2GiB", "--batch", "1,8", "--prefill", "512", "--steps", "8",
+           "--reserve", "160MiB", "--no-measure", "--devices", "cuda:0,cpu?threads=12", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((out / "offload.json").read_text())
+    for work in ("decode_b1", "decode_b8", "prefill"):
+        row = doc[work]
+        for name in ("layer_offload", "streaming", "tessera_bytes_ring"):
+            pol = row["policies"][name]
+            assert "error" not in pol, (work, name, pol)
+            st = pol["gpu_stats"]
+            assert st["capture_failures"] == 0 and st["replays"] > 0, (work, name, st)
+            assert st["capture_pool_bytes"] <= reserve, (work, name, st)
+            assert pol["gpu_allocated_bytes"] <= row["gpu_budget_bytes"], (work, name)
+            assert pol["gpu_peak_bytes"] <= row["gpu_budget_bytes"], (work, name)
+            assert pol["gpu_bytes_before"] <= 64 << 20, (work, name)   # the engine before it let go of its memory

@@ -9,7 +9,7 @@ from tessera_actors.planning.offload import (Offload, OffloadPlanner, gpu_only, 
                                              choose_homes)
 
 MS = 1e-3
-W = 1000      # bytes of each weight
+W = 1024      # bytes of each weight (a multiple of staging.ALIGN: a slot takes its bytes, no more)
 A = 16        # bytes of each activation
 
 

@@ -70,6 +70,33 @@ async def test_served_offload_plans_share_one_ring_and_give_single_device_tokens
     assert stats["shared_bytes"] + stats["staging_bytes"] <= budget()
 
 
+@pytest.mark.parametrize("policy", ["streaming", "tessera"])
+async def test_the_budgeted_device_counts_every_byte_it_holds_for_every_bucket(policy):
+    """What the budgeted device keeps alive - found by walking the objects it
+    holds, after steps of every bucket - is what it reports (``allocated_bytes``
+    on the device, ``home_bytes`` in host memory), and within the budget the
+    planner planned every bucket for: the decode rows and sampling state a
+    plan keeps between steps included (they were not counted)."""
+    from held_walk import reachable_bytes
+    async with AsyncEngine(devices="cpu?threads=1,cpu", gpu_budget=budget(),
+                           planner_options=dict(OPTIONS, policy=policy), **CFG) as eng:
+        await eng.wait_placed()
+        await asyncio.gather(*(_greedy(eng, p, 4) for p in PROMPTS))   # decode:4, prefill:8 and :16
+        await _greedy(eng, [7, 8], 4)                                  # decode:1
+        stepped = {b for b, c in eng.stats()["bucket_stats"].items() if c.get("replays", 0) + c.get("eager_runs", 0)}
+        placed = dict(eng.deployment.placed)
+        device = eng.deployment.system.ref("device0")
+        stats = (await device.ask(GetStats())).values
+        walked = reachable_bytes(device._actor)
+    assert set(placed) == {"decode:4@0", "decode:1@0", "prefill:8", "prefill:16"} and stepped >= set(placed), stepped
+    assert len(stats["plans"]) == 4
+    assert walked == stats["allocated_bytes"] + stats["home_bytes"]
+    assert stats["step_state_bytes"] > 0
+    assert stats["allocated_bytes"] <= budget()
+    assert all(p.plan.meta["offload"]["gpu_bytes"] <= p.plan.meta["offload"]["budget"] == budget()
+               for p in placed.values())
+
+
 def test_planner_options_from_flags_and_a_bad_one_is_refused_by_name():
     from tessera_actors.serving.flags import planner_options
     assert planner_options(["policy=streaming", "cpu_bps=3.9e10", "reserve=1024"]) == {
@@ -115,6 +142,11 @@ def test_gpu_budget_needs_a_gpu_and_a_cpu_and_one_budget():
     from tessera_actors.serving.config import EngineConfig
     c = EngineConfig(devices="cuda:0,cpu?threads=12", gpu_budget="8GiB")
     assert c.devices == f"cuda:0?mem={8 << 30},cpu?threads=12" and c.planner == "offload"
+    # a GPU keeps a reserve of its budget for what no graph names (a given one stays); a CPU stand-in none
+    assert c.planner_options == {"reserve": 320 << 20}
+    assert EngineConfig(devices="cuda:0,cpu", gpu_budget="8GiB", planner_options={"reserve": 5}).planner_options == {
+        "reserve": 5}
+    assert EngineConfig(devices="cpu?threads=1,cpu", gpu_budget="8GiB").planner_options == {}
     for bad, why in ((dict(devices="cpu"), "a GPU and a CPU"), (dict(devices="cuda:0,cuda:1"), "a GPU and a CPU"),
                      (dict(devices="cuda:0?mem=1GiB,cpu"), "give one"), (dict(devices="cuda:0,cpu", planner="milp"),
                                                                           "offload planner"),

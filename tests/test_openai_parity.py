@@ -23,11 +23,8 @@ ASK = [{"role": "user", "content": "List three colors."}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--model", MODEL, "--devices", "cpu", "--max-seqs", "4", "--max-model-len", "256").start()
-    try:
+    with ServerProcess("--model", MODEL, "--devices", "cpu", "--max-seqs", "4", "--max-model-len", "256") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture()

@@ -45,8 +45,8 @@ async def test_every_bucket_of_a_device_shares_one_scratch_and_serves_the_same_t
     embeddings): their activation buffers take about what the largest
     needs, not their sum, and the tokens are those of a deployment that
     places one prompt bucket."""
-    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=2, max_model_len=128, prefix_caching=False,
-               decode_buckets=(1, 2), kv_windows=())
+    cfg = {"model": "llama", "size": "tiny", "devices": "cpu", "max_seqs": 2, "max_model_len": 128,
+           "prefix_caching": False, "decode_buckets": (1, 2), "kv_windows": ()}
     prompt = list(range(1, 40))
     async with AsyncEngine(prefill_buckets=(48,), **cfg) as one:
         want = [(await _tokens(one, prompt[:n], GREEDY)) for n in (5, 20, 39)]
@@ -65,8 +65,8 @@ async def test_the_kv_cache_is_resident_only_where_sequences_wrote_it():
     """A 256 MiB KV cache (16 rows of 32768 positions) of the tiny model:
     the server's resident memory grows by a small part of it until rows
     fill, and a served request's positions are what it adds."""
-    cfg = dict(model="llama", size="tiny", devices="cpu", max_seqs=16, max_model_len=32768, decode_buckets=(16,),
-               prefill_buckets=(16,), kv_windows=(), embeddings=False)
+    cfg = {"model": "llama", "size": "tiny", "devices": "cpu", "max_seqs": 16, "max_model_len": 32768,
+           "decode_buckets": (16,), "prefill_buckets": (16,), "kv_windows": (), "embeddings": False}
     before = rss_bytes()
     async with AsyncEngine(**cfg) as eng:
         await eng.wait_placed()

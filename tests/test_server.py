@@ -38,11 +38,8 @@ def trace_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(trace_dir):
-    srv = ServerProcess(*SERVE_ARGS, "--trace", str(trace_dir)).start()
-    try:
+    with ServerProcess(*SERVE_ARGS, "--trace", str(trace_dir)) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture()

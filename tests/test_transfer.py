@@ -1,4 +1,4 @@
-"""Transfer pieces on their own: chunk arithmetic, the device's inbox, and
+"""Transfer pieces on their own: span arithmetic, the device's inbox, and
 torch.distributed links (gloo on CPU; the NCCL path is the same code)."""
 import asyncio
 import os
@@ -12,21 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessera_actors.execution.spans import chunk_spans, sub_ranges
+from tessera_actors.execution.spans import split_spans, sub_ranges
 from tessera_actors.execution.inbox import Inbox, TransferFailed
 from actors.links import LinkHub
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_chunk_spans_cover_the_stream_exactly():
-    assert chunk_spans(10, 4) == [(0, 4), (4, 4), (8, 2)]
-    assert chunk_spans(8, 4) == [(0, 4), (4, 4)]
-    assert chunk_spans(4, 4) == [(0, 4)]
-    assert chunk_spans(10, 0) == [(0, 10)]      # 0: never chunk
-    assert chunk_spans(0, 4) == [(0, 0)]        # an empty transfer is still one message
+def test_split_spans_cover_the_stream_exactly():
+    assert split_spans(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert split_spans(8, 4) == [(0, 4), (4, 4)]
+    assert split_spans(4, 4) == [(0, 4)]
+    assert split_spans(10, 0) == [(0, 10)]      # 0: never split
+    assert split_spans(0, 4) == [(0, 0)]        # an empty transfer is still one message
     with pytest.raises(ValueError):
-        chunk_spans(-1, 4)
+        split_spans(-1, 4)
 
 
 def test_sub_ranges_map_stream_slices_to_buffer_ranges():
@@ -39,13 +39,13 @@ def test_sub_ranges_map_stream_slices_to_buffer_ranges():
     assert sub_ranges(ranges, 5, 0) == []
     with pytest.raises(ValueError, match="outside a stream of 11 bytes"):
         sub_ranges(ranges, 8, 4)
-    # chunks of every size reassemble every byte once
+    # spans of every size reassemble every byte once
     for size in range(1, 12):
-        covered = [b for off, n in chunk_spans(11, size) for s, e in sub_ranges(ranges, off, n) for b in range(s, e)]
+        covered = [b for off, n in split_spans(11, size) for s, e in sub_ranges(ranges, off, n) for b in range(s, e)]
         assert covered == [b for s, e in ranges for b in range(s, e)]
 
 
-async def test_inbox_writes_chunks_in_any_order_and_reports_waiting():
+async def test_inbox_writes_spans_in_any_order_and_reports_waiting():
     inbox = Inbox()
     stream = torch.arange(10, dtype=torch.uint8)
     out = torch.zeros(10, dtype=torch.uint8)
@@ -56,7 +56,7 @@ async def test_inbox_writes_chunks_in_any_order_and_reports_waiting():
         writes.append(offset)
         out[offset:offset + data.numel()] = data
         written.set()
-    inbox.put(3, 7, 8, stream[8:])        # a chunk ahead of its step, out of order
+    inbox.put(3, 7, 8, stream[8:])        # a span ahead of its step, out of order
     t0 = time.perf_counter()
     task = asyncio.ensure_future(inbox.receive(3, 7, 10, write, timeout=5, what="t7"))
     await asyncio.wait_for(written.wait(), 5)

@@ -4,17 +4,17 @@ ZeroMQ's decoder allocates a frame's declared size as soon as it reads the
 frame header, before the security handshake has authenticated anybody.  So
 every socket refuses frames above ``MAX_WIRE_FRAME`` (``ZMQ_MAXMSGSIZE``: a
 peer that declares more is disconnected at the header, nothing allocated):
-the transfer chunk size (``PIECE_BYTES``, ``--chunk-bytes``' default) plus
+the transfer span size (``PIECE_BYTES``, ``--span-bytes``' default) plus
 ``SLACK_BYTES`` for what CURVE and ZMTP wrap around a frame.  A security
 handshake not done within ``HANDSHAKE_S`` drops the connection.
 
 A message frame larger than ``PIECE_BYTES`` (a body with a large graph, a
-weight of ``LoadValues``, a step's outputs, a transfer sent unchunked) still
+weight of ``LoadValues``, a step's outputs, a transfer sent whole) still
 travels: ``split`` cuts it into consecutive pieces of at most
 ``PIECE_BYTES`` (views, no copy), sets ``FLAG_PIECES`` in the header and
 appends a table ``msgpack [[frame_index, pieces], ...]`` as the last frame;
 ``join`` copies each frame's pieces back into one buffer of its own (the
-receiver pays one copy of such frames; chunked transfers are never split).
+receiver pays one copy of such frames; a transfer sent in spans is never split).
 The shared-memory table (``transport.shm``), when there is one, is inside:
 ``split`` runs after ``shm_frames.to_shm`` and ``join`` before ``from_shm``.
 """
@@ -28,7 +28,7 @@ import zmq
 
 from tessera_actors.runtime.errors import CodecError
 
-PIECE_BYTES = 4 << 20        # payload bytes of one ZeroMQ frame; also the transfer chunk size by default
+PIECE_BYTES = 4 << 20        # payload bytes of one ZeroMQ frame; also the transfer span size by default
 SLACK_BYTES = 64 << 10       # CURVE's box and nonce, ZMTP's command name and flags, with room to spare
 MAX_WIRE_FRAME = PIECE_BYTES + SLACK_BYTES
 HANDSHAKE_S = 10.0           # a connection whose security handshake takes longer is dropped

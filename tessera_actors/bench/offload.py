@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from tessera_actors.provenance import git_commit
-from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, first_difference, log, serve
+from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, RowFailed, first_difference, log, serve
 from tessera_actors.bench.offload_measure import measure_rates, measure_switch
 from tessera_actors.devices import DeviceSpec, parse_bytes
 from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal, routed_experts
@@ -193,6 +193,7 @@ def row_info(cfg: OffloadConfig, w: str, got: dict, model: Offload) -> dict:
             "activation_bytes_per_token": plan.bytes_per_step() / per,
             "gpu_busy": min(1.0, busy[0]), "cpu_busy": min(1.0, busy[1]) if len(plan.devices) > 1 else 0.0,
             "gpu_peak_bytes": got["gpu_peak_bytes"], "gpu_allocated_bytes": got["gpu_allocated_bytes"],
+            "gpu_bytes_before": got["gpu_bytes_before"], "gpu_bytes_after": got["gpu_bytes_after"],
             "gpu_stats": got.get("gpu_stats", {}), "devices": got["devices"], "plan": plan.name,
             "ring": off.get("ring"), "choices": choices,
             "homes": {h: choices.count(h) for h in "RSC"},   # what the placement really is, whatever its policy
@@ -257,9 +258,10 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, models_of: dic
         try:
             got = await _engine(cfg, conf, name, check=check)
         except Exception as e:
-            log(f"{name}: FAILED: {type(e).__name__}: {e}")
+            why = str(e) if isinstance(e, RowFailed) else f"{type(e).__name__}: {e}"
+            log(f"{name}: FAILED: {why}")
             for w in work:
-                results[w]["policies"][name] = {"error": f"{type(e).__name__}: {e}"}
+                results[w]["policies"][name] = {"error": why}
                 results[w][f"{name}_tok_s"] = None
             continue
         for w in work:

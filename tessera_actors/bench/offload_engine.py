@@ -7,7 +7,10 @@ waits for every bucket, times each decode batch and the prompt chunk,
 optionally scores a batch-1 continuation teacher-forced against a
 reference (:func:`forced`), and returns the numbers, the placed plans and
 the budgeted device's counters; the GPU allocator's peak when the engine's
-first device is a GPU.  Nothing here deploys plans or steps devices itself:
+first device is a GPU.  Before an engine starts and after it stopped, failed
+or not, what it allocated on the GPU is released and the bytes left are
+recorded (``gpu_bytes_before``, ``gpu_bytes_after``): a failed engine is
+:class:`RowFailed` with its error's text only, its memory gone.  Nothing here deploys plans or steps devices itself:
 what is measured is what ``tessera serve`` runs."""
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ TOP = 20          # top log probabilities per token the check asks for (OpenAI's
 TIE_NATS = 0.0625 # a flip within this many nats of the reference's best is a tie (4 bf16 ulps of logits in [2, 4))
 
 # the budgeted device's counters a result row carries (GetStats): how its segments and streamed pieces ran
-GPU_STATS = ("captures", "replays", "eager_runs", "capture_failures", "last_capture_error", "streamed_copies",
+GPU_STATS = ("captures", "replays", "eager_runs", "capture_failures", "last_capture_error", "capture_pool_bytes",
+             "step_state_bytes", "staging_bytes", "streamed_copies",
              "streamed_copies_ahead_used", "streamed_bytes", "direct_transfers", "taken_on_worker", "taken_on_loop")
 
 
@@ -163,11 +167,33 @@ async def serve(conf: EngineConfig, batches, steps: int, prefill: int, prefill_s
     the budgeted device's counters."""
     gpu = DeviceSpec.parse(conf.devices.split(",")[0])
     cuda = gpu.kind == "cuda"
-    await settle_gpu(gpu, quiet=True)
+    before = await settle_gpu(gpu, label)
     if cuda:
         torch.cuda.reset_peak_memory_stats(gpu.index)
     t0 = time.perf_counter()
-    out: dict = {}
+    out: dict = {"gpu_bytes_before": before}
+    failed = ""
+    try:
+        await _run(conf, batches, steps, prefill, prefill_steps, label, check, score, out, t0)
+    except Exception as e:
+        # the error's traceback holds the failed step's frames and through them its plan's device memory:
+        # only its text leaves here, so that memory goes with the engine before the next one starts
+        failed = f"{type(e).__name__}: {e}"
+    left = await settle_gpu(gpu, label, after=True)
+    if failed:
+        raise RowFailed(failed)
+    out["gpu_bytes_after"] = left
+    return out
+
+
+class RowFailed(RuntimeError):
+    """An engine of the benchmark failed (its error's text; nothing of the engine is kept)."""
+
+
+async def _run(conf: EngineConfig, batches, steps: int, prefill: int, prefill_steps: int, label: str,
+               check: tuple | None, score: int, out: dict, t0: float) -> None:
+    gpu = DeviceSpec.parse(conf.devices.split(",")[0])
+    cuda = gpu.kind == "cuda"
     async with AsyncEngine(config=conf) as eng:
         await eng.wait_placed()
         log(f"{label}: engine on {eng.cfg.devices} ({eng.cfg.planner} planner) placed "
@@ -191,11 +217,9 @@ async def serve(conf: EngineConfig, batches, steps: int, prefill: int, prefill_s
         out["served"] = eng.served
         out["devices"] = eng.cfg.devices
         st = (await eng.deployment.system.ref("device0").ask(GetStats())).values
-        out["gpu_allocated_bytes"] = st["allocated_bytes"]   # the budgeted device: all buckets' buffers
+        out["gpu_allocated_bytes"] = st["allocated_bytes"]   # the budgeted device: every byte it holds, all buckets
         out["gpu_stats"] = {k: st[k] for k in GPU_STATS if k in st}
     out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(gpu.index) if cuda else None
-    await settle_gpu(gpu)
-    return out
 
 
 def free_gpu(gpu: DeviceSpec) -> int:
@@ -213,19 +237,21 @@ def free_gpu(gpu: DeviceSpec) -> int:
     return torch.cuda.memory_allocated(gpu.index)
 
 
-async def settle_gpu(gpu: DeviceSpec, quiet: bool = False, wait_s: float = 5.0) -> None:
+async def settle_gpu(gpu: DeviceSpec, label: str = "", after: bool = False, wait_s: float = 5.0) -> int:
     """:func:`free_gpu`, again every 0.1 s for up to ``wait_s`` while more
     than 64 MiB stay allocated (a stopped engine's worker threads let go of
     their arenas a moment after the actors stopped: on an H200 the
     unbudgeted reference's 15 GB once outlived its actor system into the
     next policy's budget), and say if anything stays: it would count
-    against the next budget."""
+    against the next budget.  Returns the bytes still allocated."""
     left, t0 = free_gpu(gpu), time.perf_counter()
     while left > 64 << 20 and time.perf_counter() - t0 < wait_s:
         await asyncio.sleep(0.1)
         left = free_gpu(gpu)
-    if left > 64 << 20 and not quiet:
-        log(f"warning: {left / 2**20:.0f} MiB still allocated on {gpu.name} after an engine")
+    if left > 64 << 20:
+        when = f"after {label}'s engine" if after else f"before {label}'s engine"
+        log(f"warning: {left / 2**20:.0f} MiB still allocated on {gpu.name} {when}")
+    return left
 
 
-__all__ = ["compare", "forced", "scored", "serve", "settle_gpu", "time_decode", "time_prefill"]
+__all__ = ["RowFailed", "compare", "forced", "scored", "serve", "settle_gpu", "time_decode", "time_prefill"]

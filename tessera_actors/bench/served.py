@@ -58,14 +58,19 @@ def engine_for(case: ServedCase, kind: str):
                        gqa=case.gqa, embeddings=False)
 
 
+async def _started(case: ServedCase, kind: str):
+    """The case's engine for ``kind``, started, and the seconds its start took."""
+    eng = engine_for(case, kind)
+    t0 = time.perf_counter()
+    await eng.start()
+    return eng, time.perf_counter() - t0
+
+
 async def served_decode(case: ServedCase) -> dict[str, Any]:
     """Seconds per served decode step of ``batch`` rows (module docstring)."""
     from tessera_actors import SamplingParams
     from tessera_actors.serving.buckets import bucket_name
-    eng = engine_for(case, "decode")
-    t0 = time.perf_counter()
-    await eng.start()
-    started = time.perf_counter() - t0
+    eng, started = await _started(case, "decode")
     try:
         bucket = bucket_name("decode", case.batch, 0, 0)
         vocab = eng.served.vocab_size
@@ -113,10 +118,7 @@ async def served_prefill(case: ServedCase) -> dict[str, Any]:
     """Seconds from a ``prompt``-token request to its first token (median)."""
     from tessera_actors import SamplingParams
     from tessera_actors.serving.buckets import bucket_name
-    eng = engine_for(case, "prefill")
-    t0 = time.perf_counter()
-    await eng.start()
-    started = time.perf_counter() - t0
+    eng, started = await _started(case, "prefill")
     try:
         bucket = bucket_name("prefill", case.prompt, 0, 0)
         vocab = eng.served.vocab_size

@@ -1,10 +1,10 @@
 """The arrivals of one installed plan on a device: transfer bytes that came
-in as ``Deliver`` messages, possibly ahead of their step, possibly in chunks.
+in as ``Deliver`` messages, possibly ahead of their step, possibly in spans.
 
 Owned by the device actor and touched only from its event loop.  ``put``
-never waits; ``receive`` waits for the chunks of one transfer and hands each
-to ``write`` as it arrives, so chunk i is written while chunk i+1 is still
-on the wire.  A chunk carrying an error (the data plane lost its peer) fails
+never waits; ``receive`` waits for the spans of one transfer and hands each
+to ``write`` as it arrives, so span i is written while span i+1 is still
+on the wire.  A span carrying an error (the data plane lost its peer) fails
 the receive at once; silence for ``timeout`` seconds fails it too.
 """
 from __future__ import annotations
@@ -24,13 +24,13 @@ class TransferFailed(RuntimeError):
 
 class Inbox:
     """``max_early`` transfers may wait for a step that has not asked for
-    them yet, each at most ``ttl`` seconds: chunks for steps that never come
+    them yet, each at most ``ttl`` seconds: spans for steps that never come
     (a peer's stray or hostile ``Deliver``) are dropped, logged, instead of
     piling up.  A dropped transfer that was real fails its step by timeout."""
 
     def __init__(self, max_early: int = 4096, ttl: float = 300.0) -> None:
         self._queues: dict[tuple[int, int], asyncio.Queue] = {}
-        self._early: dict[tuple[int, int], float] = {}   # key -> when its first chunk came, unclaimed
+        self._early: dict[tuple[int, int], float] = {}   # key -> when its first span came, unclaimed
         self.max_early, self.ttl = max_early, ttl
         self.dropped = 0
 
@@ -41,7 +41,7 @@ class Inbox:
         return q
 
     def put(self, step: int, tag: int, offset: int, data: Any, error: str = "") -> None:
-        """One chunk (``offset`` into the transfer's byte stream) or an error."""
+        """One span (``offset`` into the transfer's byte stream) or an error."""
         key = (step, tag)
         if key not in self._queues:
             self._expire()
@@ -68,13 +68,13 @@ class Inbox:
                         self.ttl)
 
     def pending(self) -> int:
-        """Transfers with chunks waiting for their step."""
+        """Transfers with spans waiting for their step."""
         return len(self._queues)
 
     async def receive(self, step: int, tag: int, nbytes: int,
                       write: Callable[[int, Any], Awaitable[None]], timeout: float,
                       what: str) -> float:
-        """Write the ``nbytes`` of transfer ``tag`` of ``step`` chunk by chunk
+        """Write the ``nbytes`` of transfer ``tag`` of ``step`` span by span
         through ``write(offset, data)``; returns the seconds spent waiting for
         bytes (not writing).  ``what`` names the transfer in errors."""
         q = self._queue(step, tag)

@@ -113,7 +113,7 @@ def unpack(host: torch.Tensor) -> tuple[list[int], list[float], list[Any]]:
     """(token ids, their log probabilities, per entry ``[[id, logprob], ...]``
     of the most likely ids, empty lists when none were asked) of :func:`pack`'s tensor."""
     rows = host.tolist()
-    tokens, logprobs = [int(t) for t in rows[0]], rows[1]
+    tokens, logprobs = list(map(int, rows[0])), rows[1]
     k = (len(rows) - 2) // 2
     if k == 0:
         return tokens, logprobs, []

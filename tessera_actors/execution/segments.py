@@ -10,7 +10,12 @@ stream: the warm-up that lets libraries initialise and Triton compile, on a
 real step with valid inputs.  The second time it is captured once through
 ``backend.replayable`` (a CUDA graph on the compute stream, which keeps a
 green context's SM limit) and replayed, and from then on only replayed; a
-unit whose capture fails stays eager.  Capture records pointers: every
+unit whose capture fails stays eager.  Every unit of the runner, whatever
+its plan, is captured into one memory pool (``backend.capture_pool``): the
+transient results of each graph's capture stay the pool's, and in one pool
+the graphs reuse each other's blocks, so the device holds what its largest
+unit needs rather than a segment per graph (``pool_bytes``, which the
+offload planner's reserve covers).  Capture records pointers: every
 kernel reads and writes the fixed arena of its
 :class:`~tessera_actors.execution.program.AtenProgram`, which step inputs,
 received bytes and loaded values are copied into, so a replay sees them.
@@ -48,7 +53,7 @@ PLAN_COUNTS = ("captures", "replays", "eager_runs", "capture_failures")
 
 
 def graphs_from_env() -> bool:
-    """``TESSERA_CUDA_GRAPHS``: ``0``/``off``/``false``/``no`` run every chunk
+    """``TESSERA_CUDA_GRAPHS``: ``0``/``off``/``false``/``no`` run every segment
     eagerly (debugging); unset or ``1``/``on``/``true``/``yes`` capture."""
     text = os.environ.get(GRAPHS_ENV, "1").strip().lower()
     if text in ("1", "on", "true", "yes", ""):
@@ -84,6 +89,8 @@ class SegmentRunner:
         self.counts = {"captures": 0, "replays": 0, "eager_runs": 0, "capture_failures": 0, "units": 0}
         self.last_capture_error = ""
         self.per_plan: dict[str, dict[str, int]] = {}   # plan -> PLAN_COUNTS
+        self.pool = be.capture_pool() if graphs else None   # every capture's transient results, all plans'
+        self.pool_bytes = 0   # device bytes of that pool, as of the last capture or forget
 
     def run(self, key: tuple, prog: AtenProgram, kernels: Sequence[int]) -> None:
         """Queue segment ``key`` (``kernels`` of ``prog``; ``key[0]`` is the
@@ -129,8 +136,9 @@ class SegmentRunner:
             self._count(key, "eager_runs")
             return
         try:
-            replay = self.backend.replayable(segment, self.compute, warmup=False, current=True)
+            replay = self.backend.replayable(segment, self.compute, pool=self.pool, warmup=False, current=True)
         except Exception as e:   # e.g. a kernel that syncs with the host: this segment stays eager
+            self.pool_bytes = self.backend.pool_bytes(self.pool)
             self._eager_only.add(key)
             self._count(key, "capture_failures")
             self.last_capture_error = f"{key}: {type(e).__name__}: {e}"
@@ -139,6 +147,7 @@ class SegmentRunner:
             self._count(key, "eager_runs")
             return
         self._units[key] = replay
+        self.pool_bytes = self.backend.pool_bytes(self.pool)
         self._count(key, "captures")
         self.counts["units"] += 1
         replay()
@@ -182,6 +191,7 @@ class SegmentRunner:
             self.counts["units"] -= self._units.pop(key) is not None
         self._eager_only = {k for k in self._eager_only if k[0] != plan_id}
         self.per_plan.pop(plan_id, None)
+        self.pool_bytes = self.backend.pool_bytes(self.pool)   # the graphs gone: the pool may have shrunk
 
     def recapture(self) -> None:
         """Forget every captured CUDA graph (their units stay warmed up: the
@@ -202,5 +212,6 @@ class SegmentRunner:
         be.host_wait(be.record(self.compute))
 
     def stats(self) -> dict[str, Any]:
-        return {"graphs": self.graphs, **self.counts, "last_capture_error": self.last_capture_error}
+        return {"graphs": self.graphs, **self.counts, "last_capture_error": self.last_capture_error,
+                "capture_pool_bytes": self.pool_bytes}
 

@@ -187,6 +187,9 @@ class Shares:
         storage.resize_(nbytes)
         self.scratch.set_(storage, 0, (nbytes,), (1,))
 
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        return [] if self.scratch is None else [self.scratch]
+
     def scratch_bytes(self) -> int:
         return 0 if self.scratch is None else self.scratch.numel()
 

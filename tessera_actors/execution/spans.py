@@ -1,10 +1,10 @@
-"""Chunking of transfer bytes: pure functions over byte offsets (no torch).
+"""Spans of transfer bytes: pure functions over byte offsets (no torch).
 
 A transfer moves the bytes ``ranges`` of one buffer, concatenated in range
-order: its *stream*.  Above ``chunk_bytes`` the stream travels as chunks
+order: its *stream*.  Above ``span_bytes`` the stream travels as spans
 ``(offset, nbytes)`` so that staging, the wire and the receiver's write of
-consecutive chunks overlap; the receiver writes each chunk into the stream
-slice it covers (``sub_ranges``), in whatever order chunks arrive.
+consecutive spans overlap; the receiver writes each span into the stream
+slice it covers (``sub_ranges``), in whatever order spans arrive.
 """
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from typing import Sequence
 
 from transport.wire import PIECE_BYTES
 
-DEFAULT_CHUNK_BYTES = PIECE_BYTES   # a chunk is one frame on the wire (larger ones are split into pieces of this)
+DEFAULT_SPAN_BYTES = PIECE_BYTES   # a span is one frame on the wire (larger ones are split into pieces of this)
 
 
-def chunk_spans(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` of each chunk of a stream of ``nbytes``; one span
-    (possibly empty) when ``chunk_bytes`` is 0 or the stream fits in one."""
-    if nbytes < 0 or chunk_bytes < 0:
-        raise ValueError(f"negative size: nbytes={nbytes}, chunk_bytes={chunk_bytes}")
-    if chunk_bytes == 0 or nbytes <= chunk_bytes:
+def split_spans(nbytes: int, span_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of each span of a stream of ``nbytes``; one span
+    (possibly empty) when ``span_bytes`` is 0 or the stream fits in one."""
+    if nbytes < 0 or span_bytes < 0:
+        raise ValueError(f"negative size: nbytes={nbytes}, span_bytes={span_bytes}")
+    if span_bytes == 0 or nbytes <= span_bytes:
         return [(0, nbytes)]
-    return [(off, min(chunk_bytes, nbytes - off)) for off in range(0, nbytes, chunk_bytes)]
+    return [(off, min(span_bytes, nbytes - off)) for off in range(0, nbytes, span_bytes)]
 
 
 def sub_ranges(ranges: Sequence[Sequence[int]], offset: int, nbytes: int) -> list[tuple[int, int]]:

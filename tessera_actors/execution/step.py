@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from tessera_actors.execution.held import kept_tensors
 from tessera_actors.execution.hostbuf import Landings, Uploads
 from tessera_actors.execution.inputs import write_inputs
 from tessera_actors.execution.program import AtenProgram
@@ -127,6 +128,16 @@ class DeviceStep:
             self.rows = PlanRows(self.graph, self.prog, self.feed, self.holds_logits, self.uploads)
         return self.rows
 
+    def kept(self) -> Iterator[torch.Tensor]:
+        """The tensors this plan's steps keep here from step to step (the
+        decode rows, their sampling batch, the ids sampled last), device or
+        host: :mod:`.held` counts those on the device."""
+        yield from kept_tensors(self.rows)
+        if self.rows is not None:
+            yield from kept_tensors(self.rows.batch)
+        if self.sampled is not None:
+            yield self.sampled[1]
+
     def begin(self, msg, handoff, spin: float = 0.0, busy_elsewhere: Callable[[], bool] = lambda: False
               ) -> "StepRun":
         return StepRun(self, msg, handoff, spin, busy_elsewhere)
@@ -153,7 +164,7 @@ class StepRun:
         self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
 
     def stage(self, buffer: int, ranges: list, data: Any) -> None:
-        """Received bytes (a whole transfer, or one chunk of it) the next
+        """Received bytes (a whole transfer, or one span of it) the next
         :meth:`advance` writes before its kernels."""
         self.staged.append((buffer, ranges, data))
 

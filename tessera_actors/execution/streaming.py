@@ -63,8 +63,9 @@ def streamed_buffers(plan: Plan, device: int) -> list[int]:
 
 
 class Staging:
-    """A device's staging ring: ``slots * slot_bytes`` bytes of device memory
-    (``slot``: its slots as views), the copy stream, and the event behind
+    """A device's staging ring: ``slots`` slots of ``slot_bytes`` bytes of
+    device memory, each starting at a multiple of ``ALIGN`` (``nbytes``: what
+    the ring allocates; ``slot``: its slots as views), the copy stream, and the event behind
     the last streamed read of the ring.  The streaming programs of one
     share group (a served model's buckets) share one ring; their steps must
     then use it one at a time (the device actor runs them under one lock):
@@ -73,8 +74,8 @@ class Staging:
 
     def __init__(self, device: torch.device, slots: int, slot_bytes: int, backend: Any) -> None:
         self.slots, self.slot_bytes = slots, slot_bytes
-        self.nbytes = slots * slot_bytes
         pitch = slot_pitch(slot_bytes)   # slots start aligned, as separate allocations would
+        self.nbytes = slots * pitch
         self.buf = torch.zeros(max(slots * pitch, 1), dtype=torch.uint8, device=device)
         self.slot = [self.buf[k * pitch:k * pitch + slot_bytes] for k in range(slots)]
         self.copy_stream = backend.stream(priority=-1) if slots else None
@@ -101,7 +102,7 @@ class StreamingProgram(AtenProgram):
         if ring is not None and (ring.slots, ring.slot_bytes) != (slots, slot_bytes):
             raise BackendError(f"{device}: plan wants {slots} staging slots of {slot_bytes} bytes, the share "
                                f"group's ring has {ring.slots} of {ring.slot_bytes}")
-        staging = slots * slot_bytes if self.streamed and ring is None else 0
+        staging = slots * slot_pitch(slot_bytes) if self.streamed and ring is None else 0
         own = sum(graph.buffers[b].nbytes for b in ids - set(self.streamed) if b not in (shared or {}))
         if memory_limit is not None and own + staging > memory_limit:
             raise BackendError(f"{device}: plan needs {own} bytes of buffers and {staging} of staging, "

@@ -135,6 +135,19 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
+def add_lm_stack(module: nn.Module, cfg, block) -> None:
+    """Give ``module`` a language model's stack, in this order: ``embed``
+    (token embedding), ``layers`` (``cfg.n_layers`` blocks, each made by
+    ``block()``), ``norm`` (the final RMSNorm) and ``lm_head``, tied to the
+    embedding when ``cfg.tie_embeddings``."""
+    module.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+    module.layers = nn.ModuleList(block() for _ in range(cfg.n_layers))
+    module.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+    module.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+    if cfg.tie_embeddings:
+        module.lm_head.weight = module.embed.weight
+
+
 def rope_inv_freq(head_dim: int, theta: float, llama3_scaling: dict | None = None) -> Tensor:
     """Rotary inverse frequencies, optionally with Llama-3.1 frequency scaling
     (keys: factor, low_freq_factor, high_freq_factor, original_max_position)."""

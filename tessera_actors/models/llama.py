@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from tessera_actors.models.attention import CachedAttention
-from tessera_actors.models.common import (ReferenceModel, RMSNorm, SwiGLU, example_ids, lm_positions,
+from tessera_actors.models.common import (ReferenceModel, RMSNorm, SwiGLU, add_lm_stack, example_ids, lm_positions,
                      rope_inv_freq, rope_tables)
 
 
@@ -112,12 +112,7 @@ class LlamaDecoder(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        add_lm_stack(self, cfg, lambda: LlamaBlock(cfg))
         cos, sin = rope_tables(cfg.max_seq, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

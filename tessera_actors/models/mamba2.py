@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tessera_actors.models.common import ReferenceModel, RMSNorm, example_ids, lm_positions, register_state
+from tessera_actors.models.common import ReferenceModel, RMSNorm, add_lm_stack, example_ids, lm_positions, register_state
 from tessera_actors.models.llama import normalize_positions
 
 
@@ -218,12 +218,7 @@ class Mamba2(ReferenceModel):
     def __init__(self, cfg: Mamba2Config):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
+        add_lm_stack(self, cfg, lambda: Mamba2Block(cfg))
 
     def _init_special(self, gen: torch.Generator) -> None:
         for layer in self.layers:

@@ -43,7 +43,7 @@ from tessera_actors.planning.coarsen import layer_of
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.inflight import annotate, choose_inflight, default_inflight, fits, memory_inflight
 from tessera_actors.planning.simulate import simulate
-from tessera_actors.planning.symmetry import device_types
+from tessera_actors.planning.symmetry import device_types, least_limit
 
 _ATTN_SCOPE = re.compile(r"attn|attention", re.I)
 _ATTN_NAME = re.compile(r"attn|attention|sdpa|flash|softmax|rope|rotary|[qkvo]_proj", re.I)
@@ -168,14 +168,7 @@ def layer_split_assignment(graph: KernelGraph, costs: CostTable) -> list[int]:
             start = end
         return bounds if start >= n else None
 
-    lo, hi = 0.0, float(times.sum(axis=0).min())
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if fill(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    bounds = fill(hi) or [0] + [n] * ndev
+    bounds = least_limit(fill, float(times.sum(axis=0).min()), 60) or [0] + [n] * ndev
     assignment = [0] * n
     for d in range(ndev):
         for k in range(bounds[d], bounds[d + 1]):

@@ -181,7 +181,7 @@ def _memory_rows(lp: _Lp, graph: KernelGraph, gi: int, prob, x0: int, D: int,
                  held: dict[tuple, tuple[int, int]]) -> None:
     """``y[b,d] >= x[c,d]`` for every weight and state buffer ``b`` a class ``c`` touches."""
     kclass = np.empty(len(graph.kernels), dtype=np.int64)
-    for (a, b), c in zip(prob.chunks, prob.chunk_class):
+    for (a, b), c in zip(prob.runs, prob.run_class):
         kclass[a:b] = c
     users: dict[tuple, set[int]] = {}
     for k in graph.kernels:

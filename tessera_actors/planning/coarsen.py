@@ -1,16 +1,16 @@
 """Shrinking a kernel graph into a placement problem the MILP solves fast.
 
-Contract of :func:`build_problem`: every kernel lies in exactly one *chunk*
-(a contiguous run of kernels, program order) and every chunk in one *class*;
+Contract of :func:`build_problem`: every kernel lies in exactly one *run*
+(a contiguous run of kernels, program order) and every run in one *class*;
 all kernels of a class get the same device.  So any class -> device choice
 is a legal assignment:
 
-* chunk boundaries never separate an indirect kernel from its neighbours;
+* run boundaries never separate an indirect kernel from its neighbours;
 * classes are merged (union-find) until every state group lies in one class;
 * with ``tie_layers``, layers whose kernel signatures are equal in order
   (repeated transformer blocks) share classes position by position, so the
   MILP chooses one placement pattern for all of them.  A boundary is kept at
-  every start and end of a tied layer so a chunk never spans two layers;
+  every start and end of a tied layer so a run never spans two layers;
 * long chains are coarsened: of the remaining boundaries, only the
   ``max_units - 1`` most valuable are kept.  A boundary is valuable when
   the kernels on its two sides are long and disagree about which device
@@ -50,8 +50,8 @@ class MemGroup:
 @dataclass
 class Problem:
     ndev: int
-    chunks: list[tuple[int, int]]          # [start, end) kernel ranges
-    chunk_class: list[int]
+    runs: list[tuple[int, int]]            # [start, end) kernel ranges
+    run_class: list[int]
     cost: np.ndarray                       # [class, device] seconds
     comm: list[CommGroup]
     class_mem: np.ndarray                  # [class] bytes held only by that class
@@ -65,7 +65,7 @@ class Problem:
     def assignment(self, class_device: list[int]) -> list[int]:
         """Kernel -> device for a class -> device choice."""
         out: list[int] = []
-        for (a, b), c in zip(self.chunks, self.chunk_class):
+        for (a, b), c in zip(self.runs, self.run_class):
             out.extend([class_device[c]] * (b - a))
         return out
 
@@ -213,37 +213,37 @@ def build_problem(graph: KernelGraph, costs: CostTable, max_units: int = 300,
     for key in ranked[:budget]:
         kept.update(keyed[key])
     bounds = [0] + sorted(kept) + [n]
-    chunks = [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1) if bounds[j + 1] > bounds[j]]
+    runs = [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1) if bounds[j + 1] > bounds[j]]
 
-    # Classes: tied chunks share a class with the same chunk of other layers.
+    # Classes: tied runs share a class with the same run of other layers.
     class_key: dict[tuple, int] = {}
-    chunk_class: list[int] = []
-    for a, b in chunks:
+    run_class: list[int] = []
+    for a, b in runs:
         t0, t1 = tie[a], tie[b - 1]
         if t0 is not None and t1 is not None and layer_of(graph.kernels[a]) == layer_of(graph.kernels[b - 1]):
             key = ("t", t0[0], t0[1], t1[1])
         else:
             key = ("u", a)
-        chunk_class.append(class_key.setdefault(key, len(class_key)))
-    chunk_of = np.empty(n, dtype=np.int64)
-    for j, (a, b) in enumerate(chunks):
-        chunk_of[a:b] = j
+        run_class.append(class_key.setdefault(key, len(class_key)))
+    run_of = np.empty(n, dtype=np.int64)
+    for j, (a, b) in enumerate(runs):
+        run_of[a:b] = j
     uf = _UnionFind(len(class_key))
     for group in graph.state_groups():
-        cls = [chunk_class[chunk_of[k]] for k in group]
+        cls = [run_class[run_of[k]] for k in group]
         for c in cls[1:]:
             uf.union(cls[0], c)
     roots = sorted({uf.find(c) for c in range(len(class_key))})
     renum = {r: i for i, r in enumerate(roots)}
-    chunk_class = [renum[uf.find(c)] for c in chunk_class]
+    run_class = [renum[uf.find(c)] for c in run_class]
     ncls = len(roots)
-    kclass = np.asarray([chunk_class[chunk_of[k]] for k in range(n)], dtype=np.int64)
+    kclass = np.asarray([run_class[run_of[k]] for k in range(n)], dtype=np.int64)
 
     cost = np.zeros((ncls, ndev))
     np.add.at(cost, kclass, times)
 
     comm = _comm_groups(graph, kclass)
     class_mem, mem_groups = _memory(graph, kclass, ncls)
-    stats = {"kernels": n, "chunks": len(chunks), "classes": ncls, "comm_groups": len(comm),
+    stats = {"kernels": n, "runs": len(runs), "classes": ncls, "comm_groups": len(comm),
              "mem_groups": len(mem_groups), "tied_kernels": sum(t is not None for t in tie)}
-    return Problem(ndev, chunks, chunk_class, cost, comm, class_mem, mem_groups, stats)
+    return Problem(ndev, runs, run_class, cost, comm, class_mem, mem_groups, stats)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
@@ -108,6 +108,19 @@ def kernel_bytes(graph: KernelGraph, k: int) -> float:
     return float(sum(a.nbytes * (a.reads + a.writes) for a in kern.accesses))
 
 
+def link_matrices(n: int, link: Callable[[int, int], tuple[float, float]]
+                  ) -> tuple[list[list[float]], list[list[float]]]:
+    """(latency s, bandwidth B/s) between every two of ``n`` devices, as
+    ``link(a, b)`` gives them; a device to itself: 0 s, unbounded."""
+    lat = [[0.0] * n for _ in range(n)]
+    bw = [[float("inf")] * n for _ in range(n)]
+    for a in range(n):
+        for b in range(n):
+            if a != b:
+                lat[a][b], bw[a][b] = link(a, b)
+    return lat, bw
+
+
 @dataclass
 class CostTable:
     """Kernel times, links and memory budgets for one graph on ``devices``."""
@@ -151,14 +164,7 @@ class CostTable:
     # -- constructors -----------------------------------------------------
     @classmethod
     def _links(cls, specs: Sequence[DeviceSpec], links: dict | None):
-        n = len(specs)
-        lat = [[0.0] * n for _ in range(n)]
-        bw = [[float("inf")] * n for _ in range(n)]
-        for a in range(n):
-            for b in range(n):
-                if a != b:
-                    lat[a][b], bw[a][b] = (links or {}).get((a, b)) or default_link(specs[a], specs[b])
-        return lat, bw
+        return link_matrices(len(specs), lambda a, b: (links or {}).get((a, b)) or default_link(specs[a], specs[b]))
 
     @classmethod
     def from_profiles(cls, graph: KernelGraph, devices: Sequence[str],

@@ -213,7 +213,7 @@ def _expand(graph: KernelGraph, costs: CostTable, types: list[list[int]], kernel
     kernels = expand(graph, costs, types, kernel_type)
     untied = build_problem(graph, costs, max_units=len(graph.kernels), tie_layers=False)
     lead: dict[int, int] = {}
-    for (a, _), c in zip(untied.chunks, untied.chunk_class):
+    for (a, _), c in zip(untied.runs, untied.run_class):
         lead.setdefault(c, a)
     val = objective_of(untied, costs, [kernels[lead[c]] for c in range(untied.ncls)], mode, inflight)
     gap = max(val - s.bound_s, 0.0) / val if val else 0.0

@@ -17,13 +17,15 @@ identical layers' share of the type.  Pure Python + numpy.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable
+
+T = TypeVar("T")
 
 
 def device_types(costs: CostTable) -> list[list[int]]:
@@ -102,16 +104,26 @@ def _runs(graph: KernelGraph, ks: Sequence[int], loads: np.ndarray, parts: int,
             a = b
         return starts if a >= len(ks) else None
 
-    lo, hi = 0.0, float(cum[-1].max())
-    if fill(hi) is None:
+    return least_limit(fill, float(cum[-1].max()), 40)
+
+
+def least_limit(fill: Callable[[float], T | None], hi: float, halvings: int) -> T | None:
+    """``fill(limit)`` at the least limit in ``(0, hi]`` it succeeds at (not
+    None), found by ``halvings`` halvings of the interval, for a ``fill``
+    that succeeds at every limit above one it succeeds at (a greedy fill
+    under a bottleneck); None when it fails at ``hi``."""
+    best = fill(hi)
+    if best is None:
         return None
-    for _ in range(40):
+    lo = 0.0
+    for _ in range(halvings):
         mid = (lo + hi) / 2
-        if fill(mid) is None:
+        got = fill(mid)
+        if got is None:
             lo = mid
         else:
-            hi = mid
-    return fill(hi)
+            hi, best = mid, got
+    return best
 
 
 def _loads(graph: KernelGraph, costs: CostTable, types: Sequence[Sequence[int]],

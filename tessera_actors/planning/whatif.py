@@ -41,7 +41,7 @@ from typing import Sequence
 import numpy as np
 
 from tessera_actors.graph import KernelGraph
-from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.costs import CostTable, link_matrices
 from tessera_actors.planning.specs import GpuSpec, get_spec, link_between
 from tessera_actors.planning.whatif_features import CLASSES, KernelFeatures, graph_features, kernel_features
 
@@ -292,13 +292,7 @@ def predict(graph: KernelGraph, devices: Sequence[tuple[str, int | None]] | Sequ
         base = sp.name + (f"?sms={s}" if s and s < sp.sms else "")
         seen[base] = seen.get(base, 0) + 1
         names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-    nd = len(specs)
-    lat = [[0.0] * nd for _ in range(nd)]
-    bw = [[float("inf")] * nd for _ in range(nd)]
-    for a in range(nd):
-        for b in range(nd):
-            if a != b:
-                lat[a][b], bw[a][b] = link_between(specs[a], specs[b])
+    lat, bw = link_matrices(len(specs), lambda a, b: link_between(specs[a], specs[b]))
     budgets = list(mem) if mem is not None else [sp.mem_bytes for sp in specs]
     return CostTable(names, times, lat, bw, budgets, "whatif")
 

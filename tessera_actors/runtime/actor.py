@@ -115,6 +115,12 @@ class ActorRef:
     async def ask(self, msg: Any, timeout: float = 10.0) -> Any:
         raise NotImplementedError
 
+    def ask_soon(self, msg: Any, timeout: float = 10.0) -> asyncio.Future:
+        """``ask`` sent now, its answer in the returned future (on the
+        running loop; cancel it to give up): no task when the ref can send
+        at once (a local actor's mailbox with room)."""
+        return asyncio.ensure_future(self.ask(msg, timeout))
+
     async def stop(self) -> None:
         raise NotImplementedError
 
@@ -242,6 +248,18 @@ class LocalRef(ActorRef):
             return await fut
         finally:
             timer.cancel()
+
+    def ask_soon(self, msg: Any, timeout: float = 10.0) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self._dead:
+            fut.set_exception(ActorDead(f"actor {self.name!r} is stopped"))
+            return fut
+        if not self._offer((msg, fut)):
+            return asyncio.ensure_future(self._ask_when_full(msg, fut, timeout))
+        timer = loop.call_later(timeout, _expire, fut, self.name, timeout)
+        fut.add_done_callback(lambda _: timer.cancel())
+        return fut
 
     async def _ask_when_full(self, msg, fut, timeout):
         try:

@@ -87,13 +87,19 @@ class Ok:
 # --- execution messages (appended by the execution layer below) -------------
 # Maps keyed by ints travel as parallel lists (msgpack map keys stay strings).
 
-@message
-class Register:
-    """A node announces itself to the scheduler; reply: ``Registered``."""
+@dataclasses.dataclass(frozen=True)
+class _NodeFields:
+    """A node daemon's name, the endpoint it listens on, its device specs and
+    its process id (not a message itself: the fields of two)."""
     node: str
     endpoint: str
     devices: list = dataclasses.field(default_factory=list)
     pid: int = 0
+
+
+@message
+class Register(_NodeFields):
+    """A node announces itself to the scheduler; reply: ``Registered``."""
 
 
 @message
@@ -114,11 +120,8 @@ class Describe:
 
 
 @message
-class NodeInfo:
-    node: str
-    endpoint: str
-    devices: list = dataclasses.field(default_factory=list)
-    pid: int = 0
+class NodeInfo(_NodeFields):
+    """A node's answer to ``Describe``: what ``Register`` announces."""
 
 
 @message
@@ -299,7 +302,7 @@ class Ship:
 @message
 class Deliver:
     """To a device actor: the bytes of transfer ``tag`` for step ``step``,
-    or one chunk of them starting at byte ``offset`` of the transfer's byte
+    or one span of them starting at byte ``offset`` of the transfer's byte
     stream.  A non-empty ``error`` (``data`` None) says the bytes will not
     come: the sender or its data-plane link failed."""
     plan_id: str

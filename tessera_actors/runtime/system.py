@@ -68,6 +68,14 @@ class LocalSystem:
     async def remote_ref(self, endpoint: str, name: str) -> ActorRef:
         raise ActorError(f"system {self.name!r} is local: it cannot reach {name!r} at {endpoint!r}")
 
+    async def ref_at(self, endpoint: str, name: str) -> ActorRef:
+        """Ref to actor ``name`` at ``endpoint``: the local actor when
+        ``endpoint`` is "" or this system's own address, else
+        :meth:`remote_ref`."""
+        if not endpoint or endpoint == self.address:
+            return self.ref(name)
+        return await self.remote_ref(endpoint, name)
+
     # --- lifecycle -----------------------------------------------------------
     async def shutdown(self) -> None:
         """Stop all actors; idempotent."""

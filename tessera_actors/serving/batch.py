@@ -174,7 +174,7 @@ def smallest_bucket(sizes: Seq[int], need: int) -> int:
 
 
 def decode_rows(seqs: Seq[Sequence], lo: int, plan: str | None, base: int, number: int | None,
-                before: list[int] | None, pad: int, host_tokens: bool) -> StepRows:
+                before: list[int] | None, pad: int, host_tokens: bool, same: bool = False) -> StepRows:
     """The rows of one decode step of ``seqs`` (all in the group whose first
     row is ``lo``) on the plan ``plan`` as a change of its step ``base``
     (-1: none; ``before``: that step's rows): a sequence that plan's step
@@ -183,16 +183,21 @@ def decode_rows(seqs: Seq[Sequence], lo: int, plan: str | None, base: int, numbe
     row starts next time).  ``pad``: the position padding rows write;
     ``host_tokens``: every entry's input token from here (the device that
     reads input_ids does not sample).  A sequence whose previous token is
-    in flight must go on (the device feeds it)."""
+    in flight must go on (the device feeds it).  ``same``: the caller knows
+    ``seqs`` are ``base``'s rows in its order, none with a record that
+    changes every step - nothing to look at but the tokens (``host_tokens``)."""
     key, now = (plan, base), (plan, number) if number is not None else None
-    order, new, records = [], [], []
-    for i, s in enumerate(seqs):
-        r = s.slot - lo
-        order.append(r)
-        if s.fed != key or base < 0:
+    if same:
+        for s in seqs:
+            s.fed = now
+        return StepRows(base, None, [], pad, [s.generated[-1] for s in seqs] if host_tokens else [], [])
+    order = [s.slot - lo for s in seqs]
+    new, records = [], []
+    for i, s in enumerate(seqs):   # (one pass, every row every step: what a steady row costs is two tests)
+        if base < 0 or s.fed != key:
             if s.pending:
                 raise ValueError(f"request {s.rid}: its previous token is in flight but not in the fed step")
-            new.append(s.sample_row(r, whole=False))
+            new.append(s.sample_row(order[i], whole=False))
         if s.record is not None and s.record.needs_tokens:
             records.append([i, s.record.changing(s)])
         s.fed = now

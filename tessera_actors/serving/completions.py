@@ -53,13 +53,9 @@ def api_error(e: BaseException) -> oa.ApiError:
 def sampling_params(req: oa.ApiRequest, max_tokens: int, choice: int = 0):
     """The engine's parameters for choice ``choice`` of ``req`` (a seeded
     request's choices draw with seeds ``seed``, ``seed + 1``, ...)."""
-    from tessera_actors.serving import SamplingParams
-    seed = None if req.seed is None else (req.seed + choice) % (oa.MAX_SEED + 1)
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                          seed=seed, stop=list(req.stop), ignore_eos=req.ignore_eos,
-                          presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                          repetition_penalty=req.repetition_penalty, logit_bias=dict(req.logit_bias),
-                          top_logprobs=req.top_logprobs, json=req.json)
+    s = req.sampling
+    seed = None if s.seed is None else (s.seed + choice) % (oa.MAX_SEED + 1)
+    return dataclasses.replace(s, max_tokens=max_tokens, seed=seed, stop=list(s.stop), logit_bias=dict(s.logit_bias))
 
 
 def max_tokens_for(st, req: oa.ApiRequest, prompt) -> tuple[list[int], int]:

@@ -47,7 +47,10 @@ class EngineConfig:
     and places every bucket with the ``offload`` planner: weights resident
     on the GPU, streamed to it per step over PCIe, or computed on the
     deployment's CPU device (``devices`` is then a GPU and a CPU, e.g.
-    ``"cuda:0,cpu?threads=12"``)."""
+    ``"cuda:0,cpu?threads=12"``).  On a GPU the planner keeps
+    ``planner_options["reserve"]`` bytes of the budget for what no graph
+    names (default ``planning.offload.GPU_RESERVE``, 320 MiB: the pool of
+    its captured graphs, transient results, the cuBLAS workspace)."""
 
     model: str = "smollm2"
     size: str = "real"
@@ -191,6 +194,11 @@ class EngineConfig:
         self.devices = ",".join(s.name for s in specs)
         self.planner = "offload"
         self.gpu_budget = budget
+        # a GPU holds what no graph names (its captured graphs' pool, transient results): kept from the budget
+        from tessera_actors.planning.offload import default_reserve
+        reserve = default_reserve([s.name for s in specs])
+        if reserve and "reserve" not in self.planner_options:
+            self.planner_options = {**self.planner_options, "reserve": reserve}
 
     def device_specs(self) -> list:
         """Every device of the deployment: the in-process ones, or every

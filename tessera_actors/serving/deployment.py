@@ -217,7 +217,7 @@ class Deployment(Measuring, Stepping):
         dep = await sched.ask(Place(plan_id, "throughput", graph=bucket, pins=pins, share=self.served.name,
                                     weights=weights or {}, objects=True), timeout=600)
         plan = dep.plan if isinstance(dep.plan, Plan) else plan_from_dict(msgpack.unpackb(dep.plan, strict_map_key=False))
-        refs = [await self._ref(ep, name) for _, ep, name in dep.routes]
+        refs = [await self.system.ref_at(ep, name) for _, ep, name in dep.routes]
         graph = self.served.graph(bucket)
         graph.forget_edges()   # placed: the next bucket's planning reuses that memory (a re-placement derives them again)
         await self._note_memory(dep.routes, refs)
@@ -229,7 +229,8 @@ class Deployment(Measuring, Stepping):
         for (_, endpoint, name), ref in zip(routes, refs):
             try:
                 st = (await ref.ask(GetStats(), timeout=1.0)).values
-            except Exception:   # a slow or lost node: memory is reported, never waited for
+            except (ActorError, OSError) as e:   # a slow or lost node: memory is reported, never waited for
+                log.debug("no memory stats from %s/%s: %s", endpoint, name, e)
                 continue
             self.device_memory[f"{endpoint}/{name}"] = {k: st.get(k, 0) for k in MEMORY_STATS}
 
@@ -425,11 +426,6 @@ class Deployment(Measuring, Stepping):
                 await asyncio.wait_for(self.suspects.rejoined.wait(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 pass
-
-    async def _ref(self, endpoint: str, name: str) -> ActorRef:
-        if not endpoint or endpoint == self.system.address:
-            return self.system.ref(name)
-        return await self.system.remote_ref(endpoint, name)
 
     # -- failure detection -----------------------------------------------------
     def node_endpoints(self) -> list[str]:

@@ -7,6 +7,7 @@ is the deployment's)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 
@@ -31,16 +32,20 @@ class Stepping:
         p.steps += 1
         return p.steps - 1
 
-    def decode_rows(self, bucket: str, seqs: Sequence, lo: int, pad: int) -> tuple[int | None, StepRows, bool]:
+    def decode_rows(self, bucket: str, seqs: Sequence, lo: int, pad: int, continues: int | None = None
+                    ) -> tuple[int | None, StepRows, bool]:
         """(the step number, the rows, whether the step's tokens can feed the
         next step on the device) of the next decode step of ``seqs`` on
         ``bucket``: :func:`~tessera_actors.serving.batch.decode_rows` as a
-        change of the bucket's latest step sent with rows."""
+        change of the bucket's latest step sent with rows; ``continues``:
+        ``seqs`` are the rows of that step number, as they were (no row
+        needs looking at when it is the bucket's latest)."""
         p = self.placed.get(bucket)
         number = self.reserve(bucket)
         base = p.rows_at if p is not None and p.rows_at is not None else -1
         rows = decode_rows(seqs, lo, p.plan_id if p is not None else None, base, number,
-                           p.order if p is not None else None, pad, p is None or p.feeds is None)
+                           p.order if p is not None else None, pad, p is None or p.feeds is None,
+                           same=continues is not None and base >= 0 and continues == base)
         if p is not None:
             p.rows_at = number
             if rows.order is not None:
@@ -72,12 +77,8 @@ class Stepping:
             p.steps += 1
         else:
             step = number
-        t0 = time.perf_counter()
-        wall = time.time()
-        traced = self.trace is not None
-        asks = [ref.ask(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced, decode),
-                        timeout=self.cfg.step_timeout)
-                for d, ref in enumerate(p.refs)]
+        t0, wall = time.perf_counter(), time.time()
+        asks = self._asks(p, step, inputs, sample, outputs, decode)
         if len(asks) == 1:   # one device: no gather (a task per ask)
             try:
                 results = [await asks[0]]
@@ -85,17 +86,65 @@ class Stepping:
                 results = [e]
         else:
             results = await asyncio.gather(*asks, return_exceptions=True)
+        return self._result(p, bucket, step, results, rows, len(rows) if decode is not None else len(sample), t0, wall)
+
+    def step_soon(self, bucket: str, rows: Sequence[str], number: int | None, decode: StepRows) -> asyncio.Future:
+        """:meth:`step` of a decode step (its ``decode`` rows, numbered by
+        :meth:`decode_rows`) as a future, without a task when ``bucket`` is
+        placed: the ``RunStep`` messages leave now (``ActorRef.ask_soon``)
+        and the answers are gathered in their callbacks."""
+        p = self.placed.get(bucket)
+        if p is None:
+            return asyncio.ensure_future(self.step(bucket, {}, [], rows, number, decode=decode))
+        t0, wall = time.perf_counter(), time.time()
+        asks = self._asks(p, number, {}, [], False, decode)
+        done = asyncio.get_running_loop().create_future()
+        results: list = [None] * len(asks)
+        left = [len(asks)]
+
+        def answered(i: int, fut: asyncio.Future) -> None:
+            if fut.cancelled():
+                results[i] = asyncio.CancelledError()
+            else:
+                results[i] = fut.exception() or fut.result()
+            left[0] -= 1
+            if left[0] or done.done():
+                return
+            try:
+                done.set_result(self._result(p, bucket, number, results, rows, len(rows), t0, wall))
+            except Exception as e:   # noqa: BLE001 - the step's failure, to whoever waits for it
+                done.set_exception(e)
+        for i, a in enumerate(asks):
+            a.add_done_callback(functools.partial(answered, i))
+        # giving up the step gives up its asks (a device not reached yet skips the message)
+        done.add_done_callback(lambda d: [a.cancel() for a in asks] if d.cancelled() else None)
+        return done
+
+    def _asks(self, p, step: int, inputs: dict, sample: list, outputs: bool, decode: StepRows | None) -> list:
+        """One ``RunStep`` per plan device, sent (inputs only to the devices that read them)."""
+        traced, timeout = self.trace is not None, self.cfg.step_timeout
+        return [ref.ask_soon(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced,
+                                     decode), timeout)
+                for d, ref in enumerate(p.refs)]
+
+    def _result(self, p, bucket: str, step: int, results: list, rows: Sequence[str], want: int, t0: float,
+                wall: float) -> StepResult:
+        """The devices' answers to one step (or their errors: ``StepFailed``
+        naming the first device that failed) as its result; counts, busy
+        times and the trace updated."""
         for d, r in enumerate(results):
             if isinstance(r, BaseException):
                 raise StepFailed(f"{bucket} step {step}: device {d} ({p.plan.devices[d]}) failed: "
                                  f"{type(r).__name__}: {r}") from r
-        if traced:
+        if self.trace is not None:
             self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
                             [r.spans for r in results])
-        counts = self.bucket_counts.setdefault(bucket, dict.fromkeys(RUN_COUNTS, 0))
-        worker = self.worker_s
+        counts = self.bucket_counts.get(bucket)
+        if counts is None:
+            counts = self.bucket_counts[bucket] = dict.fromkeys(RUN_COUNTS, 0)
+        worker, busy = self.worker_s, self.busy_s
         for d, r in enumerate(results):
-            self.busy_s[d] = self.busy_s.get(d, 0.0) + r.busy_s
+            busy[d] = busy.get(d, 0.0) + r.busy_s
             worker["busy"] += r.busy_s
             worker["kernels"] += r.kernel_s
             worker["host"] += r.host_s
@@ -104,7 +153,6 @@ class Stepping:
         self._note_busy()
         holder = next((r for r in results if r.tokens), None)
         tokens = holder.tokens if holder else []
-        want = len(rows) if decode is not None else len(sample)
         if want and len(tokens) != want:
             raise StepFailed(f"{bucket} step {step}: {len(tokens)} tokens for {want} sampled rows")
         return StepResult(tokens, time.perf_counter() - t0, holder.logprobs if holder else [],

@@ -54,7 +54,7 @@ from tessera_actors.serving.params import (EngineBusy, EngineDead, EngineError, 
 from tessera_actors.serving.deployment import Deployment, StepFailed
 from tessera_actors.serving.engine_admit import Admitting
 from tessera_actors.serving.engine_replace import Replacing
-from tessera_actors.serving.inflight import Request as _Request, Step as _Step
+from tessera_actors.serving.inflight import Formed, Request as _Request, Step as _Step
 from tessera_actors.serving.engine_report import Reporting
 from tessera_actors.serving.engine_stream import Streaming
 from tessera_actors.serving.records import Records
@@ -106,6 +106,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         self._progress = {"phase": "stopped", "buckets_placed": 0, "buckets": 0}   # start(): what is done
         self.loop_s = 0.0   # CPU seconds the serving loop itself spent (between its waits)
         self._thread = (None, 0.0)
+        self._rows_changed = 0   # counts rows joining decode and requests ending (a step's rows as formed: Formed)
 
     # -- lifecycle ------------------------------------------------------------
     async def __aenter__(self) -> "AsyncEngine":
@@ -274,6 +275,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         the row before the old step's writes are done)."""
         seq = req.seq
         seq.phase = "done"
+        self._rows_changed += 1
         self._catchup.discard(seq.rid)
         for lst in (self._waiting, self._prefill):
             if req in lst:
@@ -300,7 +302,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
 
     # -- the loop -------------------------------------------------------------------
     async def _loop(self) -> None:
-        inflight: dict[asyncio.Task, _Step] = {}
+        inflight: dict[asyncio.Future, _Step] = {}   # steps in flight (tasks, or futures of Deployment.step_soon)
         clock = time.thread_time   # CPU seconds: what a loaded machine or the worker holding the GIL adds is not ours
         t0 = clock()
         try:
@@ -333,7 +335,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                 req.out.put_nowait(EngineDead(self._dead))
             self._requests.clear()
 
-    def _stepped(self, task: asyncio.Task) -> None:
+    def _stepped(self, task: asyncio.Future) -> None:
         self._wake.set()   # the loop takes the steps that ended
 
     def _group_rows(self) -> list[list[_Request]]:
@@ -345,7 +347,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                 rows[group[seq.slot]].append(req)
         return rows
 
-    def _launch(self, inflight: dict[asyncio.Task, _Step]) -> None:
+    def _launch(self, inflight: dict[asyncio.Future, _Step]) -> None:
         loop = asyncio.get_running_loop()
         if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
             reqs, chunks, bucket = self._prefill_batch()
@@ -378,28 +380,23 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         carries take on the device (possible only on the same plan, when its
         tokens can feed the next step there)."""
         limit = self.max_model_len
-        reqs, seqs, last, top = [], [], 0, 0   # the rows, their sequences, the largest position and slot
-        for r in rows:
-            s = r.seq
-            n = len(s.generated) + s.pending   # (Sequence.may_decode, next_position: inlined, every row every step)
-            if r.finished is None and n < s.params.max_tokens and len(s.prompt) + n < limit:
-                reqs.append(r)
-                seqs.append(s)
-                last, top = max(last, len(s.prompt) + n - 1), max(top, s.slot)
-        if not reqs or self._switching:
+        if self._switching:
             return None   # a plan switch waits for every decode step in flight to land: none starts meanwhile
-        if prev is not None and (prev.number is None or prev.generation != self.deployment.generation or self._prefill
-                                 or any(r.seq.record is not None and r.seq.record.needs_tokens for r in reqs)):
-            return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device;
-            #              penalties and JSON masks are computed from the tokens so far)
+        if prev is not None and (prev.number is None or prev.generation != self.deployment.generation
+                                 or self._prefill):
+            return None   # (a step ahead waits while prompt chunks do: it would queue before them on the device)
+        formed = self._continued(prev) or self._form(rows, limit)
+        if formed is None or (prev is not None and formed.needs_tokens):
+            return None   # (penalties and JSON masks are computed from the tokens so far)
+        reqs, seqs, last, top = formed.reqs, formed.seqs, formed.end - 1, formed.top
         lo, hi = self.slots.bounds[g]
         size = smallest_bucket(decode_sizes(self.cfg, hi - lo), top - lo + 1)
         bucket = self.deployment.runnable(bucket_name("decode", size, lo, window_for(self.cfg, last)), (lo, hi))
         if prev is not None and bucket != prev.bucket:
             return None   # a different plan: wait for the tokens
-        number, step_rows, feeds = self.deployment.decode_rows(bucket, seqs, lo, limit - 1)
-        task = asyncio.get_running_loop().create_task(self.deployment.step(
-            bucket, {}, [], [s.rid for s in seqs], number, decode=step_rows))
+        number, step_rows, feeds = self.deployment.decode_rows(bucket, seqs, lo, limit - 1,
+                                                               prev.number if formed.continues else None)
+        task = self.deployment.step_soon(bucket, formed.rids, number, step_rows)   # (a future)
         task.add_done_callback(self._stepped)
         for r in reqs:
             r.in_step += 1
@@ -407,16 +404,52 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         if prev is not None:
             self.counters["lookahead_steps"] += 1
         return task, _Step(key, reqs, [], bucket, self.deployment.generation, next(self._order),
-                           number if feeds and self.cfg.lookahead else None)
+                           number if feeds and self.cfg.lookahead else None, formed)
 
-    def _complete(self, task: asyncio.Task, info: _Step) -> None:
+    def _form(self, rows: list[_Request], limit: int) -> Formed | None:
+        """The rows of a group's next decode step: those that may decode
+        (``Sequence.may_decode``, inlined: every row, every step that does
+        not continue the rows of the one before); None when there are none."""
+        reqs, seqs, end, top, horizon = [], [], 0, 0, limit
+        needs_tokens = False
+        for r in rows:
+            s = r.seq
+            n = len(s.generated) + s.pending
+            at = len(s.prompt) + n
+            if r.finished is None and n < s.params.max_tokens and at < limit:
+                reqs.append(r)
+                seqs.append(s)
+                end, top = max(end, at), max(top, s.slot)
+                horizon = min(horizon, s.params.max_tokens - n, limit - at)
+                if s.record is not None and s.record.needs_tokens:
+                    needs_tokens = True
+        if not reqs:
+            return None
+        return Formed(self._rows_changed, self.slots.bounds, reqs, seqs, [s.rid for s in seqs], end, top,
+                      horizon - 1, needs_tokens)
+
+    def _continued(self, prev: _Step | None) -> Formed | None:
+        """``prev``'s rows, one position on, when the group's next step can
+        take them as they are: no row joined decode or ended since (every
+        request that ends is retired: ``_rows_changed``), the groups are
+        the same, no row's record needs the tokens so far, and every row can
+        take one more step."""
+        f = prev.formed if prev is not None else None
+        if (f is None or f.changes != self._rows_changed or f.bounds is not self.slots.bounds or f.horizon < 1
+                or f.needs_tokens):
+            return None
+        return Formed(f.changes, f.bounds, f.reqs, f.seqs, f.rids, f.end + 1, f.top, f.horizon - 1, continues=True)
+
+    def _complete(self, task: asyncio.Future, info: _Step) -> None:
         key, reqs, n, bucket, generation = info.key, info.reqs, info.chunk, info.bucket, info.generation
-        self._landed(info)
         try:
             result = task.result()
-        except asyncio.CancelledError:
-            return
-        except StepFailed as e:
+        except BaseException as e:
+            self._landed(info)   # (a decode step that ran lands its rows as it accepts their tokens)
+            if isinstance(e, asyncio.CancelledError):
+                return
+            if not isinstance(e, StepFailed):
+                raise
             if self._lost or generation != self.deployment.generation:
                 return   # a loss is pending, or the step belonged to a placement since replaced: recovery redoes it
             self.deployment.restart_rows(bucket)
@@ -429,6 +462,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         acc[1] += result.seconds
         self.counters["prefill_steps" if key == "prefill" else "decode_steps"] += 1
         if key == "prefill":
+            self._landed(info)
             entry = 0   # the step's sampled entries: one per sequence whose prompt it ended, in row order
             for req, m in zip(reqs, n):
                 seq = req.seq
@@ -443,10 +477,11 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                 self._prefill.remove(req)
                 self._catchup.discard(seq.rid)
                 seq.phase = "decode"
+                self._rows_changed += 1
                 self._accept(req, result.tokens[entry], result.logprobs[entry], result.top(entry))
                 entry += 1
             return
-        self._accept_step(reqs, result)
+        self._accept_step(reqs, result)   # (the rows land there)
 
     def _lost_or_fail(self, reqs: list[_Request], err: Exception) -> None:
         for req in reqs:

@@ -54,6 +54,7 @@ class Replacing:
                 if seq.phase == "decode":
                     seq.phase = "prefill"
                     self._prefill.append(req)
+                    self._rows_changed += 1
         self._prefill.sort(key=lambda r: r.seq.arrival)
         # every stream stalls until its context is back: re-prefill them all first (the longest
         # gap is then the loss plus the re-prefills, not plus the decode steps between them)

@@ -73,8 +73,11 @@ class Request:
 class Step:
     """A step in flight: ``key`` "prefill" or "decode<group>", its rows (in
     sampling-entry order), the prompt tokens it feeds per row (prefill), its bucket,
-    the placement generation, the launch order, and its step number when its
-    tokens can feed the next step on the device (``Deployment.decode_rows``)."""
+    the placement generation, the launch order, its step number when its
+    tokens can feed the next step on the device (``Deployment.decode_rows``),
+    and (a decode step) how its rows were formed, for the group's next step
+    to take them as they are while no row joins or ends
+    (``AsyncEngine._continued``)."""
     key: str
     reqs: list
     chunk: list
@@ -82,6 +85,27 @@ class Step:
     generation: int
     order: int
     number: int | None = None
+    formed: "Formed | None" = None
+
+
+@dataclass
+class Formed:
+    """A decode step's rows as formed: the engine's count of rows changes
+    then (a row joined decode or a request ended), the group bounds, the
+    rows and their sequences and request ids, the largest next position + 1
+    and slot, how many more steps every row can take (``max_tokens``, the
+    context), and whether a row's sampling record needs the tokens so far
+    (penalties, JSON masks: such rows are formed afresh every step)."""
+    changes: int
+    bounds: list
+    reqs: list
+    seqs: list
+    rids: list
+    end: int
+    top: int
+    horizon: int
+    needs_tokens: bool = False
+    continues: bool = False   # the rows of the step before, as they were (AsyncEngine._continued)
 
 
 class StepFailed(RuntimeError):

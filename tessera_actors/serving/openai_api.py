@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera_actors.serving.params import INT64_MAX, surrogate_at
+from tessera_actors.serving.params import INT64_MAX, SamplingParams, surrogate_at
 
 MAX_STOP = 4                       # OpenAI's limit on stop sequences
 MAX_SEED = INT64_MAX               # seeds and top_k reach the devices as int64
@@ -71,29 +71,20 @@ class ApiRequest:
     """A validated request. ``prompt`` is a str or a list of token ids
     (completions: raw text) or a list of ``{"role", "content"}`` dicts (chat:
     rendered with the model's template by the engine). ``max_tokens`` is None when the client left it
-    out (the server then fills in what the context allows)."""
+    out (the server then fills in what the context allows). ``sampling``: the
+    engine's parameters as the request gave them (OpenAI's defaults otherwise);
+    the server sets their ``max_tokens`` per prompt and their seed per choice."""
     kind: str                                   # "chat" | "completion"
     model: str
     prompt: str | list[dict] | list[int]
     max_tokens: int | None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    sampling: SamplingParams
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
-    ignore_eos: bool = False
     n: int = 1
     prompts: list = field(default_factory=list)   # completions: every prompt (``prompt`` is the first)
     logprobs: bool = False                         # report each token's log probability
-    top_logprobs: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict = field(default_factory=dict)  # token id -> bias
-    json: bool = False                             # response_format json_object
     ignored: list = field(default_factory=list)    # unknown fields, accepted and ignored
 
 
@@ -221,19 +212,22 @@ def _common(data: dict, kind: str, prompt: str | list[dict], max_tokens: int | N
         if unknown:
             raise bad(f"unknown stream_options field: {sorted(unknown)[0]}", "stream_options")
     opts = opts or {}
-    return ApiRequest(kind=kind, model=model, prompt=prompt, max_tokens=max_tokens,
-                      temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
-                      top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-                      top_k=_int(data, "top_k", 0, INT64_MAX) or 0,
-                      seed=_int(data, "seed", -MAX_SEED - 1, MAX_SEED),
-                      stop=_stop(data), stream=stream,
+    logits = _logits_options(data, kind)
+    logprobs = logits.pop("logprobs")
+    sampling = SamplingParams(temperature=_number(data, "temperature", 1.0, 0.0, 2.0),
+                              top_p=_number(data, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                              top_k=_int(data, "top_k", 0, INT64_MAX) or 0,
+                              seed=_int(data, "seed", -MAX_SEED - 1, MAX_SEED),
+                              stop=_stop(data), ignore_eos=_bool(data, "ignore_eos"), **logits)
+    return ApiRequest(kind=kind, model=model, prompt=prompt, max_tokens=max_tokens, sampling=sampling,
+                      stream=stream,
                       include_usage=_bool(opts, "include_usage") or _bool(opts, "continuous_usage_stats"),
-                      continuous_usage=_bool(opts, "continuous_usage_stats"),
-                      ignore_eos=_bool(data, "ignore_eos"), n=n, **_logits_options(data, kind))
+                      continuous_usage=_bool(opts, "continuous_usage_stats"), n=n, logprobs=logprobs)
 
 
 def _logits_options(data: dict, kind: str) -> dict:
-    """The fields that shape the logits or report log probabilities."""
+    """The fields that shape the logits or report log probabilities
+    (``logprobs`` for the request, the rest for its ``SamplingParams``)."""
     out: dict[str, Any] = {
         "presence_penalty": _number(data, "presence_penalty", 0.0, -2.0, 2.0),
         "frequency_penalty": _number(data, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -312,18 +306,23 @@ def is_token_ids(p: Any) -> bool:
     return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
+def _texts_or_ids(data: dict, name: str) -> list:
+    """Field ``name`` as a list: a string or an array of token ids is one
+    item, an array of those is several (400 otherwise)."""
+    x = data.get(name)
+    if isinstance(x, str) or is_token_ids(x):
+        return [x]
+    if isinstance(x, list) and x and all(isinstance(i, str) or is_token_ids(i) for i in x):
+        return list(x)
+    raise bad(f"'{name}' is required: a string, an array of token ids, or an array of those", name)
+
+
 def parse_completion(data: dict) -> ApiRequest:
     """Validate a ``/v1/completions`` body. ``prompt`` is a string, an array
     of token ids, or an array of strings or of token-id arrays (a batch:
     ``n`` choices for each, indexed prompt by prompt)."""
     ignored = _check_fields(data, _COMMON | {"prompt"})
-    p = data.get("prompt")
-    if isinstance(p, str) or is_token_ids(p):
-        prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) or is_token_ids(x) for x in p):
-        prompts = list(p)
-    else:
-        raise bad("'prompt' is required: a string, an array of token ids, or an array of those", "prompt")
+    prompts = _texts_or_ids(data, "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"'prompt' holds at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt")
     if any(not x for x in prompts):
@@ -351,13 +350,7 @@ def parse_embeddings(data: dict) -> EmbeddingRequest:
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise bad("'model' is required and must be a string", "model")
-    x = data.get("input")
-    if isinstance(x, str) or is_token_ids(x):
-        inputs = [x]
-    elif isinstance(x, list) and x and all(isinstance(i, str) or is_token_ids(i) for i in x):
-        inputs = list(x)
-    else:
-        raise bad("'input' is required: a string, an array of token ids, or an array of those", "input")
+    inputs = _texts_or_ids(data, "input")
     if len(inputs) > MAX_PROMPTS or any(not i for i in inputs):
         raise bad(f"'input' holds 1 to {MAX_PROMPTS} non-empty inputs", "input")
     fmt = data.get("encoding_format") or "float"
@@ -405,7 +398,7 @@ def logprobs_payload(req: ApiRequest, tokens: list[TokenLogprob], offset: int = 
         offsets.append(pos)
         pos += len(t.text)
     return {"tokens": [t.text for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [dict(t.top) for t in tokens] if req.top_logprobs else None, "text_offset": offsets}
+            "top_logprobs": [dict(t.top) for t in tokens] if req.sampling.top_logprobs else None, "text_offset": offsets}
 
 
 @dataclass

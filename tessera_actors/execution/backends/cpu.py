@@ -45,6 +45,12 @@ class CpuBackend:
                    warmup: bool = True, current: bool = False) -> Callable[[], None]:
         return fn
 
+    def capture_pool(self) -> None:
+        return None   # nothing is captured: a replay is the function itself, its results come and go
+
+    def pool_bytes(self, pool: None) -> int:
+        return 0
+
     def run_on(self, stream: _CpuStream, fn: Callable[[], None]) -> None:
         fn()
 

@@ -143,7 +143,7 @@ class CudaBackend:
             stream.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.device(self.device):
-                with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                with torch.cuda.graph(g, pool=self._pool_id(pool), stream=stream, capture_error_mode="thread_local"):
                     fn()
 
         if current:
@@ -154,6 +154,42 @@ class CudaBackend:
                     g.replay()
             replay.graph = g  # keep the graph alive with the callable
         return replay
+
+    def capture_pool(self):
+        """A memory pool for graphs captured on this device, to pass to
+        every :meth:`replayable` of one stream; it lives as long as the
+        object returned (a ``torch.cuda.MemPool``: a pool whose graphs were
+        all dropped is still there for the next capture, as a re-placed
+        deployment's).  A graph keeps the blocks its capture allocated for
+        as long as it lives: each graph in a pool of its own holds at least
+        one 2 MiB segment however small its transient results (an offload
+        plan's hundreds of streamed pieces held 98 to 124 MiB that way on an
+        H200 and ran out of the budget).  Graphs of one pool reuse the
+        blocks each freed during its capture; that is safe where every
+        graph frees its allocations within itself (kernels write into
+        arenas; a result is a transient) and the graphs replay one at a time
+        on one stream: the pool then holds what the largest one needs."""
+        make = getattr(torch.cuda, "MemPool", None)
+        if make is None:   # a torch without MemPool
+            return torch.cuda.graph_pool_handle()
+        with torch.cuda.device(self.device):
+            return make()
+
+    @staticmethod
+    def _pool_id(pool):
+        return getattr(pool, "id", pool)
+
+    def pool_bytes(self, pool) -> int:
+        """Device bytes the caching allocator holds for ``pool`` (its
+        segments, used or free); 0 for None."""
+        if pool is None:
+            return 0
+        pid = tuple(self._pool_id(pool))
+        try:
+            segments = torch.cuda.memory_snapshot(pid, include_traces=False)
+        except TypeError:   # a torch whose snapshot takes no pool: every segment, those of the pool picked
+            segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pid]
+        return sum(int(s["total_size"]) for s in segments if s.get("device", self.device.index) == self.device.index)
 
     def run_on(self, stream: torch.cuda.Stream, fn: Callable[[], None]) -> None:
         """Run ``fn`` on ``stream`` after the work the caller already queued on

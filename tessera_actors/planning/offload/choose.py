@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan, PlanError, build_plan
 from tessera_actors.planning.costs import CostTable
@@ -126,6 +127,21 @@ def choose_homes(o: Offload, slot_options: Sequence[int] = (2, 3, 4, 6, 8), runs
 
 
 POLICIES = ("tessera", "layer_offload", "streaming", "expert_offload")
+
+# bytes a budgeted GPU holds that no graph names, kept from the budget: the one memory pool of its captured
+# graphs (the transient results of its largest one), eager transient results (sampling reads the logits in
+# float32), the cuBLAS workspace of its stream (32 MiB on an H200), the decode rows' state and the allocator's
+# rounding; the budgeted GPU's own accounting is GetStats allocated_bytes (execution/held.py)
+GPU_RESERVE = 320 << 20
+
+
+def default_reserve(devices: Sequence[str]) -> int:
+    """The ``reserve`` an engine with a GPU budget plans with unless told
+    (``EngineConfig.gpu_budget``): :data:`GPU_RESERVE` when the budgeted
+    device of ``devices`` is a GPU, 0 when a CPU stands in for one (its
+    transient results come and go on the host)."""
+    specs = [DeviceSpec.parse(d) for d in devices]
+    return GPU_RESERVE if any(s.mem is not None and s.kind != "cpu" for s in specs) else 0
 BASELINES = {"layer_offload": layer_offload, "expert_offload": expert_offload}   # placements of no ring
 
 
@@ -220,7 +236,10 @@ class OffloadPlanner:
     (:func:`choose_homes`), ``layer_offload``, ``streaming`` or
     ``expert_offload`` (the baselines); ``ring``: how streamed weights fill
     the staging ring, ``bytes`` (packed, the default) or ``slots`` (one
-    weight per slot; :mod:`~tessera_actors.planning.offload.staging`).
+    weight per slot; :mod:`~tessera_actors.planning.offload.staging`);
+    ``reserve``: budget bytes kept for what no graph names (a GPU's
+    transient results: :data:`GPU_RESERVE` is what ``gpu_budget`` engines
+    keep).
 
     A served model is several graphs (batch sizes, prompt chunks) in one
     share group: the first graph planned decides which weights are resident

@@ -35,7 +35,7 @@ from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable, DeviceModel, device_model
-from tessera_actors.planning.offload.staging import RING_MODES, ring_layout
+from tessera_actors.planning.offload.staging import RING_MODES, ring_layout, slot_pitch
 from tessera_actors.planning.timing import Programs, run
 
 # DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
@@ -238,14 +238,15 @@ class Offload:
 
     def gpu_bytes(self, p: Placement) -> int:
         """Bytes the GPU device allocates for placement ``p`` (as the streaming
-        program does: its resident buffers but the streamed ones, the slots)."""
+        program does: its resident buffers but the streamed ones, the slots
+        at their aligned pitch), and the reserve."""
         g, gpu = self.graph, self.gpu
         held = {a.buffer for k in g.kernels if p.assignment[k.id] == gpu for a in k.accesses}
         for k in g.kernels:   # bytes received from the cpu
             if p.assignment[k.id] == gpu:
                 held.update(e.buffer for e in self.in_edges[k.id] if p.assignment[e.src] != gpu)
         held -= set(p.streamed)
-        return sum(g.buffers[b].nbytes for b in held) + p.slots * p.slot_bytes + self.reserve
+        return sum(g.buffers[b].nbytes for b in held) + p.slots * slot_pitch(p.slot_bytes) + self.reserve
 
     # -- the step model --------------------------------------------------
     def _chain(self, p: Placement) -> tuple[Programs, list[float | None]]:
