@@ -237,17 +237,7 @@ class LocalRef(ActorRef):
             raise MailboxFull(f"mailbox of {self.name!r} is full ({self._capacity})")
 
     async def ask(self, msg: Any, timeout: float = 10.0) -> Any:
-        if self._dead:
-            raise ActorDead(f"actor {self.name!r} is stopped")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        if not self._offer((msg, fut)):
-            return await self._ask_when_full(msg, fut, timeout)
-        timer = loop.call_later(timeout, _expire, fut, self.name, timeout)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
+        return await self.ask_soon(msg, timeout)
 
     def ask_soon(self, msg: Any, timeout: float = 10.0) -> asyncio.Future:
         loop = asyncio.get_running_loop()
