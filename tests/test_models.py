@@ -340,7 +340,7 @@ def test_smollm2_greedy_reply_is_sensible():
                                             ("moe", "decode", False), ("vlm", "decode", False)])
 def test_the_fewest_ops_form_gives_the_same_bits_in_fewer_kernels(name, kind, rows):
     """What CPU deployments capture (``use_fewest_ops``: one rms_norm, a
-    four-op rotary, the mask made additive once): the default form's
+    four-op rotary, the cache rows made once a step): the default form's
     logits and KV cache bit for bit, eagerly and replayed from the aten
     capture, in fewer kernels."""
     from tessera_actors.capture import capture_module

@@ -28,10 +28,10 @@ GQA (``gqa``):
   ``"enable_gqa"``: [B, H, T, hd] queries with ``enable_gqa=True``; backends
     without native GQA for masked attention fall back to a path that repeats
     the cache per query head.
-``fewest_ops`` (``common.use_fewest_ops``, CPU deployments): the mask of a
-step is built additive (0 / -inf in the query dtype) once, not converted
-from bool by every layer's attention call, and the cache row indices of a
-step are made once for every layer's cache write.
+``fewest_ops`` (``common.use_fewest_ops``, CPU deployments): the cache row
+indices of a step are made once for every layer's cache write.  (The mask
+stays bool: made additive once it would hold four times the bytes through
+the step, and a CPU's attention call takes either as fast.)
 Attention sinks (GPT-oss): a learned per-head logit in the softmax
 denominator.  Implemented as an extra, always-zero cache slot whose
 additive mask entry is the sink logit: it adds ``exp(sink)`` to the
@@ -89,12 +89,11 @@ class CachedAttention(nn.Module):
             if base + B > self.k_cache.shape[0]:
                 raise ValueError(f"rows {base}..{base + B - 1} exceed the KV cache's max_batch {self.k_cache.shape[0]}")
             k_cache, v_cache = self.k_cache[base:base + B], self.v_cache[base:base + B]
+            shared = masks if self.fewest_ops and masks is not None else {}
             key = ("rows", B, base, k.device)
-            where = masks.get(key) if self.fewest_ops and masks is not None else None
+            where = shared.get(key)
             if where is None:
-                where = torch.arange(B, device=k.device) + base
-                if self.fewest_ops and masks is not None:
-                    masks[key] = where
+                where = shared[key] = torch.arange(B, device=k.device) + base
             where = where[:, None].expand(B, T)
         else:
             k_cache, v_cache = self.k_cache, self.v_cache
@@ -156,7 +155,7 @@ class CachedAttention(nn.Module):
         k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
         # ``masks``: one dict per forward, shared by the layers - the mask of a step is the same in every
         # layer of one shape (sinks are per layer: never shared)
-        key = (self.gqa, G, T, self.max_seq, self._window(), self.sliding_window, q.dtype, self.fewest_ops)
+        key = (self.gqa, G, T, self.max_seq, self._window(), self.sliding_window, q.dtype)
         shared = masks is not None and self.sinks is None
         if shared and key in masks:
             mask = masks[key]
@@ -170,8 +169,6 @@ class CachedAttention(nn.Module):
         """The mask in the form the attention call takes: [B, 1, T, S] for
         ``enable_gqa``; folded to the query rows (g, t) otherwise."""
         mask = self._mask(positions, dtype)
-        if self.fewest_ops and mask.dtype == torch.bool:   # what the attention call would make of it, made once
-            mask = torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
         if self.gqa == "enable_gqa":
             return mask
         G = self.n_heads // self.n_kv_heads
