@@ -6,14 +6,13 @@ device-actor tests drive raw graphs of any model through this one.
 ``Engine.step`` sends one ``RunStep`` to every plan device at once and
 assembles the outputs from the devices that hold their final bytes; a device
 that does not answer within ``step_timeout`` fails the step.
-``greedy_decode`` is the token loop for graphs captured from a decode step.
 """
 from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Sequence
 
 import msgpack
 import torch
@@ -65,35 +64,6 @@ class Engine:
             for (b, s, e), data in zip(done.ranges, done.data):
                 pieces[(b, s, e)] = data
         return assemble_outputs(self.graph, pieces)
-
-
-async def greedy_decode(step: Callable[[dict[str, torch.Tensor]], Awaitable[list[torch.Tensor]]],
-                        prompt: Sequence[int], max_new: int, eos: int | None = None,
-                        on_token: Callable[[int], None] | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """Feed ``prompt`` token by token, then generate greedily. Returns the new
-    tokens and the logits of every generated position."""
-    if not prompt:
-        raise ValueError("empty prompt")
-    logits = None
-    for pos, tok in enumerate(prompt):
-        out = await step({"input_ids": torch.tensor([[tok]]), "positions": torch.tensor([pos])})
-        logits = out[0]
-    new: list[int] = []
-    seen: list[torch.Tensor] = []
-    pos = len(prompt)
-    for _ in range(max_new):
-        last = logits.reshape(-1, logits.shape[-1])[-1]
-        seen.append(last.clone())
-        tok = int(torch.argmax(last))
-        new.append(tok)
-        if on_token:
-            on_token(tok)
-        if eos is not None and tok == eos:
-            break
-        out = await step({"input_ids": torch.tensor([[tok]]), "positions": torch.tensor([pos])})
-        logits = out[0]
-        pos += 1
-    return new, seen
 
 
 @dataclass

@@ -21,7 +21,7 @@ from actors.transfer import TransferActor
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.devices import DeviceSpec
-from plan_stepper import Engine, greedy_decode
+from plan_stepper import Engine
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes, Uninstall
@@ -29,7 +29,7 @@ from tessera_actors.plan import ContiguousPlanner, build_plan, plan_to_dict, sin
 from tessera_actors.execution.reference import PlanRunner
 from tessera_actors.execution.inputs import write_inputs
 from transport.system import ActorSystem
-from tessera_actors.testing import random_assignment
+from tessera_actors.testing import greedy_decode, random_assignment
 
 PROMPT = [1, 2, 3]
 
@@ -82,10 +82,7 @@ async def test_split_decoding_replays_each_segment_and_equals_single_device(tiny
     g = tiny.graph
     devices = ["cpu?threads=1", "cpu?threads=1"]
     runner = PlanRunner(g, single_device_plan(g, "cpu"), tiny.values)
-
-    async def sync_step(inputs):
-        return runner.step(inputs)
-    want_tokens, _ = await greedy_decode(sync_step, PROMPT, 16)
+    want_tokens, _ = await greedy_decode(runner.step, PROMPT, 16)
     ref_tokens, ref_logits, _, _ = await decode(g, single_device_plan(g, devices[0]), tiny.values, 16, graphs=False)
     assert ref_tokens == want_tokens
     plans = [ContiguousPlanner().plan(g, devices),
@@ -96,7 +93,7 @@ async def test_split_decoding_replays_each_segment_and_equals_single_device(tiny
         tokens, logits, stats, steps = await decode(g, plan, tiny.values, 16)
         assert tokens == want_tokens, plan.name
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), plan.name
-        assert steps == len(PROMPT) + 16
+        assert steps == len(PROMPT) + 16 - 1
         for d, st in enumerate(stats):
             n = segments(plan, d)   # each segment: warmed up once, captured once, replayed every later step
             assert st["graphs"] and st["steps"] == steps
@@ -268,7 +265,7 @@ async def test_co_located_devices_hand_transfers_over_directly_with_the_same_tok
         stats = [(await ref.ask(GetStats())).values for ref in engine.devices]
         moved = (await system.ref("transfer").ask(GetStats())).values
     assert tokens == ref_tokens and all(torch.equal(a.cpu(), b) for a, b in zip(logits, ref_logits))
-    steps = len(PROMPT) + 8
+    steps = len(PROMPT) + 8 - 1
     assert moved["local_transfers"] == 0                  # nothing went through the transfer actor
     for d, st in enumerate(stats):
         assert st["direct_transfers"] == per_step[d] * steps   # counted by the receiver's hand-off
