@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import random
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import legal_cuts
@@ -47,11 +47,6 @@ def random_assignment(graph: KernelGraph, ndev: int, rng: random.Random, runs: i
         for k in range(bounds[j], bounds[j + 1]):
             assignment[k] = d
     return assignment
-
-
-def program_order_is_topological(graph: KernelGraph, order: Sequence[int]) -> bool:
-    pos = {k: i for i, k in enumerate(order)}
-    return all(pos[e.src] < pos[e.dst] for e in graph.edges)
 
 
 async def greedy_decode(step: Callable[[dict], Any], prompt: Any, max_new: int, prefill: bool = False,

@@ -54,11 +54,6 @@ def registry() -> dict[str, type]:
     return dict(_REGISTRY)
 
 
-def lookup(kind: str) -> type | None:
-    """The class registered under ``kind``, or None."""
-    return _REGISTRY.get(kind)
-
-
 # --- runtime messages -------------------------------------------------------
 
 @message

@@ -12,7 +12,7 @@
   entry at the last position, which a sequence always writes itself before
   it reads it; a row whose previous token is still being sampled by a step
   in flight, ``Sequence.pending``, takes it on the device);
-  :func:`prefill_inputs` forms one prompt chunk.
+  :func:`batch_prefill_inputs` forms one prompt-chunk step.
 """
 from __future__ import annotations
 
@@ -75,13 +75,6 @@ class Sequence:
         else:
             held = self.context + self.generated[len(self.context) - len(self.prompt):][:-1]
         return held[:max_len - 1]
-
-    def may_decode(self, max_len: int) -> bool:
-        """Whether one more decode step can be due: the tokens in flight
-        leave room under ``max_tokens`` and the context (its next position,
-        ``len(prompt) + n - 1``, below the last)."""
-        n = len(self.generated) + self.pending
-        return n < self.params.max_tokens and len(self.prompt) + n < max_len
 
 
 class SlotAllocator:
@@ -152,9 +145,6 @@ class SlotAllocator:
     def forget(self) -> None:
         """Drop every kept prefix (the KV cache was placed afresh)."""
         self.kept.clear()
-
-    def group_of(self, slot: int) -> int:
-        return self.groups[slot]
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -259,19 +249,6 @@ def prefill_batch(waiting: Seq[Sequence], sizes: Seq[int], row_counts: Seq[int],
             chunks.append(m)
     rows = min((r for r in row_counts if r >= len(seqs)), default=len(seqs))
     return seqs, chunks, size, rows
-
-
-def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | None = None
-                   ) -> tuple[int, int, dict[str, torch.Tensor], list]:
-    """(bucket size, real tokens, inputs, sample entries) of the next chunk of
-    ``seq``'s context (:func:`prefill_chunk`; ``size``: padded to that many
-    tokens instead); the last chunk samples."""
-    need, n = prefill_chunk(seq, sizes)
-    if size is not None and size < n:
-        raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
-    size = size or need
-    inputs, sample = batch_prefill_inputs([seq], [n], size, 1, max_len)
-    return size, n, inputs, sample
 
 
 def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows: int, max_len: int

@@ -407,9 +407,10 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                            number if feeds and self.cfg.lookahead else None, formed)
 
     def _form(self, rows: list[_Request], limit: int) -> Formed | None:
-        """The rows of a group's next decode step: those that may decode
-        (``Sequence.may_decode``, inlined: every row, every step that does
-        not continue the rows of the one before); None when there are none."""
+        """The rows of a group's next decode step: those whose tokens in
+        flight leave room under ``max_tokens`` and below the context's last
+        position (every row, every step that does not continue the rows of
+        the one before); None when there are none."""
         reqs, seqs, end, top, horizon = [], [], 0, 0, limit
         needs_tokens = False
         for r in rows:
