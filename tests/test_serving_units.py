@@ -7,8 +7,8 @@ import torch
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes, weight_homes
 from tessera_actors.serving import InvalidRequest, SamplingParams
-from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_rows, prefill_batch,
-                                          prefill_chunk)
+from tessera_actors.execution.inputs import chunk_inputs
+from tessera_actors.serving.batch import Sequence, SlotAllocator, chunk_rows, decode_rows, prefill_batch, prefill_chunk
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.execution.sampling import SampleBatch, as_sample_row, uniform
 
@@ -109,9 +109,9 @@ def _chunks(length: int, buckets: list[int]) -> tuple[list[int], list[bool]]:
     sizes, samples = [], []
     while s.prefilled < len(s.context):
         size, n = prefill_chunk(s, buckets)
-        inp, sample = batch_prefill_inputs([s], [n], size, 1, max_len=512)
-        assert inp["rows"].tolist() == [3] and inp["last"].tolist() == [n - 1]
-        assert inp["input_ids"][0, :n].tolist() == s.context[s.prefilled:s.prefilled + n]
+        rows, sample = chunk_rows([s], [n], size, 1, max_len=512)
+        assert rows.slots == [3] and rows.starts == [s.prefilled] and rows.pad == 511
+        assert rows.tokens == [s.context[s.prefilled:s.prefilled + n]]
         sizes.append(size)
         samples.append(bool(sample))
         s.prefilled += n
@@ -123,7 +123,8 @@ def test_a_batched_prefill_step_feeds_each_rows_chunk_and_samples_the_prompts_it
     a = Sequence("a", [1, 2, 3], p, 0, slot=5, context=[1, 2, 3])
     b = Sequence("b", list(range(10, 30)), p, 0, slot=2, context=list(range(10, 30)), prefilled=16)
     c = Sequence("c", list(range(40)), p, 0, slot=7, context=list(range(40)))
-    inp, sample = batch_prefill_inputs([a, b, c], [3, 4, 16], size=16, rows=4, max_len=64)
+    rows, sample = chunk_rows([a, b, c], [3, 4, 16], size=16, rows=4, max_len=64)
+    inp = chunk_inputs(rows)   # what the device that reads the inputs writes
     assert inp["rows"].tolist() == [5, 2, 7, 5]           # the padding row writes into the first row's last slot
     assert inp["last"].tolist() == [2, 3, 15, 0]
     assert inp["input_ids"][1, :4].tolist() == list(range(26, 30)) and inp["input_ids"][0, :3].tolist() == [1, 2, 3]
@@ -131,7 +132,7 @@ def test_a_batched_prefill_step_feeds_each_rows_chunk_and_samples_the_prompts_it
     assert inp["positions"][3].tolist() == [63] * 16
     assert [(e.row, e.col) for e in sample] == [(0, 0), (1, 0)]   # c's chunk does not end its prompt: it does not sample
     with pytest.raises(ValueError, match="does not fit"):
-        batch_prefill_inputs([c], [20], size=16, rows=1, max_len=64)
+        chunk_rows([c], [20], size=16, rows=1, max_len=64)
 
 
 @pytest.mark.parametrize("length,buckets,want", [

@@ -12,16 +12,15 @@
   entry at the last position, which a sequence always writes itself before
   it reads it; a row whose previous token is still being sampled by a step
   in flight, ``Sequence.pending``, takes it on the device);
-  :func:`batch_prefill_inputs` forms one prompt-chunk step.
+  :func:`chunk_rows` forms one prompt-chunk step (ints: the device builds
+  its tensors).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-import torch
-
-from tessera_actors.runtime.messages import SampleRow, StepRows
+from tessera_actors.runtime.messages import ChunkRows, SampleRow, StepRows
 
 
 @dataclass
@@ -251,9 +250,9 @@ def prefill_batch(waiting: Seq[Sequence], sizes: Seq[int], row_counts: Seq[int],
     return seqs, chunks, size, rows
 
 
-def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows: int, max_len: int
-                         ) -> tuple[dict[str, torch.Tensor], list]:
-    """(inputs, sample entries) of one prompt-chunk step of ``rows`` rows of
+def chunk_rows(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows: int, max_len: int
+               ) -> tuple[ChunkRows, list]:
+    """(rows, sample entries) of one prompt-chunk step of ``rows`` rows of
     ``size`` tokens: row ``i`` feeds ``chunks[i]`` tokens of ``seqs[i]``'s
     context into its KV row, from where its prefill stands; a sequence whose
     chunk ends its context samples (entry row ``i``).  Padding - tokens past
@@ -262,18 +261,11 @@ def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows:
     it writes it itself."""
     if not 0 < len(seqs) <= rows or len(chunks) != len(seqs):
         raise ValueError(f"{len(seqs)} sequences for a prefill step of {rows} rows")
-    ids = torch.zeros(rows, size, dtype=torch.int64)
-    pos = torch.full((rows, size), max_len - 1, dtype=torch.int64)
-    slot = torch.full((rows,), seqs[0].slot, dtype=torch.int64)
-    last = torch.zeros(rows, dtype=torch.int64)
-    sample = []
+    tokens, sample = [], []
     for i, (seq, n) in enumerate(zip(seqs, chunks)):
         if not 0 < n <= size:
             raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
-        start = seq.prefilled
-        ids[i, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)
-        pos[i] = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)
-        slot[i], last[i] = seq.slot, n - 1
-        if start + n == len(seq.context):
+        tokens.append(seq.context[seq.prefilled:seq.prefilled + n])
+        if seq.prefilled + n == len(seq.context):
             sample.append(seq.sample_row(i))
-    return {"input_ids": ids, "positions": pos, "rows": slot, "last": last}, sample
+    return ChunkRows(size, rows, [s.slot for s in seqs], [s.prefilled for s in seqs], tokens, max_len - 1), sample
