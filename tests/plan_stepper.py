@@ -1,5 +1,6 @@
-"""A test harness: a plan stepped straight on its device actors, and one graph
-deployed over node processes (``split_on_nodes``).  The product steps plans
+"""A test harness: a plan deployed on device actors of this process
+(``deploy``) and stepped straight on them, and one graph deployed over node
+processes (``split_on_nodes``).  The product steps plans
 through ``serving.deployment.Deployment`` (the engine); the data-plane and
 device-actor tests drive raw graphs of any model through this one.
 
@@ -17,17 +18,20 @@ from typing import Sequence
 import msgpack
 import torch
 
+from actors.device import DeviceActor
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
+from actors.transfer import TransferActor
 from tessera_actors.cluster import LocalCluster
+from tessera_actors.devices import DeviceSpec
 from tessera_actors.launch import registry
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.runtime.actor import ActorRef
-from tessera_actors.runtime.messages import GetStats, Place
+from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Place, Routes
 from transport.system import ActorSystem
 from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import RunStep, StepDone
-from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.plan import Plan, plan_from_dict, plan_to_dict
 from tessera_actors.execution.inputs import assemble_outputs
 
 
@@ -64,6 +68,27 @@ class Engine:
             for (b, s, e), data in zip(done.ranges, done.data):
                 pieces[(b, s, e)] = data
         return assemble_outputs(self.graph, pieces)
+
+
+async def deploy(system: ActorSystem, graph: KernelGraph, plan: Plan, values: dict, graphs: bool | None = None,
+                 plan_id: str = "p", timeout: float = 300.0, **device_kw) -> tuple[Engine, list]:
+    """Spawn a transfer actor and one device actor per plan device in
+    ``system``, install ``plan`` (from its bytes, as from another process)
+    and load ``values``: an engine over them, and each device's
+    ``Installed`` reply."""
+    await system.spawn(TransferActor(), "transfer")
+    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), graphs=graphs, **device_kw), f"device{i}")
+            for i, d in enumerate(plan.devices)]
+    routes = [[i, "", f"device{i}"] for i in range(len(refs))]
+    g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)
+    p_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
+    installed = [await ref.ask(InstallPlan(plan_id, i, g_bytes, p_bytes, routes), timeout=timeout)
+                 for i, ref in enumerate(refs)]
+    await system.ref("transfer").ask(Routes(plan_id, routes, list(plan.devices)))
+    for i, ref in enumerate(refs):
+        held = [b for b in plan.resident[i] if b in values]
+        await ref.ask(LoadValues(plan_id, held, [values[b] for b in held]), timeout=timeout)
+    return Engine(graph, plan, plan_id, refs, step_timeout=timeout), installed
 
 
 @dataclass
