@@ -80,6 +80,7 @@ class OffloadConfig:
     layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
     rings: tuple[str, ...] = ("bytes",)   # staging ring modes: the first for every policy, others Tessera again
     tie_nats: float = TIE_NATS
+    reference_capture: str = "auto"   # the GPU-only reference's capture: auto (what a GPU-only user gets) or aten
 
     @property
     def build_device(self) -> str:
@@ -219,7 +220,8 @@ async def bench(cfg: OffloadConfig) -> dict:
     b1 = 1 in cfg.batches
 
     # the reference first (GPU alone, no budget: before any budget caps the allocator), then the rates
-    ref = await _engine(cfg, EngineConfig(devices=plain, **engine_fields(cfg)), "reference",
+    ref = await _engine(cfg, EngineConfig(devices=plain, capture=cfg.reference_capture, **engine_fields(cfg)),
+                        "reference",
                         score=cfg.steps if b1 else 0)
     served = ref.pop("served")
     rates = await measured_rates(cfg, gpu, cpu, layer_shapes(served.model))
@@ -380,7 +382,7 @@ def main(args) -> int:
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
                         args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
-                        rings_of(args.ring), args.tie_nats)
+                        rings_of(args.ring), args.tie_nats, args.reference_capture)
     run_offload_bench(cfg)
     return 0
 

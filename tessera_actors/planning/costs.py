@@ -207,10 +207,6 @@ class CostTable:
         lat, bw = cls._links(specs, links)
         return cls(list(devices), times, lat, bw, [s.mem for s in specs], "estimate")
 
-    def with_mem(self, mem: Sequence[int | None]) -> "CostTable":
-        """A copy with other memory budgets."""
-        return CostTable(list(self.devices), self.times, self.latency, self.bandwidth, list(mem), self.source)
-
     # -- serialisation ------------------------------------------------------
     def to_dict(self) -> dict:
         inf = lambda v: None if v == float("inf") else v  # noqa: E731
