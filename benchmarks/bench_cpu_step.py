@@ -123,15 +123,24 @@ async def serve_round(devices: str, tokens: int, streams: int) -> dict:
                 "load_avg_1m": os.getloadavg()[0]}
 
 
-def serve_in(checkout: str, devices: str, tokens: int, streams: int) -> dict:
-    """:func:`serve_round` in a process of its own that imports ``checkout``."""
+def _in(checkout: str, *args: str) -> dict:
+    """This program's JSON answer to ``args``, from a process of its own that imports ``checkout``."""
     env = dict(os.environ, PYTHONPATH=str(Path(checkout).resolve()))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-one", devices, "--tokens", str(tokens),
-           "--streams", str(streams)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"{checkout}: {' '.join(cmd)} failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def serve_in(checkout: str, devices: str, tokens: int, streams: int) -> dict:
+    """:func:`serve_round` in a process of its own that imports ``checkout``."""
+    return _in(checkout, "--serve-one", devices, "--tokens", str(tokens), "--streams", str(streams))
+
+
+def breakdown_in(checkout: str, reps: int) -> dict:
+    """:func:`kernel_breakdown` of the batch-1 decode bucket, likewise."""
+    return _in(checkout, "--breakdown-one", "decode:1@0~512", "--reps", str(reps))
 
 
 def kernel_breakdown(bucket: str, reps: int) -> dict:
@@ -160,6 +169,7 @@ def kernel_breakdown(bucket: str, reps: int) -> dict:
     by_op: dict[str, float] = {}
     for e in top:
         by_op[e.name] = by_op.get(e.name, 0.0) + e.cpu_time_total / 1e6 / reps
+    split = cpu_split(prog, graph, order, reps)
     weights = sum(t.numel() * t.element_size() for t in served.weights.values())
     wsum = [t for t in served.weights.values() if t.is_floating_point()]
     t0 = time.perf_counter()
@@ -170,7 +180,33 @@ def kernel_breakdown(bucket: str, reps: int) -> dict:
     return {"bucket": bucket, "kernels": len(order), "loop_s": loop, "in_aten_s": inside,
             "dispatch_s": max(loop - inside, 0.0), "dispatch_per_kernel_us": max(loop - inside, 0.0) / len(order) * 1e6,
             "top_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:6]),
-            "weight_bytes": weights, "weight_read_s": read, "threads": torch.get_num_threads()}
+            "weight_bytes": weights, "weight_read_s": read, "threads": torch.get_num_threads(), "one_thread_cpu": split}
+
+
+def cpu_split(prog, graph, order: list[int], reps: int) -> dict:
+    """At one intra-op thread, the CPU seconds of this thread per run of the
+    bucket's kernels (what a loaded box's other processes do not add): all
+    of them, only the matmuls, only the attention calls, and the rest (every
+    other kernel and the executor's work around each kernel) as their
+    difference.  The subsets run after a whole run, on its values."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def cpu(ids: list[int]) -> float:
+            prog.run_kernels(ids)
+            t0 = time.thread_time()
+            for _ in range(reps):
+                prog.run_kernels(ids)
+            return (time.thread_time() - t0) / reps
+        prog.run_kernels(order)
+        total = cpu(order)
+        mm = cpu([k.id for k in graph.kernels if k.name in ("mm", "addmm", "bmm")])
+        attn = cpu([k.id for k in graph.kernels if k.name == "scaled_dot_product_attention"])
+    finally:
+        torch.set_num_threads(threads)
+    others = len(order) - sum(k.name in ("mm", "addmm", "bmm", "scaled_dot_product_attention") for k in graph.kernels)
+    return {"total_s": total, "matmuls_s": mm, "attention_s": attn, "rest_s": total - mm - attn, "rest_kernels": others,
+            "rest_per_kernel_us": (total - mm - attn) / max(others, 1) * 1e6}
 
 
 def _rows(a) -> list[list[dict]]:
@@ -216,10 +252,14 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--reps", type=int, default=10, help="kernel breakdown: repetitions (0: none)")
     ap.add_argument("--serve-one", default="", help=argparse.SUPPRESS)   # one row, as JSON (--checkouts)
+    ap.add_argument("--breakdown-one", default="", help=argparse.SUPPRESS)   # one bucket's breakdown, as JSON
     ap.add_argument("--out", default="benchmarks/results/serve_cpu/cpu_step.json")
     a = ap.parse_args()
     if a.serve_one:
         print(json.dumps(asyncio.run(serve_round(a.serve_one, a.tokens, a.streams))))
+        return 0
+    if a.breakdown_one:
+        print(json.dumps(kernel_breakdown(a.breakdown_one, a.reps)))
         return 0
     rounds = _rows(a)
     summary = _summary(rounds)
@@ -228,7 +268,14 @@ def main() -> int:
     for name, m in summary.items():
         print(f"{name:24} {m['batch1_tok_s']:8.1f} x{m['batch1_tok_s_ratio']:.2f} {m['streams_tok_s']:8.1f} "
               f"x{m['streams_tok_s_ratio']:.2f} {m['ttft_p99_s']:6.2f} s x{m['ttft_p99_s_ratio']:.2f}")
-    parts = kernel_breakdown("decode:1@0~512", a.reps) if a.reps else {}
+    trees = [tuple(c.split("=", 1)) for c in a.checkouts.split(";") if c] if a.checkouts else []
+    breakdowns = {name: breakdown_in(path, a.reps) for name, path in trees} if a.reps else {}
+    parts = kernel_breakdown("decode:1@0~512", a.reps) if a.reps and not trees else {}
+    for name, b in breakdowns.items():
+        c = b["one_thread_cpu"]
+        print(f"{name}: batch-1 decode step at one thread, CPU ms: {c['total_s'] * 1e3:.1f} = matmuls "
+              f"{c['matmuls_s'] * 1e3:.1f} + attention {c['attention_s'] * 1e3:.1f} + {c['rest_kernels']} other "
+              f"kernels {c['rest_s'] * 1e3:.1f} ({c['rest_per_kernel_us']:.1f} us each)")
     if parts:
         print(f"\nbatch-1 decode step, one device ({parts['threads']} threads): {parts['kernels']} kernels, loop "
               f"{parts['loop_s'] * 1e3:.1f} ms = in aten {parts['in_aten_s'] * 1e3:.1f} ms + dispatch "
@@ -238,7 +285,7 @@ def main() -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"provenance": provenance(), "rounds": rounds, "summary": summary,
-                               "decode_step_breakdown": parts}, indent=1))
+                               "decode_step_breakdown": parts or breakdowns}, indent=1))
     print(f"wrote {out}")
     return 0
 
