@@ -22,6 +22,10 @@ per decode step (serving loop, the workers' step path, inside runs of
 kernels), and the kernels of the batch-1 decode bucket by op name, per
 layer and outside the layers.
 
+``--forms 'decode:1@0~512;decode:16@0~512'`` compares instead, on this
+thread, the graph a CPU deployment captures (``use_fewest_ops``) with the
+model's default form, run in turns at one intra-op thread.
+
 ``--checkouts before=PATH;after=.`` compares trees: every round runs each
 deployment once per checkout, one after the other, each in a process of
 its own that imports that checkout (``PYTHONPATH``); the rows carry the
@@ -209,6 +213,49 @@ def cpu_split(prog, graph, order: list[int], reps: int) -> dict:
             "rest_per_kernel_us": (total - mm - attn) / max(others, 1) * 1e6}
 
 
+def forms_compared(buckets: list[str], reps: int) -> dict:
+    """Per decode bucket, the graph a CPU deployment captures (the
+    fewest-ops form) against the model's default form, run on this thread
+    at one intra-op thread in turns (``reps`` runs of each, interleaved: a
+    loaded box slows both alike): kernels, CPU ms and wall ms per run."""
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.serving.buckets import capture_aten
+    from tessera_actors.serving.config import EngineConfig
+    from tessera_actors.serving.deploy import fitted, load_served_model, weight_values
+    from tessera_actors.serving.gpu_capture import set_attention_form
+    cfg = EngineConfig(model="smollm2", devices="cpu", max_seqs=16, max_model_len=1024, kv_cache_memory=None,
+                       embeddings=False)
+    served = load_served_model(cfg, core_only=True)
+    _, meta = fitted(cfg)   # the same model on the meta device, in its default form
+    set_attention_form(meta, "fold")
+    state = set(served.model.state_names())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for name in buckets:
+            default = capture_aten(meta, served.buckets[name])
+            progs = {}
+            for form, g in (("default", default), ("fewest_ops", served.graph(name))):
+                prog = AtenProgram(g, torch.device("cpu"), g.buffers)
+                prog.load(weight_values(name, g, served.weights, state))
+                ids = [k.id for k in g.kernels]
+                prog.run_kernels(ids)
+                progs[form] = (prog, ids, [])
+            for _ in range(reps):
+                for prog, ids, times in progs.values():
+                    c0, w0 = time.thread_time(), time.perf_counter()
+                    prog.run_kernels(ids)
+                    times.append(((time.thread_time() - c0) * 1e3, (time.perf_counter() - w0) * 1e3))
+            out[name] = {form: {"kernels": len(ids), "cpu_ms_median": statistics.median(c for c, _ in times),
+                                "cpu_ms_min": min(c for c, _ in times),
+                                "wall_ms_median": statistics.median(w for _, w in times)}
+                         for form, (_, ids, times) in progs.items()}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def _rows(a) -> list[list[dict]]:
     """Every round's rows: each deployment, for each checkout (one after the other)."""
     deps = [d for d in a.deployments.split(";") if d]
@@ -253,6 +300,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10, help="kernel breakdown: repetitions (0: none)")
     ap.add_argument("--serve-one", default="", help=argparse.SUPPRESS)   # one row, as JSON (--checkouts)
     ap.add_argument("--breakdown-one", default="", help=argparse.SUPPRESS)   # one bucket's breakdown, as JSON
+    ap.add_argument("--forms", default="", help="';' between decode buckets: only compare the fewest-ops graph "
+                    "with the default form's on this thread (forms_compared)")
     ap.add_argument("--out", default="benchmarks/results/serve_cpu/cpu_step.json")
     a = ap.parse_args()
     if a.serve_one:
@@ -260,6 +309,15 @@ def main() -> int:
         return 0
     if a.breakdown_one:
         print(json.dumps(kernel_breakdown(a.breakdown_one, a.reps)))
+        return 0
+    if a.forms:
+        forms = forms_compared([b for b in a.forms.split(";") if b], a.reps)
+        for name, row in forms.items():
+            for form, m in row.items():
+                print(f"{name:16} {form:11} {m['kernels']:5d} kernels  CPU {m['cpu_ms_median']:6.1f} ms (min "
+                      f"{m['cpu_ms_min']:.1f})  wall {m['wall_ms_median']:6.1f} ms  (median of {a.reps}, one thread)")
+        Path(a.out).write_text(json.dumps({"provenance": provenance(), "forms": forms}, indent=1))
+        print(f"wrote {a.out}")
         return 0
     rounds = _rows(a)
     summary = _summary(rounds)
