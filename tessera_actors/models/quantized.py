@@ -57,16 +57,22 @@ def q8_0_values(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(rows, -1), d
 
 
-def q8_0_per_row(q: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def q8_0_per_row(q: np.ndarray, d: np.ndarray, chunk: int = 4096) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 ``(q, d)`` requantized to int8 with one scale per row: the
     values ``q * d`` (exact in float32), divided by their row's largest
-    magnitude over 127 and rounded."""
-    w = q.reshape(q.shape[0], -1, GROUP).astype(np.float32) * d[..., None]
-    w = w.reshape(q.shape[0], -1)
-    scale = np.abs(w).max(axis=1) / 127.0
-    scale[scale == 0] = 1.0
-    q8 = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
-    return q8, scale.astype(np.float32)
+    magnitude over 127 and rounded (``chunk`` rows at a time: a float32
+    copy of a whole vocabulary is not needed)."""
+    rows = q.shape[0]
+    q8 = np.empty(q.shape, dtype=np.int8)
+    scale = np.empty(rows, dtype=np.float32)
+    for lo in range(0, rows, chunk):
+        hi = min(lo + chunk, rows)
+        w = (q[lo:hi].reshape(hi - lo, -1, GROUP).astype(np.float32) * d[lo:hi, :, None]).reshape(hi - lo, -1)
+        s = np.abs(w).max(axis=1) / np.float32(127.0)
+        s[s == 0] = 1.0
+        q8[lo:hi] = np.clip(np.rint(w / s[:, None]), -127, 127)
+        scale[lo:hi] = s
+    return q8, scale
 
 
 class Int4Linear(nn.Module):

@@ -24,7 +24,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from tessera_actors.models.common import cast_model
+from torch import nn
+
+from tessera_actors.models.common import cast_model, rope_inv_freq, rope_tables
 from tessera_actors.models.llama import Llama, LlamaConfig
 from tessera_actors.models.gguf_file import GGUFFile
 from tessera_actors.models.quantized import Int4Linear, Int8Embedding, Int8Linear, q4_1_values, q8_0_per_row, q8_0_values
@@ -145,12 +147,17 @@ def load_smollm2(size: str = "real", dtype: torch.dtype = torch.float32,
     cfg = LlamaConfig.smollm2_135m(**overrides)
     if not cfg.tie_embeddings:
         raise ValueError("SmolLM2 ties its embeddings; tie_embeddings=False is not supported")
-    with torch.device("meta" if meta else "cpu"):
+    quantized = weights == "quantized"
+    with torch.device("meta" if meta or quantized else "cpu"):   # quantized: no float32 matrix, ever
         model = Llama(cfg)
-        if weights == "quantized":
+        if quantized:
             _quantized_modules(model, dtype)
     if not meta:
-        (_load_quantized if weights == "quantized" else _load_dense)(model, cfg)
+        if quantized:
+            _materialize(model, cfg, dtype)
+            _load_quantized(model, cfg)
+        else:
+            _load_dense(model, cfg)
         model = model.to(device)
     cast_model(model, dtype)
     model.requires_grad_(False)
@@ -198,6 +205,31 @@ def _quantized_modules(model: Llama, dtype: torch.dtype) -> None:
                 setattr(parent, n, Int4Linear(lin.in_features, lin.out_features, dtype))
     dec.embed = Int8Embedding(dec.embed.num_embeddings, dec.embed.embedding_dim, dtype)
     dec.lm_head = Int8Linear(dec.embed)
+
+
+def _materialize(model: Llama, cfg: LlamaConfig, dtype: torch.dtype) -> None:
+    """The meta model of :func:`_quantized_modules` on the CPU: its norms
+    and quantized weights (their values read next), its state zeroed in ``dtype`` as fresh zero pages
+    (resident only once written: a served model drops it unwritten) and its
+    RoPE tables, as ``Llama`` makes them."""
+    from tessera_actors.execution.sharing import zeroed
+    state = set(model.state_names())
+    for prefix, mod in model.named_modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+        for name, b in list(mod._buffers.items()):
+            if b is None or not b.is_meta:
+                continue
+            if f"{prefix}.{name}" not in state:   # the quantized weights: replaced by their values next
+                mod._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+                continue
+            kind = dtype if b.is_floating_point() else b.dtype
+            nbytes = b.numel() * torch.empty((), dtype=kind).element_size()
+            mod._buffers[name] = zeroed(nbytes, torch.device("cpu")).view(kind).view(b.shape)
+    dec = model.decoder
+    dec.rope_cos, dec.rope_sin = rope_tables(cfg.max_seq, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                                        cfg.rope_scaling))
 
 
 def _load_quantized(model: Llama, cfg: LlamaConfig) -> None:
