@@ -26,7 +26,7 @@ import torch
 
 from torch import nn
 
-from tessera_actors.models.common import cast_model, rope_inv_freq, rope_tables
+from tessera_actors.models.common import cast_model, rope_inv_freq, rope_tables, zeroed
 from tessera_actors.models.llama import Llama, LlamaConfig
 from tessera_actors.models.gguf_file import GGUFFile
 from tessera_actors.models.quantized import Int4Linear, Int8Embedding, Int8Linear, q4_1_values, q8_0_per_row, q8_0_values
@@ -212,7 +212,6 @@ def _materialize(model: Llama, cfg: LlamaConfig, dtype: torch.dtype) -> None:
     and quantized weights (their values read next), its state zeroed in ``dtype`` as fresh zero pages
     (resident only once written: a served model drops it unwritten) and its
     RoPE tables, as ``Llama`` makes them."""
-    from tessera_actors.execution.sharing import zeroed
     state = set(model.state_names())
     for prefix, mod in model.named_modules():
         for name, p in list(mod._parameters.items()):
