@@ -347,3 +347,50 @@ def test_smollm2_greedy_reply_is_sensible():
         assert again == reply
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------ fewest-ops form
+
+@pytest.mark.parametrize("name,kind,rows", [("llama", "decode", False), ("llama", "prefill", True),
+                                            ("moe", "decode", False), ("vlm", "decode", False)])
+def test_the_fewest_ops_form_gives_the_same_bits_in_fewer_kernels(name, kind, rows):
+    """What CPU deployments capture (``use_fewest_ops``: one rms_norm, a
+    four-op rotary, the cache rows made once a step): the default form's
+    logits and KV cache bit for bit, eagerly and replayed from the aten
+    capture, in fewer kernels."""
+    from tessera_actors.capture import capture_module
+    from tessera_actors.execution.inputs import write_inputs
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.models.common import RMSNorm, use_fewest_ops
+    m = models.get(name, "tiny", dtype=torch.float32, seed=0)
+    x = m.example_inputs(kind, batch=2, seq=5, pos=3)
+    if rows:
+        x["rows"] = torch.tensor([3, 1])
+
+    def eager() -> tuple[torch.Tensor, dict]:
+        m.reset_state()
+        m(**m.example_inputs("prefill", batch=4, seq=3))   # a cache that is not all zeros
+        out = m(**x)
+        return out, {n: b.clone() for n, b in m.named_buffers() if n in m.state_names()}
+
+    def replayed() -> tuple[torch.Tensor, int, set]:
+        m.reset_state()
+        m(**m.example_inputs("prefill", batch=4, seq=3))
+        res = capture_module(m, x)
+        g = res.graph
+        prog = AtenProgram(g, torch.device("cpu"), g.buffers)
+        prog.load(res.values)
+        write_inputs(prog, g, x)
+        prog.run(range(len(g.kernels)))
+        return prog.view(g.meta["output_views"][0]).clone(), len(g.kernels), {k.name for k in g.kernels}
+    want, want_state = eager()
+    want_replay, n_default, _ = replayed()
+    use_fewest_ops(m)
+    got, got_state = eager()
+    got_replay, n_fewest, ops = replayed()
+    assert torch.equal(got, want) and torch.equal(got_replay, want_replay) and torch.equal(got_replay, want)
+    assert all(torch.equal(got_state[n], s) for n, s in want_state.items())
+    norms = sum(isinstance(mod, RMSNorm) for mod in m.modules())
+    assert "rms_norm" in ops and "rsqrt" not in ops and n_default - n_fewest >= 5 * norms   # six ops to one each
+    use_fewest_ops(m, False)
+    assert torch.equal(eager()[0], want)

@@ -234,6 +234,25 @@ def test_every_deployment_captures_attention_as_one_kernel_and_only_gpus_ask_for
     ops = [k.name for g in served.graphs.values() for k in g.kernels]
     assert set(served.captures.values()) == {"aten"}
     assert "scaled_dot_product_attention" in ops and "_safe_softmax" not in ops and "bmm" not in ops
+    assert "rms_norm" not in ops   # a GPU in the deployment: the model's default form, as before
+
+
+def test_a_cpu_deployment_captures_the_fewest_ops_form():
+    from tessera_actors.serving.deploy import all_cpu, load_served_model
+    assert all_cpu(EngineConfig(devices="cpu,cpu?threads=1")) and not all_cpu(EngineConfig(devices="cuda:0,cpu"))
+    assert all_cpu(EngineConfig(nodes=("cpu", "cpu?threads=1"))) and not all_cpu(EngineConfig(nodes=("cpu", "cuda:0")))
+    served = load_served_model(EngineConfig(model="llama", size="tiny", devices="cpu", max_seqs=2,
+                                            max_model_len=64, prefill_buckets=(16,)))
+    layers = served.model.cfg.n_layers
+    g = served.graph("decode:2@0")
+    per_layer = {}
+    for k in g.kernels:
+        per_layer[k.layer] = per_layer.get(k.layer, 0) + 1
+    names = [k.name for k in g.kernels]
+    # one kernel per norm (two a layer and the final one), no rsqrt/pow/mean
+    assert names.count("rms_norm") == 2 * layers + 1 and "rsqrt" not in names and "pow" not in names
+    # 7 matmuls, 2 norms, 8 rotary, 2 cache writes, attention, silu, gate*up, 2 residual adds
+    assert per_layer[layers - 1] == 24
 
 
 def test_a_prompts_first_chunk_reads_only_its_own_length_of_the_cache():
