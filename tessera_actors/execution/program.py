@@ -18,6 +18,7 @@ import torch
 from tessera_actors.graph import dtype_from_name
 from tessera_actors.graph import KernelGraph
 
+from tessera_actors.devices import other_device_op
 from tessera_actors.execution.allow import KernelRefused, check_allocation, default_cap, resolve_allowed, signature
 
 
@@ -58,20 +59,6 @@ def out_variant(op):
         found = None
     _OUT[op] = found
     return found
-
-
-# op names only one device type has a kernel for: a capture on a CPU records the CPU's fused
-# kernels (a GPU capture its own) where it does not record the composite whole (capture/fused.py)
-_ONLY_ON = {"cpu": ("_for_cpu", "mkldnn", "onednn", "_cpu_"),
-            "cuda": ("cudnn", "_flash_attention", "_efficient_attention", "_cutlass", "_cufft")}
-
-
-def other_device_op(name: str, device_type: str) -> str | None:
-    """The device type whose kernel ``name`` (``aten.x.overload``) is, when
-    that is not ``device_type``; else None."""
-    op = name.split(".")[1] if name.count(".") >= 1 else name
-    kind = next((kind for kind, marks in _ONLY_ON.items() if any(m in op for m in marks)), None)   # cpu first
-    return kind if kind not in (None, device_type) else None
 
 
 def _in_place(name: str) -> bool:

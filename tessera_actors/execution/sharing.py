@@ -24,7 +24,6 @@ so is a plan whose staging ring differs from its group's.
 from __future__ import annotations
 
 import asyncio
-import mmap
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,6 +31,7 @@ import torch
 from tessera_actors.execution.program import BackendError
 from tessera_actors.execution.streaming import Staging
 from tessera_actors.graph import KernelGraph
+from tessera_actors.models.common import LAZY_BYTES, zeroed
 from tessera_actors.plan import Plan
 
 SCRATCH_ALIGN = 256   # bytes: every temporary's offset in the scratch (any dtype's views, a GPU's vector loads)
@@ -64,23 +64,6 @@ def scratch_layout(graph: KernelGraph, plan: Plan, device: int) -> tuple[dict[in
         offsets[b] = end
         end += -(-max(buf.nbytes, 1) // SCRATCH_ALIGN) * SCRATCH_ALIGN
     return offsets, end
-
-
-LAZY_BYTES = 1 << 20   # host tensors from this size on are fresh zero pages (:func:`zeroed`)
-
-
-def zeroed(nbytes: int, device: torch.device) -> torch.Tensor:
-    """``nbytes`` zero bytes on ``device``.  In host memory from
-    :data:`LAZY_BYTES` on, a private anonymous mapping of the kernel's zero
-    pages: a page becomes resident only when first written (reading one
-    costs no memory), so a KV cache of ``max_seqs`` rows of
-    ``max_model_len`` positions holds resident only the positions its
-    sequences wrote, and weights are not written twice (zeros, then their
-    values).  The mapping goes when the last tensor viewing it does."""
-    if device.type != "cpu" or nbytes < LAZY_BYTES:
-        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=torch.uint8)   # holds the mapping
 
 
 def _adoptable(value: Any, nbytes: int, device: torch.device) -> torch.Tensor | None:

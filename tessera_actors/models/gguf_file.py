@@ -6,7 +6,8 @@ well under a second. The ``gguf`` package is still used to dequantise blocks.
 
 ``GGUFFile(path)``: ``.metadata`` (key -> int/float/bool/str/list, numeric
 arrays as numpy), ``.tensor_names()``, ``.tensor(name) -> float32 ndarray`` in
-numpy order (``[rows, cols]`` = llama.cpp ``[ne1, ne0]``).
+numpy order (``[rows, cols]`` = llama.cpp ``[ne1, ne0]``), ``.raw(name)``: its
+blocks as the file stores them.
 """
 from __future__ import annotations
 
@@ -78,19 +79,25 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return list(self._tensors)
 
-    def tensor(self, name: str) -> np.ndarray:
-        """Dequantised float32 copy of tensor ``name`` (shape ``dims[::-1]``)."""
+    def raw(self, name: str) -> tuple[int, tuple[int, ...], np.ndarray]:
+        """``(qtype, shape, rows)`` of tensor ``name``: its GGML type number,
+        its shape (``dims[::-1]``) and a copy of its bytes as uint8
+        ``[rows, row_bytes]`` (quantized blocks as the file stores them)."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415
-        from gguf.quants import dequantize  # noqa: PLC0415
 
         if name not in self._tensors:
             raise KeyError(f"tensor {name!r} not in {self.path}")
         dims, qtype, offset = self._tensors[name]
-        kind = GGMLQuantizationType(qtype)
-        block, type_size = GGML_QUANT_SIZES[kind]
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
         shape = tuple(int(d) for d in reversed(dims))
         row_bytes = shape[-1] // block * type_size
         n_rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        raw = self._data[offset:offset + n_rows * row_bytes].reshape(n_rows, row_bytes)
-        out = np.ascontiguousarray(dequantize(raw, kind), dtype=np.float32).reshape(shape)
-        return out if out.flags.writeable else out.copy()  # never a view of the mapping
+        return qtype, shape, np.array(self._data[offset:offset + n_rows * row_bytes]).reshape(n_rows, row_bytes)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Dequantised float32 copy of tensor ``name`` (shape ``dims[::-1]``)."""
+        from gguf.constants import GGMLQuantizationType  # noqa: PLC0415
+        from gguf.quants import dequantize  # noqa: PLC0415
+
+        qtype, shape, raw = self.raw(name)
+        return np.ascontiguousarray(dequantize(raw, GGMLQuantizationType(qtype)), dtype=np.float32).reshape(shape)

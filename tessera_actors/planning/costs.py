@@ -17,7 +17,7 @@ profiles can be planned.
 Every source of kernel times is a :class:`CostModel` (``table(graph,
 devices) -> CostTable``): :class:`Roofline` (the presets here),
 ``registry.Measured`` (profiled tables by graph, a roofline for the others),
-``offload.model.HostRoofline`` (CPU rates while a copy stream runs, gathers
+``offload.rates.HostRoofline`` (CPU rates while a copy stream runs, gathers
 read what they write) and ``whatif.Fitted`` (the fitted what-if roofline of
 simulated GPUs).  Pure Python; no torch.
 """

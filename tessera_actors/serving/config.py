@@ -50,7 +50,17 @@ class EngineConfig:
     ``"cuda:0,cpu?threads=12"``).  On a GPU the planner keeps
     ``planner_options["reserve"]`` bytes of the budget for what no graph
     names (default ``planning.offload.GPU_RESERVE``, 320 MiB: the pool of
-    its captured graphs, transient results, the cuBLAS workspace)."""
+    its captured graphs, transient results, the cuBLAS workspace).
+
+    Weights: ``dense`` (the model's weights in ``dtype``; SmolLM2's GGUF
+    Q4_1/Q8_0 dequantised), ``quantized`` (SmolLM2's as the file has them:
+    int4 groups and int8 rows multiplied by torch's CPU kernels, CPU
+    devices only; ``dtype`` is the activations', bfloat16 by default, the
+    one those kernels are vectorised for), or ``auto`` (``tessera serve``'s
+    default): quantized when the model's file is quantized, every device is
+    a CPU and ``dtype`` is auto or bfloat16, else dense.  ``dtype="auto"``:
+    bfloat16 with quantized weights, else float32 (the engine's default:
+    the reference that split-vs-single and vLLM comparisons check)."""
 
     model: str = "smollm2"
     size: str = "real"
@@ -61,7 +71,8 @@ class EngineConfig:
     expect_nodes: int = 0
     listen: str = ""            # where the engine's actor system listens (expect_nodes: the nodes' scheduler)
     launched: tuple = ()        # set by the engine: the device strings of the nodes its launcher started
-    dtype: str = "float32"
+    dtype: str = "auto"         # float32 | bfloat16 | float16 | auto: bfloat16 with quantized weights, else float32
+    weights: str = "dense"      # dense | quantized | auto (see the class docstring)
     max_seqs: int = 16
     max_model_len: int = 2048
     max_queue: int = 256
@@ -147,8 +158,30 @@ class EngineConfig:
         kv_budget(self.kv_cache_memory)   # a bad value fails here, before anything is built
         if self.gpu_budget is not None:
             self._apply_gpu_budget(bad)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise bad(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        self._resolve_weights(bad)
+
+    def _resolve_weights(self, bad) -> None:
+        """``weights`` and ``dtype`` made concrete (see the class docstring)."""
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.weights not in ("auto", "dense", "quantized"):
+            raise bad(f"weights must be dense, quantized or auto, got {self.weights!r}")
+        specs = self.device_specs()
+        others = [s.name for s in specs if s.kind != "cpu"]
+        if self.weights == "auto":
+            cpus = bool(specs) and not others
+            self.weights = ("quantized" if self.model in QUANTIZED_MODELS and cpus
+                            and self.dtype in ("auto", "bfloat16") else "dense")
+        if self.weights == "quantized":
+            if self.model not in QUANTIZED_MODELS:
+                raise bad(f"weights='quantized' keeps a model file's quantized weights: model "
+                          f"{' or '.join(QUANTIZED_MODELS)}, not {self.model!r}")
+            if others:
+                raise bad(f"weights='quantized' runs torch's CPU int4/int8 kernels "
+                          f"(aten._weight_int4pack_mm_for_cpu), which {', '.join(others)} has not: serve "
+                          "quantized weights on CPU devices, or weights='dense' here")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.weights == "quantized" else "float32"
 
     def _check_launch(self, bad) -> None:
         from tessera_actors.launch.ray import RayNodes
@@ -218,6 +251,7 @@ class EngineConfig:
         return [(lo, min(lo + size, self.max_seqs)) for lo in range(0, self.max_seqs, size)]
 
 
+QUANTIZED_MODELS = ("smollm2",)   # models whose file holds quantized weights (models/smollm2.py)
 AUTO_CPU_KV = "512MiB"   # "auto" on CPUs: SmolLM2 in float32 then holds 5 sequences of 2048 tokens
 
 

@@ -133,6 +133,14 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _model_kw(cfg: EngineConfig) -> dict:
+    """``models.get``'s keyword arguments of ``cfg`` besides name, size, dtype and seed."""
+    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+    if cfg.weights != "dense":
+        kw["weights"] = cfg.weights
+    return kw
+
+
 def _meta_model(cfg: EngineConfig, dtype: torch.dtype) -> torch.nn.Module:
     """The model of ``cfg`` on the meta device (shapes only)."""
     from tessera_actors import models
@@ -141,8 +149,7 @@ def _meta_model(cfg: EngineConfig, dtype: torch.dtype) -> torch.nn.Module:
             from tessera_actors.models import hf
             return hf.load_serving(cfg.model, cfg.max_seqs, cfg.max_model_len, dtype=dtype, seed=cfg.seed,
                                    device="meta", **cfg.overrides)
-        kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
-        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **kw)
+        return models.get(cfg.model, cfg.size, dtype=dtype, seed=cfg.seed, device="meta", **_model_kw(cfg))
     except (KeyError, TypeError, ValueError, FileNotFoundError) as e:
         raise EngineError(f"cannot build model {cfg.model!r}: {e}") from e
 
@@ -161,7 +168,7 @@ def fitted(cfg: EngineConfig) -> tuple[EngineConfig, torch.nn.Module]:
 def _models(cfg: EngineConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the real model in host memory, the same model on the meta device)."""
     from tessera_actors import models
-    kw = dict(cfg.overrides, max_batch=cfg.max_seqs, max_seq=cfg.max_model_len)
+    kw = _model_kw(cfg)
     try:
         if cfg.model.startswith("hf:"):   # a transformers causal LM, run by its own code
             from tessera_actors.models import hf

@@ -43,11 +43,18 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                              ("--max-queue", int, "waiting requests before 429"),
                              ("--planner", str, "placement planner: contiguous | milp | offload"),
                              ("--mode", str, "latency | throughput | auto (plan switching under load)"),
-                             ("--dtype", str, "float32 | bfloat16 | float16"),
                              ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
         field = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=None, metavar=field.upper() if kind is str else "N",
                        help=f"{what} (default: {getattr(d, field)})")
+    p.add_argument("--weights", default="auto", choices=("auto", "quantized", "dense"),
+                   help="quantized: the model file's quantized weights as they are (smollm2's GGUF Q4_1/Q8_0: int4 "
+                        "groups and int8 rows, run by torch's CPU int4/int8 kernels; CPU devices only); dense: "
+                        "dequantised to --dtype; auto: quantized when the file is and every device is a CPU "
+                        "(default: auto)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="weights and activations (with --weights quantized: activations and scales) "
+                        "(default: bfloat16 with quantized weights, else float32)")
     p.add_argument("--kv-cache-memory", default="auto", metavar="SIZE|FRACTION",
                    help="memory for the KV cache: a size (512MiB, 2GiB), a fraction of the devices' memory (0.1), "
                         "'none' (no limit) or 'auto': 512MiB when every device is a CPU, else no limit; "
@@ -63,7 +70,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                         "(--devices a GPU and a CPU; default then: cuda:0,cpu?threads=12)")
     p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming|expert_offload, ring=bytes|slots, "
-                        "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
+                        "cpu_bps=4e10, cpu_rows_bps=1:4e10,8:3.3e10 (the CPU's matmul weight rate by rows), cpu_flops=1.5e13, "
+                        "pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
     p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, metavar="N",
                    help=f"engine seed: random weights and unseeded sampling (default: {d.seed})")
 
@@ -101,8 +109,8 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
         kw["devices"] = default_deployment().devices
     if trace_dir:
         kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "lookahead",
-                 "prefix_caching", "max_batched_tokens"):
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "weights",
+                 "lookahead", "prefix_caching", "max_batched_tokens"):
         if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)
     if a.engine_seed is not None:
@@ -142,6 +150,17 @@ def default_deployment(cores: int | None = None, gpus: int | None = None) -> Dep
         return Deployment(EngineConfig().devices, f"{gpus} GPU(s) seen: the engine's default devices")
     return Deployment("cpu", f"{cores} CPU core{'s' if cores != 1 else ''}, no GPU: one device with every core "
                              "(a CPU split only where asked for: --devices cpu,cpu)")
+
+
+def weights_line(engine: dict) -> str:
+    """What ``--weights``/``--dtype`` came to for these engine keywords (``tessera serve`` prints it)."""
+    from tessera_actors.serving.config import EngineConfig
+    cfg = EngineConfig(**engine)
+    if cfg.weights == "quantized":
+        return (f"weights quantized as the model file has them, {cfg.dtype} activations "
+                "(--weights dense: dequantised, float32)")
+    return f"weights dense, {cfg.dtype}" + ("" if engine.get("weights", "auto") != "auto" else
+                                            " (quantized only on CPU devices of a quantized model file)")
 
 
 def kv_cache_memory(text: str) -> str | float | None:

@@ -44,7 +44,7 @@ from aiohttp import web
 
 from tessera_actors.serving import completions as completions_
 from tessera_actors.serving import openai_api as oa
-from tessera_actors.serving.flags import DEFAULT_MAX_BODY, default_deployment, engine_kwargs
+from tessera_actors.serving.flags import DEFAULT_MAX_BODY, default_deployment, engine_kwargs, weights_line
 from tessera_actors.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")
@@ -316,6 +316,7 @@ def run_command(a: argparse.Namespace) -> int:
     if not (a.devices or a.nodes or a.ray or a.from_env or getattr(a, "gpu_budget", None)):
         chosen = default_deployment()
         print(f"tessera serve: devices {chosen.devices} ({chosen.why})", flush=True)
+    print(f"tessera serve: {weights_line(cfg.engine)}", flush=True)
     # warnings and errors only: the start shows as one progress bar, not a line per placed plan
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
