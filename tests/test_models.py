@@ -351,9 +351,12 @@ def test_smollm2_greedy_reply_is_sensible():
 
 # ------------------------------------------------------ fewest-ops form
 
-@pytest.mark.parametrize("name,kind,rows", [("llama", "decode", False), ("llama", "prefill", True),
-                                            ("moe", "decode", False), ("vlm", "decode", False)])
-def test_the_fewest_ops_form_gives_the_same_bits_in_fewer_kernels(name, kind, rows):
+@pytest.mark.parametrize("name,kind,rows,dtype", [("llama", "decode", False, torch.float32),
+                                                  ("llama", "prefill", True, torch.float32),
+                                                  ("llama", "prefill", True, torch.bfloat16),
+                                                  ("moe", "decode", False, torch.float32),
+                                                  ("vlm", "decode", False, torch.float32)])
+def test_the_fewest_ops_form_gives_the_same_bits_in_fewer_kernels(name, kind, rows, dtype):
     """What CPU deployments capture (``use_fewest_ops``: one rms_norm, a
     four-op rotary, the cache rows made once a step): the default form's
     logits and KV cache bit for bit, eagerly and replayed from the aten
@@ -362,7 +365,7 @@ def test_the_fewest_ops_form_gives_the_same_bits_in_fewer_kernels(name, kind, ro
     from tessera_actors.execution.inputs import write_inputs
     from tessera_actors.execution.program import AtenProgram
     from tessera_actors.models.common import RMSNorm, use_fewest_ops
-    m = models.get(name, "tiny", dtype=torch.float32, seed=0)
+    m = models.get(name, "tiny", dtype=dtype, seed=0)
     x = m.example_inputs(kind, batch=2, seq=5, pos=3)
     if rows:
         x["rows"] = torch.tensor([3, 1])

@@ -143,8 +143,8 @@ def lm_positions(kind: str, batch: int, seq: int, pos: int, device) -> Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, result cast back to the input dtype.
     ``fewest_ops`` (:func:`use_fewest_ops`): one ``F.rms_norm`` call (the
-    aten capture records it as one kernel) instead of its six ops; on a
-    CPU the two give the same bits."""
+    aten capture records it as one kernel) instead of its six ops (and a
+    bfloat16 input's three casts); on a CPU the two give the same bits."""
 
     fewest_ops = False
 
@@ -154,7 +154,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fewest_ops:
+        if self.fewest_ops:   # (aten's rms_norm computes a bfloat16/float16 input in float32 as below)
+            if x.dtype == self.weight.dtype:
+                return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
             return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -221,13 +223,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     ``x1 c - x2 s`` and ``x2 c + x1 s`` (seven ops).  With the tables at full
     width [B, T, D] (:func:`rope_full_width`) the same products and sums in
     four ops, bit for bit: ``x * cos + cat(x2, x1) * sin`` (``-sin`` on the
-    first half; an exact negation)."""
+    first half; an exact negation), a bfloat16 ``x`` with no cast of its own."""
     half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     if cos.shape[-1] == x.shape[-1]:
-        return (xf * c + torch.cat([x2, x1], dim=-1) * s).to(x.dtype)
+        # float32 tables: a bfloat16 x is promoted inside the products, exactly as x.float() would be
+        xf = x if cos.dtype == torch.float32 else x.float()
+        return (xf * c + torch.cat([xf[..., half:], xf[..., :half]], dim=-1) * s).to(x.dtype)
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
