@@ -1,35 +1,28 @@
 """Where a CPU step goes, and which CPU deployment is faster (issue #33).
 
-Through ``AsyncEngine`` (what ``tessera serve`` runs), SmolLM2-135M, for
-each deployment of ``--deployments`` and weight form of ``--weights``
-(``dense``: float32; ``quantized``: the GGUF's Q4_1/Q8_0 as int4/int8 with
-bfloat16 activations) in alternating rounds (the box is shared: ratios
-within a round are what count):
+Through ``AsyncEngine`` (what ``tessera serve`` runs), SmolLM2-135M in
+float32, for each deployment of ``--deployments`` in alternating rounds (the
+box is shared: ratios within a round are what count):
 
 * batch-1 decode: one stream of ``--tokens`` greedy tokens, time per output
-  token after the first (at batch 1 the interval between decode steps), and
-  the engine's batch-1 step latency (send to result: with ``lookahead`` 1
-  two steps are in flight, so about two intervals);
-* idle TTFT of a fresh prompt of ``--ttft-tokens`` tokens (the issue's ~290);
+  token after the first;
 * 16 streams: ``--streams`` prompts of 40 tokens sent at once, ``--tokens``
   tokens each: output tok/s, TTFT p50/p99.
 
-Then, for the one-device deployment and each weight form, the batch-1 decode step taken apart:
+Then, for the one-device deployment, the batch-1 decode step taken apart:
 its bucket's kernels run in program order on this thread (``AtenProgram``,
 the executor the device actor runs), timed as a whole, and under
 ``torch.profiler`` the time inside the aten kernels; the rest of the loop
 is per-kernel dispatch (Python call, views, out= variants).  A split's cost
 over one device at equal total work is its hand-offs (and its lost cores).
 
-    PYTHONPATH=. python benchmarks/bench_cpu_step.py --deployments cpu --weights 'dense;quantized' \
-        --out benchmarks/results/serve_cpu/cpu_step_quantized.json
+    PYTHONPATH=. python benchmarks/bench_cpu_step.py --out benchmarks/results/serve_cpu/cpu_step.json
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -56,29 +49,22 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def serve_round(devices: str, tokens: int, streams: int, weights: str = "dense",
-                      ttft_tokens: int = 290) -> dict:
+async def serve_round(devices: str, tokens: int, streams: int) -> dict:
     t0 = time.perf_counter()
     async with AsyncEngine(model="smollm2", devices=devices, max_seqs=16, max_model_len=1024,
-                           kv_cache_memory=None, weights=weights) as eng:
+                           kv_cache_memory=None) as eng:
         await eng.wait_placed()
         start_s = time.perf_counter() - t0
         prompt = list(range(1000, 1040))
         await _stream(eng, prompt, 4)   # warm
-        before = {b: (n, t) for b, (n, t) in eng.step_time.items()}
         first, total, got = await _stream(eng, prompt, tokens)
         tpot1 = (total - first) / max(got - 1, 1)
-        step1 = _decode1_step_s(eng, before)
-        ttft_long, _, _ = await _stream(eng, list(range(2000, 2000 + ttft_tokens)), 1)
         t1 = time.perf_counter()
         rs = await asyncio.gather(*(_stream(eng, [t + 50 * i for t in prompt], tokens) for i in range(streams)))
         wall = time.perf_counter() - t1
         ttft = [r[0] for r in rs]
         stats = eng.stats()
-        return {"devices": devices, "weights": eng.cfg.weights, "dtype": eng.cfg.dtype,
-                "weight_bytes": eng.served.weight_bytes, "load_avg_1m": os.getloadavg()[0],
-                "start_s": start_s, "batch1_tpot_s": tpot1, "batch1_tok_s": 1 / tpot1,
-                "batch1_step_latency_s": step1, "ttft_fresh_s": ttft_long, "ttft_fresh_tokens": ttft_tokens,
+        return {"devices": devices, "start_s": start_s, "batch1_tpot_s": tpot1, "batch1_tok_s": 1 / tpot1,
                 "streams": streams, "streams_tok_s": sum(r[2] for r in rs) / wall,
                 "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
                 "kernels_per_device": stats["placement"]["kernels_per_device"],
@@ -86,17 +72,7 @@ async def serve_round(devices: str, tokens: int, streams: int, weights: str = "d
                 "prefill_steps": stats["prefill_steps"], "decode_steps": stats["decode_steps"]}
 
 
-def _decode1_step_s(eng, before: dict[str, tuple[int, float]]) -> float:
-    """The mean time of the batch-1 decode steps the engine ran since ``before`` (its ``step_time`` then)."""
-    n, t = 0, 0.0
-    for bucket, (steps, secs) in eng.step_time.items():
-        if bucket.startswith("decode:1@"):
-            n0, t0 = before.get(bucket, (0, 0.0))
-            n, t = n + steps - n0, t + secs - t0
-    return t / n if n else float("nan")
-
-
-def kernel_breakdown(bucket: str, reps: int, weights: str = "dense") -> dict:
+def kernel_breakdown(bucket: str, reps: int) -> dict:
     """The batch-1 decode bucket's kernels on this thread: loop time vs time inside aten."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -104,7 +80,7 @@ def kernel_breakdown(bucket: str, reps: int, weights: str = "dense") -> dict:
     from tessera_actors.serving.config import EngineConfig
     from tessera_actors.serving.deploy import load_served_model
     served = load_served_model(EngineConfig(model="smollm2", devices="cpu", max_seqs=16, max_model_len=1024,
-                                            kv_cache_memory=None, embeddings=False, weights=weights), core_only=True)
+                                            kv_cache_memory=None, embeddings=False), core_only=True)
     graph = served.graph(bucket)
     prog = AtenProgram(graph, torch.device("cpu"), graph.buffers)
     prog.load(served.values[bucket])
@@ -122,64 +98,50 @@ def kernel_breakdown(bucket: str, reps: int, weights: str = "dense") -> dict:
     by_op: dict[str, float] = {}
     for e in top:
         by_op[e.name] = by_op.get(e.name, 0.0) + e.cpu_time_total / 1e6 / reps
-    nbytes = served.weight_bytes
+    weights = sum(t.numel() * t.element_size() for t in served.weights.values())
+    wsum = [t for t in served.weights.values() if t.is_floating_point()]
     t0 = time.perf_counter()
     for _ in range(reps):
-        for t in served.weights.values():   # every byte once, as float32 words (an int8 sum is not vectorised)
-            b = t.reshape(-1).view(torch.uint8)
-            b[: b.numel() // 4 * 4].view(torch.float32).sum()
+        for t in wsum:
+            t.sum()
     read = (time.perf_counter() - t0) / reps
-    return {"bucket": bucket, "weights": weights, "kernels": len(order), "loop_s": loop, "in_aten_s": inside,
+    return {"bucket": bucket, "kernels": len(order), "loop_s": loop, "in_aten_s": inside,
             "dispatch_s": max(loop - inside, 0.0), "dispatch_per_kernel_us": max(loop - inside, 0.0) / len(order) * 1e6,
             "top_ops_s": dict(sorted(by_op.items(), key=lambda kv: -kv[1])[:6]),
-            "weight_bytes": nbytes, "weight_read_s": read, "threads": torch.get_num_threads()}
-
-
-_KEYS = ("batch1_tok_s", "batch1_step_latency_s", "ttft_fresh_s", "streams_tok_s", "ttft_p99_s")
+            "weight_bytes": weights, "weight_read_s": read, "threads": torch.get_num_threads()}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deployments", default="cpu;cpu,cpu", help="';' between deployments (device lists)")
-    ap.add_argument("--weights", default="dense", help="';' between weight forms: dense | quantized")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--ttft-tokens", type=int, default=290, help="tokens of the fresh prompt whose idle TTFT is timed")
     ap.add_argument("--reps", type=int, default=10, help="kernel breakdown: repetitions")
     ap.add_argument("--out", default="benchmarks/results/serve_cpu/cpu_step.json")
     a = ap.parse_args()
-    forms = [w for w in a.weights.split(";") if w]
-    runs = [(d, w) for d in a.deployments.split(";") if d for w in forms]
+    deps = [d for d in a.deployments.split(";") if d]
     rounds = []
     for r in range(a.rounds):
-        rounds.append([asyncio.run(serve_round(d, a.tokens, a.streams, w, a.ttft_tokens)) for d, w in runs])
+        rounds.append([asyncio.run(serve_round(d, a.tokens, a.streams)) for d in deps])
         for row in rounds[-1]:
-            print(f"round {r + 1} {row['devices']:8} {row['weights']:9} load {row['load_avg_1m']:.2f} batch-1 "
-                  f"{row['batch1_tok_s']:5.1f} tok/s ({1e3 / row['batch1_tok_s']:5.1f} ms a step, latency "
-                  f"{row['batch1_step_latency_s'] * 1e3:5.1f} ms)  TTFT {a.ttft_tokens} tokens "
-                  f"{row['ttft_fresh_s']:.2f} s  {a.streams} streams "
+            print(f"round {r + 1} {row['devices']:10} batch-1 {row['batch1_tok_s']:5.1f} tok/s  {a.streams} streams "
                   f"{row['streams_tok_s']:5.1f} tok/s  TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s",
                   flush=True)
-    names = [f"{d} {w}" for d, w in runs]
-    ratios = {n: {k: statistics.median(rd[i][k] / rd[0][k] for rd in rounds) for k in _KEYS}
-              for i, n in enumerate(names)} if rounds else {}
-    parts = {w: kernel_breakdown("decode:1@0~512", a.reps, w) for w in forms}
-    print(f"\n{'deployment':18} {'batch-1 tok/s':>14} {'latency ms':>13} {'fresh TTFT':>13} {'streams tok/s':>14} "
-          f"{'TTFT p99':>13}   (median ratio to {names[0]})")
-    for i, n in enumerate(names if rounds else []):
-        med = {k: statistics.median(rd[i][k] for rd in rounds) for k in _KEYS}
-        x = ratios[n]
-        print(f"{n:18} {med['batch1_tok_s']:8.1f} x{x['batch1_tok_s']:.2f} {med['batch1_step_latency_s'] * 1e3:7.1f} "
-              f"x{x['batch1_step_latency_s']:.2f} {med['ttft_fresh_s']:6.2f} s x{x['ttft_fresh_s']:.2f} "
-              f"{med['streams_tok_s']:8.1f} x{x['streams_tok_s']:.2f} "
-              f"{med['ttft_p99_s']:6.2f} s x{x['ttft_p99_s']:.2f}")
-    for w, p in parts.items():
-        print(f"\nbatch-1 decode step, one device, {w} weights ({p['threads']} threads): {p['kernels']} kernels, "
-              f"loop {p['loop_s'] * 1e3:.1f} ms = in aten {p['in_aten_s'] * 1e3:.1f} ms + dispatch "
-              f"{p['dispatch_s'] * 1e3:.1f} ms ({p['dispatch_per_kernel_us']:.1f} us a kernel); reading the "
-              f"{p['weight_bytes'] / 2**20:.0f} MiB of weights once: {p['weight_read_s'] * 1e3:.1f} ms")
-        print("  top aten ops (ms/step):", {k: round(v * 1e3, 1) for k, v in p["top_ops_s"].items()})
+    base = deps[0]
+    ratios = {d: {k: statistics.median(rd[i][k] / rd[0][k] for rd in rounds)
+                  for k in ("batch1_tok_s", "streams_tok_s", "ttft_p99_s")} for i, d in enumerate(deps)} if rounds else {}
+    parts = kernel_breakdown("decode:1@0~512", a.reps)
+    print(f"\n{'deployment':12} {'batch-1 tok/s':>14} {'streams tok/s':>14} {'TTFT p99':>9}   (median ratio to {base})")
+    for i, d in enumerate(deps if rounds else []):
+        med = {k: statistics.median(rd[i][k] for rd in rounds) for k in ("batch1_tok_s", "streams_tok_s", "ttft_p99_s")}
+        print(f"{d:12} {med['batch1_tok_s']:8.1f} x{ratios[d]['batch1_tok_s']:.2f} {med['streams_tok_s']:8.1f} "
+              f"x{ratios[d]['streams_tok_s']:.2f} {med['ttft_p99_s']:6.2f} s x{ratios[d]['ttft_p99_s']:.2f}")
+    print(f"\nbatch-1 decode step, one device ({parts['threads']} threads): {parts['kernels']} kernels, loop "
+          f"{parts['loop_s'] * 1e3:.1f} ms = in aten {parts['in_aten_s'] * 1e3:.1f} ms + dispatch "
+          f"{parts['dispatch_s'] * 1e3:.1f} ms ({parts['dispatch_per_kernel_us']:.1f} us a kernel); reading the "
+          f"{parts['weight_bytes'] / 2**20:.0f} MiB of weights once: {parts['weight_read_s'] * 1e3:.1f} ms")
+    print("  top aten ops (s/step):", {k: round(v * 1e3, 1) for k, v in parts["top_ops_s"].items()})
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"provenance": provenance(), "rounds": rounds, "ratios": ratios,
