@@ -75,13 +75,6 @@ class KernelAccess:
     reasons: list[str]
     sites: list[Site]
 
-    def access_of(self, name: str) -> str:
-        """Access of parameter ``name`` (``KeyError`` if there is none)."""
-        for p in self.params:
-            if p.name == name:
-                return p.access
-        raise KeyError(name)
-
 
 def analyze(text: str) -> dict[str, KernelAccess]:
     """Parse ``text`` and classify every kernel; see the module docstring."""

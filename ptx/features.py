@@ -136,9 +136,5 @@ def _bump(d: dict, width: int) -> None:
     d[key] = d.get(key, 0) + 1
 
 
-def module_features(module: Module) -> dict[str, dict]:
-    """Features of every kernel in the module, by kernel name."""
-    return {fn.name: kernel_features(fn, module) for fn in module.entries}
 
-
-__all__ = ["kernel_features", "module_features"]
+__all__ = ["kernel_features"]

@@ -20,17 +20,20 @@ import argparse
 import asyncio
 import time
 
-from actors.device import DeviceActor
 from tessera_actors.execution import inbox as inbox_mod
+from tessera_actors.execution.worker import Worker
 from tessera_actors.serving import AsyncEngine, SamplingParams
 
 EVENTS: list[tuple] = []
 
 
 def instrument() -> None:
-    on_worker = DeviceActor._on_worker
+    call = Worker.call
 
-    async def traced(self, fn, *args):
+    def traced(self, fn, *args):
+        device = self._thread.name.removeprefix("dev-")
+        if device == self._thread.name:   # not a device's worker (a landing thread)
+            return call(self, fn, *args)
         submitted, box = time.perf_counter(), {}
 
         def run(*a):
@@ -39,10 +42,11 @@ def instrument() -> None:
                 return fn(*a)
             finally:
                 box["end"] = time.perf_counter()
-        out = await on_worker(self, run, *args)
-        EVENTS.append((self.spec.name, "hop", submitted, box["start"], box["end"], time.perf_counter()))
-        return out
-    DeviceActor._on_worker = traced
+        fut = call(self, run, *args)
+        fut.add_done_callback(lambda _: EVENTS.append((device, "hop", submitted, box.get("start", submitted),
+                                                       box.get("end", submitted), time.perf_counter())))
+        return fut
+    Worker.call = traced
     receive = inbox_mod.Inbox.receive
 
     async def traced_receive(self, *a, **k):

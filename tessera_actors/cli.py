@@ -265,6 +265,9 @@ def offload_flags(b: argparse.ArgumentParser) -> None:
     b.add_argument("--tie-nats", type=float, default=0.0625,
                    help="teacher-forced check: an argmax flip within this many nats of the reference's best "
                         "is a tie")
+    b.add_argument("--reference-capture", default="auto", choices=["auto", "aten", "inductor"],
+                   help="the GPU-only reference engine's capture (auto: inductor on a GPU, what a GPU-only "
+                        "user gets; aten: the kernels the offload rows run)")
     b.add_argument("--out", default="benchmarks/results/offload", help="result folder")
 
 

@@ -1,34 +1,37 @@
-"""A test harness: a plan stepped straight on its device actors, and one graph
-deployed over node processes (``split_on_nodes``).  The product steps plans
+"""A test harness: a plan deployed on device actors of this process
+(``deploy``) and stepped straight on them, and one graph deployed over node
+processes (``split_on_nodes``).  The product steps plans
 through ``serving.deployment.Deployment`` (the engine); the data-plane and
 device-actor tests drive raw graphs of any model through this one.
 
 ``Engine.step`` sends one ``RunStep`` to every plan device at once and
 assembles the outputs from the devices that hold their final bytes; a device
 that does not answer within ``step_timeout`` fails the step.
-``greedy_decode`` is the token loop for graphs captured from a decode step.
 """
 from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Sequence
 
 import msgpack
 import torch
 
+from actors.device import DeviceActor
 from actors.graph import GraphActor
 from actors.scheduler import SchedulerActor
+from actors.transfer import TransferActor
 from tessera_actors.cluster import LocalCluster
+from tessera_actors.devices import DeviceSpec
 from tessera_actors.launch import registry
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.runtime.actor import ActorRef
-from tessera_actors.runtime.messages import GetStats, Place
+from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Place, Routes
 from transport.system import ActorSystem
 from tessera_actors.graph import KernelGraph
 from tessera_actors.runtime.messages import RunStep, StepDone
-from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.plan import Plan, plan_from_dict, plan_to_dict
 from tessera_actors.execution.inputs import assemble_outputs
 
 
@@ -67,33 +70,25 @@ class Engine:
         return assemble_outputs(self.graph, pieces)
 
 
-async def greedy_decode(step: Callable[[dict[str, torch.Tensor]], Awaitable[list[torch.Tensor]]],
-                        prompt: Sequence[int], max_new: int, eos: int | None = None,
-                        on_token: Callable[[int], None] | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """Feed ``prompt`` token by token, then generate greedily. Returns the new
-    tokens and the logits of every generated position."""
-    if not prompt:
-        raise ValueError("empty prompt")
-    logits = None
-    for pos, tok in enumerate(prompt):
-        out = await step({"input_ids": torch.tensor([[tok]]), "positions": torch.tensor([pos])})
-        logits = out[0]
-    new: list[int] = []
-    seen: list[torch.Tensor] = []
-    pos = len(prompt)
-    for _ in range(max_new):
-        last = logits.reshape(-1, logits.shape[-1])[-1]
-        seen.append(last.clone())
-        tok = int(torch.argmax(last))
-        new.append(tok)
-        if on_token:
-            on_token(tok)
-        if eos is not None and tok == eos:
-            break
-        out = await step({"input_ids": torch.tensor([[tok]]), "positions": torch.tensor([pos])})
-        logits = out[0]
-        pos += 1
-    return new, seen
+async def deploy(system: ActorSystem, graph: KernelGraph, plan: Plan, values: dict, graphs: bool | None = None,
+                 plan_id: str = "p", timeout: float = 300.0, **device_kw) -> tuple[Engine, list]:
+    """Spawn a transfer actor and one device actor per plan device in
+    ``system``, install ``plan`` (from its bytes, as from another process)
+    and load ``values``: an engine over them, and each device's
+    ``Installed`` reply."""
+    await system.spawn(TransferActor(), "transfer")
+    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), graphs=graphs, **device_kw), f"device{i}")
+            for i, d in enumerate(plan.devices)]
+    routes = [[i, "", f"device{i}"] for i in range(len(refs))]
+    g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)
+    p_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
+    installed = [await ref.ask(InstallPlan(plan_id, i, g_bytes, p_bytes, routes), timeout=timeout)
+                 for i, ref in enumerate(refs)]
+    await system.ref("transfer").ask(Routes(plan_id, routes, list(plan.devices)))
+    for i, ref in enumerate(refs):
+        held = [b for b in plan.resident[i] if b in values]
+        await ref.ask(LoadValues(plan_id, held, [values[b] for b in held]), timeout=timeout)
+    return Engine(graph, plan, plan_id, refs, step_timeout=timeout), installed
 
 
 @dataclass

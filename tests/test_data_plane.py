@@ -11,7 +11,8 @@ import torch
 from tessera_actors.execution.spans import split_spans
 from tessera_actors import models
 from tessera_actors.capture import capture_module
-from plan_stepper import StepFailed, greedy_decode, split_on_nodes
+from plan_stepper import StepFailed, split_on_nodes
+from tessera_actors.testing import greedy_decode
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.runtime.messages import RunStep
 from tessera_actors.plan import single_device_plan
@@ -36,10 +37,7 @@ def decode_graph():
 
 def single_device(graph, values, device):
     runner = PlanRunner(graph, single_device_plan(graph, device), values, device_of=lambda d: torch.device(device))
-
-    async def step(inputs):
-        return runner.step(inputs)
-    return asyncio.run(greedy_decode(step, PROMPT, NEW))
+    return asyncio.run(greedy_decode(runner.step, PROMPT, NEW))
 
 
 async def split_decode(graph, values, nodes, node_args):

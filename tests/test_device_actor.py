@@ -11,7 +11,6 @@ import gc
 import random
 import weakref
 
-import msgpack
 import pytest
 import torch
 
@@ -21,41 +20,23 @@ from actors.transfer import TransferActor
 from tessera_actors import models
 from tessera_actors.capture import capture_module
 from tessera_actors.devices import DeviceSpec
-from plan_stepper import Engine, greedy_decode
+from plan_stepper import deploy
 from tessera_actors.runtime.errors import RemoteError
 from tessera_actors.graph import KernelGraph
-from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes, Uninstall
-from tessera_actors.plan import ContiguousPlanner, build_plan, plan_to_dict, single_device_plan
+from tessera_actors.runtime.messages import GetStats, Uninstall
+from tessera_actors.plan import ContiguousPlanner, build_plan, single_device_plan
 from tessera_actors.execution.reference import PlanRunner
 from tessera_actors.execution.inputs import write_inputs
 from transport.system import ActorSystem
-from tessera_actors.testing import random_assignment
+from tessera_actors.testing import greedy_decode, random_assignment
 
 PROMPT = [1, 2, 3]
-
-
-async def deploy(system, graph, plan, values, graphs=None, plan_id="p", timeout=300.0, **device_kw):
-    """Spawn a transfer actor and one device actor per plan device in
-    ``system``, install ``plan`` and load ``values``; an engine over them."""
-    await system.spawn(TransferActor(), "transfer")
-    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), graphs=graphs, **device_kw), f"device{i}")
-            for i, d in enumerate(plan.devices)]
-    routes = [[i, "", f"device{i}"] for i in range(len(refs))]
-    g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)
-    p_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
-    for i, ref in enumerate(refs):
-        await ref.ask(InstallPlan(plan_id, i, g_bytes, p_bytes, routes), timeout=timeout)
-    await system.ref("transfer").ask(Routes(plan_id, routes))
-    for i, ref in enumerate(refs):
-        held = [b for b in plan.resident[i] if b in values]
-        await ref.ask(LoadValues(plan_id, held, [values[b] for b in held]), timeout=timeout)
-    return Engine(graph, plan, plan_id, refs, step_timeout=timeout)
 
 
 async def decode(graph, plan, values, new_tokens, graphs=None):
     """Greedy tokens, logits of every generated position, and each device's stats."""
     async with ActorSystem("t") as system:
-        engine = await deploy(system, graph, plan, values, graphs)
+        engine, _ = await deploy(system, graph, plan, values, graphs)
         tokens, logits = await greedy_decode(engine.step, PROMPT, new_tokens)
         stats = [(await ref.ask(GetStats())).values for ref in engine.devices]
     return tokens, [x.cpu() for x in logits], stats, engine.steps
@@ -82,10 +63,7 @@ async def test_split_decoding_replays_each_segment_and_equals_single_device(tiny
     g = tiny.graph
     devices = ["cpu?threads=1", "cpu?threads=1"]
     runner = PlanRunner(g, single_device_plan(g, "cpu"), tiny.values)
-
-    async def sync_step(inputs):
-        return runner.step(inputs)
-    want_tokens, _ = await greedy_decode(sync_step, PROMPT, 16)
+    want_tokens, _ = await greedy_decode(runner.step, PROMPT, 16)
     ref_tokens, ref_logits, _, _ = await decode(g, single_device_plan(g, devices[0]), tiny.values, 16, graphs=False)
     assert ref_tokens == want_tokens
     plans = [ContiguousPlanner().plan(g, devices),
@@ -96,7 +74,7 @@ async def test_split_decoding_replays_each_segment_and_equals_single_device(tiny
         tokens, logits, stats, steps = await decode(g, plan, tiny.values, 16)
         assert tokens == want_tokens, plan.name
         assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits)), plan.name
-        assert steps == len(PROMPT) + 16
+        assert steps == len(PROMPT) + 16 - 1
         for d, st in enumerate(stats):
             n = segments(plan, d)   # each segment: warmed up once, captured once, replayed every later step
             assert st["graphs"] and st["steps"] == steps
@@ -125,7 +103,7 @@ async def test_uninstall_drops_the_captured_segments(tiny):
     g = tiny.graph
     plan = ContiguousPlanner().plan(g, ["cpu", "cpu"])
     async with ActorSystem("t") as system:
-        engine = await deploy(system, g, plan, tiny.values)
+        engine, _ = await deploy(system, g, plan, tiny.values)
         await greedy_decode(engine.step, PROMPT, 2)
         dev = engine.devices[0]
         assert (await dev.ask(GetStats())).values["units"] == segments(plan, 0)
@@ -239,7 +217,7 @@ async def test_steps_sent_at_once_land_in_order_and_a_step_with_outputs_sees_the
     want = [runner.step(f)[0] for f in feeds]
     greedy = [[0, 0, 0.0, 1.0, 0, 0, 0]]
     async with ActorSystem("t") as system:
-        engine = await deploy(system, g, plan, tiny.values)
+        engine, _ = await deploy(system, g, plan, tiny.values)
         dev = engine.devices[0]
         asks = [dev.ask(RunStep("p", i, f, greedy, i == len(feeds) - 1), timeout=60) for i, f in enumerate(feeds)]
         done = await asyncio.gather(*asks)
@@ -263,12 +241,12 @@ async def test_co_located_devices_hand_transfers_over_directly_with_the_same_tok
     per_step = {d: sum(t.dst == d for t in plan.transfers) for d in range(2)}
     assert min(per_step.values()) >= 2
     async with ActorSystem("t") as system:
-        engine = await deploy(system, g, plan, tiny.values, spin_s=spin_s)
+        engine, _ = await deploy(system, g, plan, tiny.values, spin_s=spin_s)
         tokens, logits = await greedy_decode(engine.step, PROMPT, 8)
         stats = [(await ref.ask(GetStats())).values for ref in engine.devices]
         moved = (await system.ref("transfer").ask(GetStats())).values
     assert tokens == ref_tokens and all(torch.equal(a.cpu(), b) for a, b in zip(logits, ref_logits))
-    steps = len(PROMPT) + 8
+    steps = len(PROMPT) + 8 - 1
     assert moved["local_transfers"] == 0                  # nothing went through the transfer actor
     for d, st in enumerate(stats):
         assert st["direct_transfers"] == per_step[d] * steps   # counted by the receiver's hand-off

@@ -2,6 +2,7 @@
 aten-level replay, real-size parameter counts, and SmolLM2 with real weights."""
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 
 import pytest
@@ -305,30 +306,91 @@ def test_real_size_parameter_counts(name, expected):
     assert abs(param_count(m) / expected - 1) < 0.03
 
 
+def _smollm2_text():
+    """The tokenizer and chat template the server reads from the GGUF."""
+    from tessera_actors.models.smollm2 import _reader
+    from tessera_actors.serving.text import ChatTemplate, gguf_tokenizer
+    meta = _reader().metadata
+    return gguf_tokenizer(meta), ChatTemplate(meta["tokenizer.chat_template"])
+
+
+def _chat(template, user: str) -> str:
+    return template.render([{"role": "user", "content": user}])
+
+
 @needs_smollm2
 def test_smollm2_parameter_count_and_tokenizer_round_trip():
-    from tessera_actors.models.smollm2 import chat_prompt, load_tokenizer
     assert abs(param_count(models.get("smollm2", "real", device="meta")) / 134.5e6 - 1) < 0.02
-    tok = load_tokenizer()
+    tok, template = _smollm2_text()
     text = "Hello, world! 12345 it's  fine\n\n<|im_start|>user\nÜber café"
     ids = tok.encode(text)
-    assert tok.decode(ids) == text
+    assert tok.decode(ids) == text.replace("<|im_start|>", "")   # control tokens are not text
     assert tok.encode("<|im_start|>") == [1] and tok.encode("<|im_end|>") == [2]
-    assert tok.encode(chat_prompt("Hi"))[:3] == [1, 9690, 198]  # <|im_start|> system \n
+    assert tok.encode(_chat(template, "Hi"))[:3] == [1, 9690, 198]  # <|im_start|> system \n
 
 
 @needs_smollm2
 def test_smollm2_greedy_reply_is_sensible():
-    from tessera_actors.models.smollm2 import chat_prompt, generate, load_tokenizer
+    from tessera_actors.testing import greedy_decode
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared CI cores: oversubscription is slower than 1 thread
     try:
         m = models.get("smollm2", "real", max_seq=64)
-        tok = load_tokenizer()
-        prompt = tok.encode(chat_prompt("What is the capital of France?"))
-        reply = generate(m, prompt, max_new_tokens=10)
+        tok, template = _smollm2_text()
+        prompt = tok.encode(_chat(template, "What is the capital of France?"))
+        m.reset_state()
+        reply, _ = asyncio.run(greedy_decode(lambda x: m(**x), prompt, 10, prefill=True))
         assert "Paris" in tok.decode(reply)
         # the same reply when the prompt is fed token by token through decode steps
-        assert generate(m, prompt, max_new_tokens=len(reply), prefill=False) == reply
+        m.reset_state()
+        again, _ = asyncio.run(greedy_decode(lambda x: m(**x), prompt, len(reply)))
+        assert again == reply
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------ fewest-ops form
+
+@pytest.mark.parametrize("name,kind,rows", [("llama", "decode", False), ("llama", "prefill", True),
+                                            ("moe", "decode", False), ("vlm", "decode", False)])
+def test_the_fewest_ops_form_gives_the_same_bits_in_fewer_kernels(name, kind, rows):
+    """What CPU deployments capture (``use_fewest_ops``: one rms_norm, a
+    four-op rotary, the cache rows made once a step): the default form's
+    logits and KV cache bit for bit, eagerly and replayed from the aten
+    capture, in fewer kernels."""
+    from tessera_actors.capture import capture_module
+    from tessera_actors.execution.inputs import write_inputs
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.models.common import RMSNorm, use_fewest_ops
+    m = models.get(name, "tiny", dtype=torch.float32, seed=0)
+    x = m.example_inputs(kind, batch=2, seq=5, pos=3)
+    if rows:
+        x["rows"] = torch.tensor([3, 1])
+
+    def eager() -> tuple[torch.Tensor, dict]:
+        m.reset_state()
+        m(**m.example_inputs("prefill", batch=4, seq=3))   # a cache that is not all zeros
+        out = m(**x)
+        return out, {n: b.clone() for n, b in m.named_buffers() if n in m.state_names()}
+
+    def replayed() -> tuple[torch.Tensor, int, set]:
+        m.reset_state()
+        m(**m.example_inputs("prefill", batch=4, seq=3))
+        res = capture_module(m, x)
+        g = res.graph
+        prog = AtenProgram(g, torch.device("cpu"), g.buffers)
+        prog.load(res.values)
+        write_inputs(prog, g, x)
+        prog.run(range(len(g.kernels)))
+        return prog.view(g.meta["output_views"][0]).clone(), len(g.kernels), {k.name for k in g.kernels}
+    want, want_state = eager()
+    want_replay, n_default, _ = replayed()
+    use_fewest_ops(m)
+    got, got_state = eager()
+    got_replay, n_fewest, ops = replayed()
+    assert torch.equal(got, want) and torch.equal(got_replay, want_replay) and torch.equal(got_replay, want)
+    assert all(torch.equal(got_state[n], s) for n, s in want_state.items())
+    norms = sum(isinstance(mod, RMSNorm) for mod in m.modules())
+    assert "rms_norm" in ops and "rsqrt" not in ops and n_default - n_fewest >= 5 * norms   # six ops to one each
+    use_fewest_ops(m, False)
+    assert torch.equal(eager()[0], want)

@@ -33,9 +33,11 @@ def test_offload_bench_cpu_smoke(tmp_path):
         for pol in row["policies"].values():
             assert 0 <= pol["gpu_allocated_bytes"] <= row["gpu_budget_bytes"]
             assert pol["plan"].startswith("offload-") and "mem=" in pol["devices"].split(",")[0]
-            terms = pol["predicted_terms"]
+            terms = pol["predicted_terms"]   # the planner's own, for the plan the row ran
             assert abs(terms["gpu_kernels_s"] + terms["cpu_kernels_s"] + terms["handoff_s"] + terms["copy_wait_s"]
                        - pol["predicted_step_s"]) < 1e-9
+            assert terms["step_s"] == pytest.approx(pol["predicted_step_s"])
+            assert (terms["cpu_kernels_s"] > 0) == (pol["kernels_on_cpu"] > 0)
     assert doc["decode_b1"]["policies"]["tessera_bytes_ring"]["ring"] == "bytes"
     assert doc["decode_b1"]["policies"]["tessera_slots_ring"]["ring"] == "slots"
     for name, pol in doc["decode_b1"]["policies"].items():
@@ -129,3 +131,34 @@ def test_every_policy_holds_its_gpu_budget_with_every_bucket_captured(tmp_path):
             assert pol["gpu_allocated_bytes"] <= row["gpu_budget_bytes"], (work, name)
             assert pol["gpu_peak_bytes"] <= row["gpu_budget_bytes"], (work, name)
             assert pol["gpu_bytes_before"] <= 64 << 20, (work, name)   # the engine before it let go of its memory
+
+
+def test_a_replan_rescales_the_cpu_by_its_plans_own_busy_time_within_a_bound():
+    """The load-aware re-plan compares the CPU's busy time with the
+    planner's prediction for the plan that ran, and moves the CPU's rates
+    by at most REPLAN_BOUND either way: an H200 run once read 10,575x off a
+    plan scored on another capture's graph and re-planned at 0.0 GB/s."""
+    from test_offload_planning import W, A, offload
+    from tessera_actors.bench.offload import REPLAN_BOUND, OffloadConfig, replanned
+    from tessera_actors.planning.offload import OffloadPlanner
+    from tessera_actors.serving.config import EngineConfig
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6)
+    plan = OffloadPlanner(costs=o.costs, pcie_bps=o.pcie_bps).plan(o.graph, o.devices)
+    gpu_s, cpu_s = plan.meta["offload"]["busy_s"]
+    assert cpu_s > 0
+    conf = EngineConfig(model="llama", size="tiny", devices="cpu?threads=1,cpu", gpu_budget=1 << 20,
+                        planner_options={"policy": "tessera", "cpu_bps": 4e10, "cpu_rows_bps": {1: 4e10, 8: 2e10},
+                                         "cpu_flops": 1e13})
+    cfg = OffloadConfig(batches=(1,))
+    step = gpu_s + cpu_s
+
+    def replan(cpu_observed):
+        got = {"plans": {"decode:1@0": plan}, "decode_b1": {"busy_fraction": [gpu_s / step, cpu_observed / step],
+                                                             "step_s": step}}
+        return replanned(cfg, got, "decode_b1", conf)
+    assert replan(1.1 * cpu_s) is None                     # within the tolerance: no re-plan
+    opts = replan(2 * cpu_s).planner_options              # twice the planned time: half the rates
+    assert opts["cpu_bps"] == pytest.approx(2e10) and opts["cpu_rows_bps"] == pytest.approx({1: 2e10, 8: 1e10})
+    opts = replan(10575 * cpu_s).planner_options          # far off: bounded
+    assert opts["cpu_bps"] == pytest.approx(4e10 / REPLAN_BOUND) and opts["cpu_flops"] == pytest.approx(
+        1e13 / REPLAN_BOUND)

@@ -5,19 +5,17 @@ greedy tokens equal one device's, the budget holds (staging counted), and a
 throttled CPU device moves work to streaming at the next re-plan."""
 import dataclasses
 
-import msgpack
 import pytest
 import torch
 
-from actors.device import DeviceActor
-from actors.transfer import TransferActor
 from tessera_actors import models
 from tessera_actors.capture import capture_module
-from tessera_actors.devices import DeviceSpec
-from plan_stepper import Engine, greedy_decode
+import plan_stepper
+from plan_stepper import Engine
+from tessera_actors.testing import greedy_decode
 from tessera_actors.runtime.errors import RemoteError
-from tessera_actors.runtime.messages import GetStats, InstallPlan, LoadValues, Routes
-from tessera_actors.plan import plan_to_dict, single_device_plan
+from tessera_actors.runtime.messages import GetStats
+from tessera_actors.plan import single_device_plan
 from tessera_actors.planning.offload import Offload, OffloadPlanner, estimate_rates
 from tessera_actors.planning.offload.adapt import adapt, predicted_busy
 from transport.system import ActorSystem
@@ -66,18 +64,7 @@ class Deployed:
 
 
 async def deploy(system, graph, plan, values):
-    await system.spawn(TransferActor(), "transfer")
-    refs = [await system.spawn(DeviceActor(DeviceSpec.parse(d), transfer="transfer"), f"device{i}")
-            for i, d in enumerate(plan.devices)]
-    routes = [[i, "", f"device{i}"] for i in range(len(refs))]
-    g_bytes = msgpack.packb(graph.to_dict(), use_bin_type=True)
-    p_bytes = msgpack.packb(plan_to_dict(plan), use_bin_type=True)
-    installed = [await ref.ask(InstallPlan("p", i, g_bytes, p_bytes, routes), timeout=300) for i, ref in enumerate(refs)]
-    await system.ref("transfer").ask(Routes("p", routes, list(plan.devices)))
-    for i, ref in enumerate(refs):
-        held = [b for b in plan.resident[i] if b in values]
-        await ref.ask(LoadValues("p", held, [values[b] for b in held]), timeout=300)
-    return Deployed(Engine(graph, plan, "p", refs, step_timeout=300), installed)
+    return Deployed(*await plan_stepper.deploy(system, graph, plan, values))
 
 
 async def greedy(dep, prompt, new):
@@ -127,7 +114,7 @@ async def test_hand_offs_between_co_located_devices_move_every_byte_once(tiny):
         stats = [(await ref.ask(GetStats())).values for ref in dep.engine.devices]
     assert tokens == want[:new]
     assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
-    steps = len(PROMPT) + new
+    steps = len(PROMPT) + new - 1
     assert sum(st["direct_transfers"] for st in stats) == steps * len(plan.transfers) > 0
     assert sum(st["direct_bytes"] for st in stats) == steps * sum(t.nbytes for t in plan.transfers)
 

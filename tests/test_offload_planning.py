@@ -272,3 +272,32 @@ def test_the_step_models_terms_add_up_to_its_step():
     assert t["handoffs"] == sum(p.assignment[k] != p.assignment[k - 1] for k in range(1, 6))
     assert t["handoff_s"] == pytest.approx(t["handoffs"] * 0.05 * MS)
     assert t["copy_engine_s"] == pytest.approx(len(p.streamed) * MS)
+
+
+def test_a_plan_carries_the_terms_of_its_own_prediction():
+    """The terms a plan reports (the offload bench's ``predicted_terms``) are
+    the planner's for that plan: they add up to its predicted step and its
+    CPU kernels are the time of the kernels it put on the CPU - for the
+    first graph and for one that follows it."""
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6, latency=0.05 * MS)
+    planner = OffloadPlanner(costs=o.costs, pcie_bps=o.pcie_bps)
+    for plan in (planner.plan(o.graph, o.devices), planner.plan(o.graph, o.devices)):   # first, then followed
+        off = plan.meta["offload"]
+        t = off["terms"]
+        on_cpu = [k for k, d in enumerate(plan.assignment) if d == 1]
+        assert on_cpu and t["cpu_kernels_s"] == pytest.approx(sum(o.costs.times[k][1] for k in on_cpu))
+        assert t["step_s"] == pytest.approx(plan.predicted_step_s)
+        assert t["gpu_kernels_s"] + t["cpu_kernels_s"] + t["handoff_s"] + t["copy_wait_s"] == pytest.approx(t["step_s"])
+        assert off["busy_s"] == pytest.approx([t["gpu_kernels_s"], t["cpu_kernels_s"]])
+
+
+def test_a_placement_is_scored_only_on_the_graph_it_was_made_for():
+    """A plan of one capture of a model scored on another capture's graph
+    (the bench once scored the offload rows' aten plans on the GPU-only
+    reference's inductor graph: 782 CPU kernels predicted at 5 us) is an
+    error, not a number."""
+    o = offload(6, 4 * W + 7 * A, [0.1] * 6, [1.0] * 6)
+    p, _ = choose_homes(o)
+    other = offload(4, 4 * W + 7 * A, [0.1] * 4, [1.0] * 4)
+    with pytest.raises(PlanError, match="another capture"):
+        other.simulate(p)

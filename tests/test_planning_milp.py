@@ -1,4 +1,6 @@
 """MILP placement on literal graphs: exact plans, memory, state, errors."""
+import dataclasses
+
 import pytest
 
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
@@ -63,7 +65,7 @@ def test_memory_limit_forces_weights_apart():
     assert p.assignment == [0, 1]
     assert all(r <= 1000 for r in p.resident_bytes(g))
     # Without the budget both go to the fast device.
-    assert plan(g, costs.with_mem([None, None]), "latency").assignment == [0, 0]
+    assert plan(g, dataclasses.replace(costs, mem=[None, None]), "latency").assignment == [0, 0]
 
 
 def test_model_larger_than_all_devices_names_shortfall():
@@ -157,7 +159,7 @@ def test_inflight_limited_by_activation_memory():
     assert free.microbatches > 2
     res = free.resident_bytes(g)
     act = [sum(g.buffers[b].nbytes for b in bufs if g.buffers[b].role != "weight") for bufs in free.resident]
-    tight = costs.with_mem([r + a for r, a in zip(res, act)])     # room for two micro-batches on the same split
+    tight = dataclasses.replace(costs, mem=[r + a for r, a in zip(res, act)])     # room for two micro-batches on the same split
     p = plan(g, tight, "throughput")
     assert not any(fits(g, p, tight, p.microbatches))
     if p.assignment == free.assignment:

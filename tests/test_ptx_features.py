@@ -4,14 +4,15 @@ from __future__ import annotations
 import os
 
 from ptx import parse
-from ptx.features import kernel_features, module_features
+from ptx.features import kernel_features
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "ptx")
 
 
 def feats(*parts: str) -> dict:
     with open(os.path.join(DATA, *parts)) as fh:
-        return module_features(parse(fh.read()))
+        module = parse(fh.read())
+    return {fn.name: kernel_features(fn, module) for fn in module.entries}
 
 
 def test_reduction_with_shared_memory_and_barriers():

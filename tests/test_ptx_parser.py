@@ -11,6 +11,11 @@ from ptx.model import Instruction, Label
 DATA = os.path.join(os.path.dirname(__file__), "data", "ptx")
 
 
+def _access(kernel, name: str) -> str:
+    """The access the analysis gives parameter ``name`` of ``kernel``."""
+    return {p.name: p.access for p in kernel.params}[name]
+
+
 def _read(*parts: str) -> str:
     with open(os.path.join(DATA, *parts)) as fh:
         return fh.read()
@@ -61,12 +66,12 @@ def test_unknown_instructions_are_carried_along():
     m = parse(text)
     ops = [s.opcode for s in m.functions["scale"].instructions]
     assert "frobnicate.sync.b32" in ops
-    assert analyze(text)["scale"].access_of("scale_param_1") == "write"
+    assert _access(analyze(text)["scale"], "scale_param_1") == "write"
 
 
 def test_crlf_input():
     text = _read("cuda", "elementwise.ptx").replace("\n", "\r\n")
-    assert analyze(text)["scale"].access_of("scale_param_1") == "write"
+    assert _access(analyze(text)["scale"], "scale_param_1") == "write"
 
 
 @pytest.mark.parametrize("text, line, words", [

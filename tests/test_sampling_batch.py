@@ -16,7 +16,6 @@ from tessera_actors.execution.rows import PlanRows
 from tessera_actors.execution.sampling import (
     SampleBatch,
     draw,
-    sample_on_device,
     uniform,
     uniforms,
 )
@@ -77,12 +76,13 @@ def test_a_mixed_batch_samples_like_its_entries_alone_and_moves_its_index_on():
             SampleRow(0, 1, 1.2, 1.0, 0, seed=-4, index=0), SampleRow(2, 0, 0.5, 0.3, 0, seed=1 << 62, index=17)]
     batch = SampleBatch(rows, logits.device)
     ids, lps, top = batch.sample(logits)
-    alone = [int(sample_on_device(logits, [r])[0][0]) for r in rows]
+    alone = [int(SampleBatch([r], logits.device).sample(logits)[0][0]) for r in rows]
     assert ids.tolist() == alone and top is None
     assert lps.tolist() == [float(torch.log_softmax(logits[r.row, r.col], -1)[t]) for r, t in zip(rows, alone)]
     batch.advance()
     moved = [SampleRow(r.row, r.col, r.temperature, r.top_p, r.top_k, r.seed, r.index + 1) for r in rows]
-    assert batch.sample(logits)[0].tolist() == [int(sample_on_device(logits, [r])[0][0]) for r in moved]
+    assert batch.sample(logits)[0].tolist() == [int(SampleBatch([r], logits.device).sample(logits)[0][0])
+                                                for r in moved]
 
 
 @pytest.mark.parametrize("written", [False, True])

@@ -215,14 +215,11 @@ async def test_served_tokens_are_the_eager_pytorch_models_tokens():
     import torch
 
     from tessera_actors import models
+    from tessera_actors.testing import greedy_decode
     prompt, n = [5, 6, 7, 8, 9], 8
     m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
-    want = []
     with torch.no_grad():
-        logits = m(input_ids=torch.tensor([prompt]), positions=torch.arange(len(prompt))[None])
-        for pos in range(len(prompt), len(prompt) + n):
-            want.append(int(logits[0, -1].argmax()))
-            logits = m(input_ids=torch.tensor([[want[-1]]]), positions=torch.tensor([pos]))
+        want, _ = await greedy_decode(lambda inputs: m(**inputs), prompt, n, prefill=True)
     async with AsyncEngine(model="llama", size="tiny", devices="cpu,cpu", max_seqs=2, max_model_len=64,
                            prefill_buckets=(4, 16)) as eng:
         got, _, last = await _tokens(eng, prompt, SamplingParams(max_tokens=n))

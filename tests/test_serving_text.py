@@ -1,13 +1,25 @@
 """Tokenizer, chat template and incremental detokenization of SmolLM2 (real GGUF)."""
 import pytest
 
-from tessera_actors.models.smollm2 import _reader, load_tokenizer
+from tessera_actors.models.smollm2 import _reader
 from tessera_actors.serving import InvalidRequest
 from tessera_actors.serving.text import ChatTemplate, Detokenizer, gguf_tokenizer
 
-CORPUS = ["Hello world! 12345 numbers", "Ça va? Très bien, merci.", "日本語のテキスト、漢字とかな。",
-          "Привет, как дела?", "emoji 🙂👍🏽 done", "  spaces   and\ttabs\n\nnewlines", "مرحبا بالعالم",
-          "x=3.14159; y=2**10", "Ελληνικά κείμενα", "<|im_start|>user\nhi<|im_end|>\n"]
+# the ids of the GGUF's byte-level BPE, as an independent implementation of its merges computed them
+CORPUS = {
+    "Hello world! 12345 numbers": [19556, 905, 17, 216, 33, 34, 35, 36, 37, 2966],
+    "Ça va? Très bien, merci.": [142, 225, 81, 46316, 47, 4372, 42623, 1632, 264, 28, 5083, 605, 30],
+    "日本語のテキスト、漢字とかな。": [23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100,
+                         226, 29917, 177, 137, 112, 36518, 7365, 118, 7365, 229, 7365, 120, 19076],
+    "Привет, как дела?": [155, 249, 46879, 16464, 32547, 28, 31338, 6511, 13760, 33427, 42292, 6511, 47],
+    "emoji 🙂👍🏽 done": [391, 33777, 47526, 10813, 235, 231, 10813, 233, 138, 2294],
+    "  spaces   and\ttabs\n\nnewlines": [216, 5600, 256, 284, 197, 100, 7366, 198, 198, 2241, 5110],
+    "مرحبا بالعالم": [21706, 20602, 44626, 31462, 10805, 45726, 22208, 34966, 22208, 21706],
+    "x=3.14159; y=2**10": [104, 45, 35, 30, 33, 36, 33, 37, 41, 43, 329, 45, 34, 828, 33, 32],
+    "Ελληνικά κείμενα": [153, 239, 17162, 17162, 25723, 11517, 12001, 21118, 26112, 31953, 14240, 22442, 16674, 14240,
+                         11517, 8998],
+    "<|im_start|>user\nhi<|im_end|>\n": [1, 4093, 198, 6004, 2, 198],
+}
 
 
 @pytest.fixture(scope="module")
@@ -15,12 +27,11 @@ def tok():
     return gguf_tokenizer(_reader().metadata)
 
 
-def test_library_tokenizer_matches_the_gguf_bpe_on_a_multilingual_corpus(tok):
-    own = load_tokenizer()
-    for text in CORPUS:
-        assert tok.encode(text) == own.encode(text), text
+def test_the_gguf_tokenizer_encodes_a_multilingual_corpus_as_the_gguf_bpe_does(tok):
+    for text, ids in CORPUS.items():
+        assert tok.encode(text) == ids, text
         plain = text.replace("<|im_start|>", "").replace("<|im_end|>", "")
-        assert tok.decode(tok.encode(text)) == plain
+        assert tok.decode(ids) == plain
     assert tok.eos_id == tok.encode("<|im_end|>")[0]
 
 

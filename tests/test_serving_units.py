@@ -7,10 +7,15 @@ import torch
 from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
 from tessera_actors.planning.pinning import pinned_assignment, respects, state_homes, weight_homes
 from tessera_actors.serving import InvalidRequest, SamplingParams
-from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, decode_rows, prefill_batch,
-                                          prefill_inputs)
+from tessera_actors.execution.inputs import chunk_inputs
+from tessera_actors.serving.batch import Sequence, SlotAllocator, chunk_rows, decode_rows, prefill_batch, prefill_chunk
 from tessera_actors.serving.config import EngineConfig
-from tessera_actors.execution.sampling import sample_rows, uniform
+from tessera_actors.execution.sampling import SampleBatch, as_sample_row, uniform
+
+
+def sample_rows(logits, rows):
+    """The token ids the device step draws for ``rows`` (lists of SampleRow's fields)."""
+    return SampleBatch([as_sample_row(r) for r in rows], logits.device).sample(logits)[0].tolist()
 
 
 def test_greedy_rows_take_the_argmax_of_their_own_row_and_column():
@@ -64,7 +69,7 @@ def test_slots_balance_groups_and_release():
     got = [a.take() for _ in range(4)]
     assert got == [0, 2, 1, 3] and a.take() is None
     a.release(2)
-    assert a.take() == 2 and a.group_of(3) == 1
+    assert a.take() == 2 and a.groups[3] == 1
 
 
 def test_a_decode_step_names_its_rows_and_only_the_rows_that_start_there():
@@ -96,8 +101,6 @@ def test_a_token_in_flight_is_taken_on_the_device_one_position_on():
     assert rows.order == [1, 0] and [(e.row, e.position, e.index) for e in rows.new] == [(0, 1, 1)]
     with pytest.raises(ValueError, match="in flight"):
         decode_rows([s1], 0, "plan", 7, 2, [1, 0], 63, False)   # not a row of the step it continues
-    assert s1.may_decode(64) and not Sequence("c", [1], p, 0, generated=[1, 2], pending=1).may_decode(64)
-    assert not Sequence("d", [1] * 62, p, 0, generated=[1], pending=1).may_decode(64)
 
 
 def _chunks(length: int, buckets: list[int]) -> tuple[list[int], list[bool]]:
@@ -105,9 +108,10 @@ def _chunks(length: int, buckets: list[int]) -> tuple[list[int], list[bool]]:
     s = Sequence("a", list(range(length)), p, 0, slot=3, context=list(range(length)))
     sizes, samples = [], []
     while s.prefilled < len(s.context):
-        size, n, inp, sample = prefill_inputs(s, buckets, max_len=512)
-        assert inp["rows"].tolist() == [3] and inp["last"].tolist() == [n - 1]
-        assert inp["input_ids"][0, :n].tolist() == s.context[s.prefilled:s.prefilled + n]
+        size, n = prefill_chunk(s, buckets)
+        rows, sample = chunk_rows([s], [n], size, 1, max_len=512)
+        assert rows.slots == [3] and rows.starts == [s.prefilled] and rows.pad == 511
+        assert rows.tokens == [s.context[s.prefilled:s.prefilled + n]]
         sizes.append(size)
         samples.append(bool(sample))
         s.prefilled += n
@@ -119,7 +123,8 @@ def test_a_batched_prefill_step_feeds_each_rows_chunk_and_samples_the_prompts_it
     a = Sequence("a", [1, 2, 3], p, 0, slot=5, context=[1, 2, 3])
     b = Sequence("b", list(range(10, 30)), p, 0, slot=2, context=list(range(10, 30)), prefilled=16)
     c = Sequence("c", list(range(40)), p, 0, slot=7, context=list(range(40)))
-    inp, sample = batch_prefill_inputs([a, b, c], [3, 4, 16], size=16, rows=4, max_len=64)
+    rows, sample = chunk_rows([a, b, c], [3, 4, 16], size=16, rows=4, max_len=64)
+    inp = chunk_inputs(rows)   # what the device that reads the inputs writes
     assert inp["rows"].tolist() == [5, 2, 7, 5]           # the padding row writes into the first row's last slot
     assert inp["last"].tolist() == [2, 3, 15, 0]
     assert inp["input_ids"][1, :4].tolist() == list(range(26, 30)) and inp["input_ids"][0, :3].tolist() == [1, 2, 3]
@@ -127,7 +132,7 @@ def test_a_batched_prefill_step_feeds_each_rows_chunk_and_samples_the_prompts_it
     assert inp["positions"][3].tolist() == [63] * 16
     assert [(e.row, e.col) for e in sample] == [(0, 0), (1, 0)]   # c's chunk does not end its prompt: it does not sample
     with pytest.raises(ValueError, match="does not fit"):
-        batch_prefill_inputs([c], [20], size=16, rows=1, max_len=64)
+        chunk_rows([c], [20], size=16, rows=1, max_len=64)
 
 
 @pytest.mark.parametrize("length,buckets,want", [
@@ -229,6 +234,25 @@ def test_every_deployment_captures_attention_as_one_kernel_and_only_gpus_ask_for
     ops = [k.name for g in served.graphs.values() for k in g.kernels]
     assert set(served.captures.values()) == {"aten"}
     assert "scaled_dot_product_attention" in ops and "_safe_softmax" not in ops and "bmm" not in ops
+    assert "rms_norm" not in ops   # a GPU in the deployment: the model's default form, as before
+
+
+def test_a_cpu_deployment_captures_the_fewest_ops_form():
+    from tessera_actors.serving.deploy import all_cpu, load_served_model
+    assert all_cpu(EngineConfig(devices="cpu,cpu?threads=1")) and not all_cpu(EngineConfig(devices="cuda:0,cpu"))
+    assert all_cpu(EngineConfig(nodes=("cpu", "cpu?threads=1"))) and not all_cpu(EngineConfig(nodes=("cpu", "cuda:0")))
+    served = load_served_model(EngineConfig(model="llama", size="tiny", devices="cpu", max_seqs=2,
+                                            max_model_len=64, prefill_buckets=(16,)))
+    layers = served.model.cfg.n_layers
+    g = served.graph("decode:2@0")
+    per_layer = {}
+    for k in g.kernels:
+        per_layer[k.layer] = per_layer.get(k.layer, 0) + 1
+    names = [k.name for k in g.kernels]
+    # one kernel per norm (two a layer and the final one), no rsqrt/pow/mean
+    assert names.count("rms_norm") == 2 * layers + 1 and "rsqrt" not in names and "pow" not in names
+    # 7 matmuls, 2 norms, 8 rotary, 2 cache writes, attention, silu, gate*up, 2 residual adds
+    assert per_layer[layers - 1] == 24
 
 
 def test_a_prompts_first_chunk_reads_only_its_own_length_of_the_cache():

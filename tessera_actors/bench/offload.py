@@ -54,7 +54,8 @@ from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, RowFailed, fir
 from tessera_actors.bench.offload_measure import measure_rates, measure_switch
 from tessera_actors.devices import DeviceSpec, parse_bytes
 from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal, routed_experts
-from tessera_actors.planning.offload.adapt import adapt, predicted_busy
+from tessera_actors.planning.offload.adapt import busy_factors
+from tessera_actors.planning.offload.rates import rows_rates
 from tessera_actors.serving.config import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,6 +81,7 @@ class OffloadConfig:
     layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
     rings: tuple[str, ...] = ("bytes",)   # staging ring modes: the first for every policy, others Tessera again
     tie_nats: float = TIE_NATS
+    reference_capture: str = "auto"   # the GPU-only reference's capture: auto (what a GPU-only user gets) or aten
 
     @property
     def build_device(self) -> str:
@@ -134,13 +136,21 @@ def layer_shapes(model: torch.nn.Module) -> list[tuple[int, int]]:
     return mats or [(4096, 4096)]
 
 
+def matmul_rows(cfg: OffloadConfig) -> tuple[int, ...]:
+    """The rows the CPU's matmuls multiply in the run's buckets: each decode
+    batch and each prompt chunk (:func:`engine_fields`), and one."""
+    return tuple(sorted({1, *cfg.batches, *({32, cfg.prefill} - {0})}))
+
+
 async def measured_rates(cfg: OffloadConfig, gpu: DeviceSpec, cpu: DeviceSpec, shapes) -> dict:
     rates = {"pcie_bps": 55e9, "cpu_gemv_bps": None, "source": "DESIGN.md"}
     if gpu.kind == "cuda" and cfg.measure:
-        rates.update(measure_rates(cpu.threads, gpu.index, shapes=shapes, dtype=DTYPES[cfg.dtype]),
-                     source="measured", gemv_shapes=shapes)
+        rates.update(measure_rates(cpu.threads, gpu.index, shapes=shapes, dtype=DTYPES[cfg.dtype],
+                                   rows=matmul_rows(cfg)), source="measured", gemv_shapes=shapes)
         log(f"measured: CPU GEMV {rates['cpu_gemv_bps'] / 1e9:.1f} GB/s on the model's layer shapes beside a "
-            f"pinned copy at {rates['pcie_bps'] / 1e9:.1f} GB/s (best of {rates['windows']} windows)")
+            f"pinned copy at {rates['pcie_bps'] / 1e9:.1f} GB/s (best of {rates['windows']} windows); by rows "
+            + ", ".join(f"{r}: {b / 1e9:.1f}" for r, b in rates["cpu_rows_bps"].items())
+            + f" GB/s of weights, {rates['cpu_flops'] / 1e12:.2f} TFLOP/s")
     if cfg.measure:   # before any budget caps the GPU's allocator
         runs = [await measure_switch(cfg.model, cfg.dtype, gpu, cpu) for _ in range(3)]
         rates["switch_runs_s"] = runs
@@ -174,20 +184,21 @@ def _rows(cfg: OffloadConfig, plain: str, budgeted: str, cpu: str, budget: int, 
     return rows
 
 
-def row_info(cfg: OffloadConfig, w: str, got: dict, model: Offload) -> dict:
-    """One row's numbers for workload ``w`` from its engine's run ``got``."""
-    plan = got["plans"][bucket_of(cfg, w)]
-    g = model.graph
+def row_info(cfg: OffloadConfig, w: str, got: dict) -> dict:
+    """One row's numbers for workload ``w`` from its engine's run ``got``;
+    the predicted terms are the planner's own, on the graph the row ran."""
+    bucket = bucket_of(cfg, w)
+    plan = got["plans"][bucket]
+    g = got["served"].graphs[bucket]
     per = tokens_per_step(cfg, w)
     r = got[w]
     off = plan.meta.get("offload") or {}
     streamed = sum(g.buffers[b].nbytes for b in off.get("streamed", ()))
     busy = list(r["busy_fraction"]) + [0.0, 0.0]
     choices = off.get("choices", "")
-    st = model.simulate(_placement(plan)) if off else None
     info = {"tok_s": r["tok_s"], "step_s": r["step_s"], "predicted_step_s": plan.predicted_step_s,
             "step_model_error": (r["step_s"] / plan.predicted_step_s - 1) if plan.predicted_step_s else None,
-            "predicted_terms": st.terms(model.gpu) if st else None,
+            "predicted_terms": off.get("terms"),
             "planned_pcie_bytes_per_token": streamed / per,
             "pcie_bytes_per_token": r["pcie_bytes_per_step"] / per if "pcie_bytes_per_step" in r else None,
             "activation_bytes_per_token": plan.bytes_per_step() / per,
@@ -204,13 +215,6 @@ def row_info(cfg: OffloadConfig, w: str, got: dict, model: Offload) -> dict:
     return info
 
 
-def _placement(plan):
-    from tessera_actors.planning.offload import Placement
-    off = plan.meta["offload"]
-    return Placement(list(plan.assignment), list(off.get("streamed", ())), int(off.get("slots", 0)),
-                     int(off.get("slot_bytes", 0)), ring=str(off.get("ring", "bytes")))
-
-
 async def bench(cfg: OffloadConfig) -> dict:
     gpu, cpu = cfg.device_pair()
     reserve = parse_bytes(cfg.reserve) if gpu.kind == "cuda" else 0
@@ -219,38 +223,57 @@ async def bench(cfg: OffloadConfig) -> dict:
     b1 = 1 in cfg.batches
 
     # the reference first (GPU alone, no budget: before any budget caps the allocator), then the rates
-    ref = await _engine(cfg, EngineConfig(devices=plain, **engine_fields(cfg)), "reference",
+    ref = await _engine(cfg, EngineConfig(devices=plain, capture=cfg.reference_capture, **engine_fields(cfg)),
+                        "reference",
                         score=cfg.steps if b1 else 0)
     served = ref.pop("served")
     rates = await measured_rates(cfg, gpu, cpu, layer_shapes(served.model))
-    graphs = {w: served.graphs[bucket_of(cfg, w)] for w in work}
-    budget = budget_bytes(cfg, served.graphs[f"decode:{max(cfg.batches)}@0"])
+    biggest = served.graphs[f"decode:{max(cfg.batches)}@0"]
+    budget = budget_bytes(cfg, biggest)
     budgeted = dataclasses.replace(DeviceSpec.parse(plain), mem=budget).name
     devices = [budgeted, cpu.name]
     log(f"reference on {plain} (no budget): " + ", ".join(f"{w} {ref[w]['tok_s']:.1f} tok/s" for w in work)
         + f"; peak {ref['gpu_peak_bytes']} B")
 
-    # the step model and the bound of every workload, from the same rates
+    # the planner's rates; the bound of every workload comes from the same rates (run_rows)
     options = {"pcie_bps": rates["pcie_bps"], "cpu_bps": rates["cpu_gemv_bps"], "switch_s": rates["planned_switch_s"],
                "reserve": reserve}
-    models_of = {w: Offload(g, devices, estimate_rates(g, devices, options["switch_s"], options["cpu_bps"]),
-                            rates["pcie_bps"], reserve, ring=cfg.rings[0]) for w, g in graphs.items()}
-    top = models_of[f"decode_b{max(cfg.batches)}"]
+    if rates.get("cpu_rows_bps"):
+        options.update(cpu_rows_bps=rates["cpu_rows_bps"], cpu_flops=rates["cpu_flops"])
+    # whether the model fits the budget, on the reference's graph (its capture may differ from the offload
+    # rows': only its bytes are read here)
+    top = step_model(biggest, devices, options, cfg.rings[0])
     fits = gpu_only(top) is not None
-    results: dict = {w: {"gpu_budget_bytes": budget, "ideal_step_s": ideal(models_of[w]), "policies": {},
+    results: dict = {w: {"gpu_budget_bytes": budget, "ideal_step_s": None, "ideal_tok_s": None, "policies": {},
                          "reference_tok_s": ref[w]["tok_s"], "reference_device": plain,
                          "gpu_only_tok_s": None, "headline": ring_row(cfg.rings[0])} for w in work}
-    for w in work:
-        results[w]["ideal_tok_s"] = tokens_per_step(cfg, w) / results[w]["ideal_step_s"]
     check = (list(PROMPT), *ref["scored"], cfg.tie_nats) if b1 else None
     rows = _rows(cfg, plain, budgeted, cpu.name, budget, options, bool(routed_experts(top)), fits)
-    await run_rows(cfg, rows, results, models_of, check, {w: ref[w].get("tokens") for w in work})
+    await run_rows(cfg, rows, results, (devices, options), check, {w: ref[w].get("tokens") for w in work})
     return {"rates": rates, "reference_tokens": ref["scored"][0] if b1 else [], **results}
 
 
-async def run_rows(cfg: OffloadConfig, rows: list, results: dict, models_of: dict, check, ref_tokens: dict) -> None:
+def step_model(graph, devices: list[str], options: dict, ring: str) -> Offload:
+    """The offload step model of ``graph`` with the planner's rates ``options``."""
+    costs = estimate_rates(graph, devices, options["switch_s"], options["cpu_bps"], options.get("cpu_rows_bps"),
+                           options.get("cpu_flops"))
+    return Offload(graph, devices, costs, options["pcie_bps"], options["reserve"], ring=ring)
+
+
+def set_ideal(cfg: OffloadConfig, results: dict, got: dict, devices: list[str], options: dict) -> None:
+    """Every workload's ideal bound, on the graphs an offload row ran (the
+    reference's capture may differ: on a GPU alone it is inductor's)."""
+    for w, row in results.items():
+        bucket = bucket_of(cfg, w)
+        if row["ideal_step_s"] is None and got["plans"][bucket].meta.get("offload"):
+            row["ideal_step_s"] = ideal(step_model(got["served"].graphs[bucket], devices, options, cfg.rings[0]))
+            row["ideal_tok_s"] = tokens_per_step(cfg, w) / row["ideal_step_s"]
+
+
+async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, check, ref_tokens: dict) -> None:
     """Every row's engine (one failing, e.g. out of memory, does not lose
     the others), and one load-aware re-plan of the headline Tessera row;
+    ``rated``: the budgeted devices and the planner's rates;
     ``ref_tokens``: per workload the reference's row-0 greedy tokens."""
     work = list(ref_tokens)
     first, head = work[0], ring_row(cfg.rings[0])
@@ -264,8 +287,9 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, models_of: dic
                 results[w]["policies"][name] = {"error": why}
                 results[w][f"{name}_tok_s"] = None
             continue
+        set_ideal(cfg, results, got, *rated)
         for w in work:
-            info = row_info(cfg, w, got, models_of[w])
+            info = row_info(cfg, w, got)
             if ref_tokens[w] is not None:   # free-running, greedy: row 0 of the decode workload
                 info["tokens_equal_reference"] = got[w]["tokens"] == ref_tokens[w]
                 info["first_difference"] = first_difference(got[w]["tokens"], ref_tokens[w])
@@ -274,7 +298,7 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, models_of: dic
             log(f"{w} {name}: {info['tok_s']:.1f} tok/s (step {info['step_s'] * 1e3:.1f} ms, predicted "
                 f"{(info['predicted_step_s'] or 0) * 1e3:.1f}), peak {info['gpu_peak_bytes']} B")
         if name == head:
-            replan = replanned(cfg, got, models_of[first], first, conf)
+            replan = replanned(cfg, got, first, conf)
             if replan is not None:
                 rows.append((f"{head}_replanned", replan))
     for w in work:
@@ -285,23 +309,37 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, models_of: dic
         t = runs[row["tessera_from"]]
         row["tessera_tok_s"] = t or None
         row["tessera_x_best_coarse"] = t / best if best else None
-        row["tessera_of_ideal"] = t / row["ideal_tok_s"] if t else None
+        row["tessera_of_ideal"] = t / row["ideal_tok_s"] if t and row["ideal_tok_s"] else None
         row["gpu_peak_bytes"] = row["policies"].get(head, {}).get("gpu_peak_bytes")
 
 
-def replanned(cfg: OffloadConfig, got: dict, model: Offload, w: str, conf: EngineConfig) -> EngineConfig | None:
+# a re-plan rescales the CPU's rates by at most this much either way: they were measured on this machine
+# minutes before, so a larger gap is a mismeasured busy time (or a plan scored on another graph: 10,575x
+# once), not load - and a CPU 4x slower than measured already leaves these plans nothing worth computing there
+REPLAN_BOUND = 4.0
+
+
+def replanned(cfg: OffloadConfig, got: dict, w: str, conf: EngineConfig) -> EngineConfig | None:
     """Load-aware re-plan (ATSInfer's dynamic transfer): the devices' busy
-    time against the step model's; a CPU slower than planned moves its
-    share to streaming in Tessera's next plan (None: no change)."""
+    time in workload ``w`` against the planner's prediction for that plan
+    (its ``busy_s``); a CPU slower than planned (by 1.25x to
+    :data:`REPLAN_BOUND`) moves its share to streaming in Tessera's next
+    plan (None: no change)."""
     plan = got["plans"][bucket_of(cfg, w)]
     r = got[w]
-    if len(plan.devices) < 2 or not conf.planner_options.get("cpu_bps"):
+    planned = (plan.meta.get("offload") or {}).get("busy_s")
+    if len(plan.devices) < 2 or not conf.planner_options.get("cpu_bps") or not planned:
         return None
     busy = list(r["busy_fraction"]) + [0.0, 0.0]
-    _, factors = adapt(model.costs, predicted_busy(model, plan), [busy[0] * r["step_s"], busy[1] * r["step_s"]])
+    factors = busy_factors(planned, [busy[0] * r["step_s"], busy[1] * r["step_s"]], bound=REPLAN_BOUND)
     if factors[1] == 1.0:
         return None
-    opts = dict(conf.planner_options, cpu_bps=conf.planner_options["cpu_bps"] / factors[1])
+    o = conf.planner_options
+    opts = dict(o, cpu_bps=o["cpu_bps"] / factors[1])
+    if o.get("cpu_rows_bps"):
+        opts["cpu_rows_bps"] = {m: b / factors[1] for m, b in rows_rates(o["cpu_rows_bps"]).items()}
+    if o.get("cpu_flops"):
+        opts["cpu_flops"] = o["cpu_flops"] / factors[1]
     log(f"tessera: the CPU ran {factors[1]:.2f}x its planned time; re-planning at {opts['cpu_bps'] / 1e9:.1f} GB/s")
     return dataclasses.replace(conf, planner_options=opts)
 
@@ -380,7 +418,7 @@ def main(args) -> int:
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
                         args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
-                        rings_of(args.ring), args.tie_nats)
+                        rings_of(args.ring), args.tie_nats, args.reference_capture)
     run_offload_bench(cfg)
     return 0
 

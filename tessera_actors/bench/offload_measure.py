@@ -1,5 +1,6 @@
-"""Rates for offload planning, measured on the machine: the CPU's GEMV
-DRAM rate beside a pinned host-to-device copy stream and that copy's rate
+"""Rates for offload planning, measured on the machine: the CPU's matmul
+rates (a GEMV's DRAM rate, and by rows: each decode batch, each prompt
+chunk) beside a pinned host-to-device copy stream and that copy's rate
 (GPU machines), and the cost of one activation hand-off between two device
 actors (through ``AsyncEngine``).  Called by ``tessera bench offload``
 before any memory budget caps the GPU's allocator."""
@@ -17,55 +18,74 @@ from tessera_actors.serving.config import EngineConfig
 
 
 def measure_rates(threads: int | None, gpu_index: int, seconds: float = 0.6, windows: int = 3,
-                  shapes: list[tuple[int, int]] | None = None, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """CPU GEMV DRAM rate at ``threads`` while a pinned host-to-device copy
+                  shapes: list[tuple[int, int]] | None = None, dtype: torch.dtype = torch.bfloat16,
+                  rows: tuple[int, ...] = (1,)) -> dict:
+    """CPU matmul rates at ``threads`` while a pinned host-to-device copy
     stream runs beside it, and that copy's rate (DESIGN.md's method:
     matrices cycled so none stays in cache), each the best of ``windows``
-    windows of ``seconds`` (a shared machine's neighbours once halved one
-    window).  The GEMV is the op the captured graphs run for a linear
-    layer - ``mm(x, W.t())`` with ``W`` [out, in] contiguous - whose rate
-    differs from ``x @ M`` (on a 2-core box: 13.7 against 10.9 GB/s), on
-    ``shapes`` (the model's own weight shapes, e.g. one layer's; default
-    4096 x 4096), repeated to about 1.3 GB."""
+    windows of ``seconds`` per row count (a shared machine's neighbours once
+    halved one window).  The matmul is the op the captured graphs run for a
+    linear layer - ``mm(x, W.t())`` with ``W`` [out, in] contiguous - whose
+    rate differs from ``x @ M`` (on a 2-core box: 13.7 against 10.9 GB/s),
+    on ``shapes`` (the model's own weight shapes, e.g. one layer's; default
+    4096 x 4096), repeated to about 1.3 GB, with ``x`` of each of ``rows``
+    rows (a decode batch, a prompt chunk: on one H200 host 8 rows took
+    1.2x one row's time, another kernel than the GEMV).  Returns
+    ``cpu_gemv_bps`` (one row), ``cpu_rows_bps`` ({rows: weight bytes/s}),
+    ``cpu_flops`` (the most flop/s any row count reached) and ``pcie_bps``."""
     shapes = list(shapes or [(4096, 4096)])
     per = sum(o * i for o, i in shapes) * torch.finfo(dtype).bits // 8
     reps = max(1, -(-(1300 << 20) // max(per, 1)))
     mats = [torch.full(shape, 0.01, dtype=dtype) for _ in range(reps) for shape in shapes]
-    xs = {i: torch.full((1, i), 0.5, dtype=dtype) for _, i in shapes}
     host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(256 << 20, dtype=torch.uint8, device=f"cuda:{gpu_index}")
-    best = {"cpu_gemv_bps": 0.0, "pcie_bps": 0.0}
-    for _ in range(windows):
-        stop = time.perf_counter() + seconds
-        res = {}
+    by_rows, pcie = {}, 0.0
+    for m in sorted(set(rows) | {1}):
+        xs = {i: torch.full((m, i), 0.5, dtype=dtype) for _, i in shapes}
+        for _ in range(windows):
+            got = _window(mats, xs, host, dev, gpu_index, threads, seconds)
+            by_rows[m] = max(by_rows.get(m, 0.0), got["cpu_bps"])
+            pcie = max(pcie, got["pcie_bps"])
+    elt = torch.finfo(dtype).bits // 8
+    flops = max(2.0 * m * b / elt for m, b in by_rows.items())   # 2 flops per weight element and row
+    return {"cpu_gemv_bps": by_rows[1], "cpu_rows_bps": by_rows, "cpu_flops": flops, "pcie_bps": pcie,
+            "windows": windows}
 
-        def gemv() -> None:
-            if threads:
-                torch.set_num_threads(threads)
-            n, t0 = 0, time.perf_counter()
+
+def _window(mats: list, xs: dict, host, dev, gpu_index: int, threads: int | None, seconds: float) -> dict:
+    """One window: the matmuls over ``mats`` (weight bytes/s) beside the
+    pinned copy loop (bytes/s), both until the window ends (checked after
+    every matrix, so a slow many-row matmul does not run on alone)."""
+    stop = time.perf_counter() + seconds
+    res = {}
+
+    def gemm() -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() < stop:
+            for m in mats:
+                torch.mm(xs[m.shape[1]], m.t())
+                done += m.numel() * m.element_size()
+                if time.perf_counter() >= stop:
+                    break
+        res["cpu_bps"] = done / (time.perf_counter() - t0)
+
+    def copy() -> None:
+        s = torch.cuda.Stream(gpu_index)
+        n, t0 = 0, time.perf_counter()
+        with torch.cuda.stream(s):
             while time.perf_counter() < stop:
-                for m in mats:
-                    torch.mm(xs[m.shape[1]], m.t())
+                dev.copy_(host, non_blocking=True)
+                s.synchronize()
                 n += 1
-            res["cpu_gemv_bps"] = n * sum(m.numel() * 2 for m in mats) / (time.perf_counter() - t0)
-
-        def copy() -> None:
-            s = torch.cuda.Stream(gpu_index)
-            n, t0 = 0, time.perf_counter()
-            with torch.cuda.stream(s):
-                while time.perf_counter() < stop:
-                    dev.copy_(host, non_blocking=True)
-                    s.synchronize()
-                    n += 1
-            res["pcie_bps"] = n * host.numel() / (time.perf_counter() - t0)
-        ts = [threading.Thread(target=gemv), threading.Thread(target=copy)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        for k in best:
-            best[k] = max(best[k], res.get(k, 0.0))
-    return {**best, "windows": windows}
+        res["pcie_bps"] = n * host.numel() / (time.perf_counter() - t0)
+    ts = [threading.Thread(target=gemm), threading.Thread(target=copy)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return res
 
 
 async def measure_switch(model: str, dtype: str, gpu: DeviceSpec, cpu: DeviceSpec, steps: int = 20) -> float:

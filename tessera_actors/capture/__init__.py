@@ -7,10 +7,10 @@ from tessera_actors.capture.aten import CaptureError, CaptureResult, capture, ca
 
 def __getattr__(name: str):
     # the inductor capture imports torch._inductor: loaded only when asked for
-    if name in ("capture_inductor", "capture_buckets"):
-        from tessera_actors.capture import inductor, inductor_buckets
-        return getattr(inductor, name, None) or getattr(inductor_buckets, name)
+    if name == "capture_inductor":
+        from tessera_actors.capture import inductor
+        return inductor.capture_inductor
     raise AttributeError(name)
 
 
-__all__ = ["CaptureError", "CaptureResult", "capture", "capture_module", "capture_inductor", "capture_buckets"]
+__all__ = ["CaptureError", "CaptureResult", "capture", "capture_module", "capture_inductor"]

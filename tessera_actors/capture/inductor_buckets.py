@@ -10,12 +10,10 @@ device and binds it into whichever bucket's graph runs the step.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
-from tessera_actors.capture.aten import CaptureError, CaptureResult, capture_module
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KINDS = ("decode", "prefill", "denoise")
@@ -61,46 +59,3 @@ def bucket_inputs(model: torch.nn.Module, kind: str, batch: int, seq: int = 1) -
     max_seq = getattr(cfg, "max_seq", None)
     pos = 0 if kind != "decode" or not max_seq else min(16, max_seq - 1)
     return model.example_inputs(kind, batch=batch, seq=seq, pos=pos)
-
-
-def capture_buckets(model: torch.nn.Module, kinds: Iterable[tuple[str, Iterable[Any]]],
-                    device: str | torch.device | None = None, out_dir: str | None = None, prefix: str = "",
-                    capture: Callable[..., CaptureResult] | None = None,
-                    progress: Callable[[str], None] | None = None) -> dict[str, CaptureResult | str]:
-    """One graph per bucket. ``kinds``: e.g. ``[("decode", [1, 2, 4]), ("prefill", [128, 512])]``
-    (decode/denoise sizes are batches, prefill sizes are chunk lengths at batch 1, or
-    ``(batch, chunk)`` pairs). CPU devices use the aten capture, CUDA the inductor
-    capture. With ``out_dir`` each graph is saved as ``<prefix><bucket>.tgraph``.
-    A bucket that fails maps to its error message; the others still run."""
-    dev = torch.device(device) if device is not None else next(model.parameters()).device
-    if capture is None:
-        if dev.type == "cuda":
-            from tessera_actors.capture.inductor import capture_inductor as capture
-        else:
-            capture = capture_module
-    cfg = getattr(model, "cfg", None)
-    state_names = list(model.state_names()) if hasattr(model, "state_names") else []
-    out: dict[str, CaptureResult | str] = {}
-    for kind, sizes in kinds:
-        for size in sizes:
-            batch, seq = (size if isinstance(size, (tuple, list)) else ((1, size) if kind == "prefill" else (size, 1)))
-            name = bucket_name(kind, batch, seq)
-            too_big = bucket_overrides(cfg, kind, batch, seq) if cfg is not None else {}
-            if too_big:
-                out[name] = f"skipped: needs config {too_big} (build the model with these overrides)"
-                continue
-            if progress:
-                progress(f"bucket {name}")
-            try:
-                inputs = bucket_inputs(model, kind, batch, seq)
-                meta = {"bucket": name, "kind": kind, "batch": batch, "seq": seq, "device": str(dev),
-                        "state_names": state_names}
-                res = capture(model, inputs, meta=meta)
-            except (CaptureError, ValueError, RuntimeError) as e:
-                out[name] = f"failed: {type(e).__name__}: {e}"
-                continue
-            out[name] = res
-            if out_dir:
-                os.makedirs(out_dir, exist_ok=True)
-                res.graph.save(os.path.join(out_dir, f"{prefix}{name}.tgraph"))
-    return out

@@ -5,6 +5,7 @@ compiled model, and compare greedy tokens over several decode steps.
 Blocking (synchronises the device after each replay)."""
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from typing import Any, Callable, Sequence
@@ -12,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tessera_actors.capture.aten import CaptureResult
+from tessera_actors.testing import greedy_decode
 
 
 def new_program(res: CaptureResult, device: torch.device | str = "cuda"):
@@ -83,23 +85,17 @@ def greedy_tokens(model: torch.nn.Module, compiled: Callable[..., Any], res: Cap
     prog = new_program(res, device)
     prog.load(res.values)
     ids, pos = inputs["input_ids"].clone(), inputs["positions"].clone()
-    want, got, cos = [], [], []
+    kernels = range(len(res.graph.kernels))
     try:
         with torch.no_grad():
-            a_ids, b_ids = ids, ids
-            for s in range(steps):
-                ref = compiled(input_ids=a_ids, positions=pos + s)
-                out = replay(prog, res, {"input_ids": b_ids, "positions": pos + s},
-                             range(len(res.graph.kernels)), reload=False)[0]
-                cos.append(compare([out], [ref])["cosine"])
-                a_ids = ref[:, -1].argmax(-1, keepdim=True)
-                b_ids = out[:, -1].argmax(-1, keepdim=True)
-                want.append(a_ids.reshape(-1).tolist())
-                got.append(b_ids.reshape(-1).tolist())
+            want, ref = asyncio.run(greedy_decode(lambda x: compiled(**x), ids, steps, start=pos))
+            got, out = asyncio.run(greedy_decode(lambda x: replay(prog, res, x, kernels, reload=False), ids, steps,
+                                                 start=pos))
+        cos = [compare([o], [r])["cosine"] for o, r in zip(out, ref)]
     finally:
         bufs = dict(model.named_buffers())
         with torch.no_grad():
             for n, t in saved.items():
                 bufs[n].copy_(t)
     return {"steps": steps, "identical": want == got, "min_cosine": min(cos) if cos else None,
-            "first_tokens": want[0][:8] if want else []}
+            "first_tokens": [row[0] for row in want][:8] if steps else []}

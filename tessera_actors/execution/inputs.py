@@ -1,4 +1,5 @@
-"""A step's inputs into a program's arena, and its outputs back out.
+"""A step's inputs into a program's arena (a prompt chunk's built from its
+rows' ints first), and its outputs back out.
 
 Shared by the device actors' step (:mod:`tessera_actors.execution.step`),
 the reference runner and the profiler.  Blocking: runs torch work on the
@@ -16,6 +17,7 @@ from tessera_actors.graph import dtype_from_name
 from tessera_actors.capture.pytree import bind_step_inputs
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import PlanError
+from tessera_actors.runtime.messages import ChunkRows
 
 
 def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.Tensor],
@@ -49,6 +51,19 @@ def write_inputs(prog: AtenProgram, graph: KernelGraph, inputs: dict[str, torch.
             dst.copy_(t.pin_memory(), non_blocking=True)
         else:
             dst.copy_(t)
+
+
+def chunk_inputs(chunk: ChunkRows) -> dict[str, torch.Tensor]:
+    """The step inputs of a prompt-chunk step's rows (host tensors)."""
+    ids = torch.zeros(chunk.rows, chunk.size, dtype=torch.int64)
+    pos = torch.full((chunk.rows, chunk.size), chunk.pad, dtype=torch.int64)
+    slot = torch.full((chunk.rows,), chunk.slots[0], dtype=torch.int64)
+    last = torch.zeros(chunk.rows, dtype=torch.int64)
+    for i, (row, start, tokens) in enumerate(zip(chunk.slots, chunk.starts, chunk.tokens)):
+        ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        pos[i] = torch.clamp(torch.arange(start, start + chunk.size, dtype=torch.int64), max=chunk.pad)
+        slot[i], last[i] = row, len(tokens) - 1
+    return {"input_ids": ids, "positions": pos, "rows": slot, "last": last}
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

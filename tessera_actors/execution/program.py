@@ -8,6 +8,7 @@ calling thread (device actors call it from their worker thread).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from typing import Any, Callable, Iterable, Sequence
@@ -259,18 +260,19 @@ class AtenProgram:
         # an out= run that resizes its output is restored at once (_Into), so outputs may share views too
         copies = [(i, self.view(o["ref"]["t"]) if own else self.shared_view(o["ref"]["t"]))
                   for i, o in enumerate(p["outs"]) if o is not None and not o["alias"]]
+        call = _raw(op)
         if not copies:
-            return lambda: op(*args, **kwargs)
+            return functools.partial(call, *args, **kwargs)
         if len(p["outs"]) == 1:
             dst = copies[0][1]
 
             def run_one() -> None:
-                dst.copy_(op(*args, **kwargs))
+                dst.copy_(call(*args, **kwargs))
             into = out_variant(op)
-            return run_one if into is None else _Into(into, args, kwargs, dst, run_one)
+            return run_one if into is None else _Into(into, args, kwargs, dst, run_one, self._bound, kid)
 
         def run_many() -> None:
-            res = op(*args, **kwargs)
+            res = call(*args, **kwargs)
             for i, d in copies:
                 d.copy_(res[i])
         return run_many
@@ -278,46 +280,59 @@ class AtenProgram:
     def run_kernels(self, kernel_ids: Iterable[int]) -> None:
         """The kernels, one after the other, on the current stream (what a
         device's runner captures and replays as one unit)."""
+        bound = self._bound
         for kid in kernel_ids:
-            self.bind(kid)()
+            fn = bound.get(kid)
+            if fn is None:
+                fn = self.bind(kid)
+            fn()
 
     def run(self, kernel_ids: Iterable[int]) -> None:
         """The kernels, eagerly (a device actor runs them through its runner)."""
         self.run_kernels(kernel_ids)
 
 
+def _raw(op) -> Callable[..., Any]:
+    """The C++ callable behind a ``torch.ops`` overload (what its
+    ``__call__`` calls: one Python frame less a kernel), else ``op``."""
+    call = getattr(op, "_op", None)
+    return call if callable(call) else op
+
+
 class _Into:
     """A kernel run into its output buffer (``out=``).  The first run checks
     that the op wrote into the buffer as it is - same storage, offset, shape
-    and strides (a resize would detach the view from the arena) - and if
-    not, restores the view and falls back to the result-and-copy run for
-    good."""
+    and strides (a resize would detach the view from the arena); if so the
+    kernel is from then on a ``functools.partial`` of the op's C++ callable
+    (put in ``bound``, the program's table, in its place: no Python frame of
+    ours a run), else the view is restored and the result-and-copy run
+    takes its place for good."""
 
-    __slots__ = ("fn", "into", "args", "kwargs", "dst", "copy")
+    __slots__ = ("fn", "into", "args", "kwargs", "dst", "copy", "bound", "kid")
 
-    def __init__(self, into, args, kwargs, dst: torch.Tensor, copy: Callable[[], None]) -> None:
+    def __init__(self, into, args, kwargs, dst: torch.Tensor, copy: Callable[[], None],
+                 bound: dict[int, Callable[[], None]], kid: int) -> None:
         self.into, self.args, self.kwargs, self.dst, self.copy = into, args, kwargs, dst, copy
+        self.bound, self.kid = bound, kid
         self.fn = self._first
 
     def __call__(self) -> None:
         self.fn()
 
-    def _run(self) -> None:
-        self.into(*self.args, **self.kwargs, out=self.dst)
-
     def _first(self) -> None:
         d = self.dst
         storage, where = d.untyped_storage(), (d.data_ptr(), d.storage_offset(), d.shape, d.stride())
+        run = functools.partial(_raw(self.into), *self.args, **self.kwargs, out=d)
         try:
-            self._run()
+            run()
             ok = (d.data_ptr(), d.storage_offset(), d.shape, d.stride()) == where
         except (RuntimeError, TypeError):
             ok = False
         if ok:
-            self.fn = self._run
+            self.fn = self.bound[self.kid] = run
             return
         d.set_(storage, where[1], where[2], where[3])
-        self.fn = self.copy
+        self.fn = self.bound[self.kid] = self.copy
         self.copy()
 
 

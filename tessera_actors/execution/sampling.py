@@ -17,8 +17,9 @@ probability is that of the unmodified distribution (``log_softmax`` of the
 logits), the number a client can compare bitwise across placements.  An
 entry may carry a record of :mod:`.sampling_extras` (penalties, logit bias,
 a token mask, top log probabilities), applied to its logits before the
-draw.  No host read: the results stay on the device (:func:`to_host` reads
-them in one copy).
+draw.  No host read: the results stay on the device
+(:func:`.sampling_extras.pack` puts them in one tensor for one copy,
+:func:`~.sampling_extras.unpack` reads it).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from tessera_actors.execution.inputs import to_device
-from tessera_actors.execution.sampling_extras import apply_records, pack, top_logprobs, unpack
+from tessera_actors.execution.sampling_extras import apply_records, top_logprobs
 from tessera_actors.runtime.messages import SampleRow
 
 _MASK64 = (1 << 64) - 1
@@ -153,30 +154,3 @@ def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, filter
     pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     last = torch.where(keep, pos[None, :], -1).amax(dim=-1, keepdim=True)   # past the end: the last id kept
     return order.gather(1, torch.minimum(pick, last)).view(-1)
-
-
-def sample_on_device(logits: torch.Tensor, rows: Sequence[Any]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:meth:`SampleBatch.sample` of the entries ``rows`` (non-empty;
-    :class:`SampleRow` or lists, :func:`as_sample_row`)."""
-    return SampleBatch([as_sample_row(r) for r in rows], logits.device).sample(logits)
-
-
-def sample_rows(logits: torch.Tensor, rows: Sequence[Any]) -> list[int]:
-    """One token id per entry of ``rows`` (module docstring)."""
-    return sample_with_logprobs(logits, rows)[0]
-
-
-def sample_with_logprobs(logits: torch.Tensor, rows: Sequence[Any]) -> tuple[list[int], list[float]]:
-    """(token ids, their log probabilities), one per entry of ``rows``."""
-    if not rows:
-        return [], []
-    return to_host(*sample_on_device(logits, rows))[:2]
-
-
-def to_host(ids: torch.Tensor, logprobs: torch.Tensor, top: torch.Tensor | None = None
-            ) -> tuple[list[int], list[float], list]:
-    """(token ids, their log probabilities, each entry's top log
-    probabilities ``[[id, logprob], ...]`` or ``[]`` when none was asked)
-    from the device tensors of :meth:`SampleBatch.sample`, in one host read."""
-    return unpack(pack(ids, logprobs, top).cpu())

@@ -39,7 +39,7 @@ import torch
 
 from tessera_actors.execution.held import kept_tensors
 from tessera_actors.execution.hostbuf import Landings, Uploads
-from tessera_actors.execution.inputs import write_inputs
+from tessera_actors.execution.inputs import chunk_inputs, write_inputs
 from tessera_actors.execution.program import AtenProgram
 from tessera_actors.execution.rows import PlanRows
 from tessera_actors.execution.sampling import SampleBatch, as_sample_row
@@ -274,7 +274,7 @@ class StepRun:
     def _inputs_writer(self) -> Callable[[], None] | None:
         """The worker-side writing of the step's inputs (None: this device
         reads none): the tensors of ``inputs``, and a decode step's rows
-        (:mod:`.rows`)."""
+        (:mod:`.rows`) or a prompt chunk's (``RunStep.chunk``)."""
         st, msg = self.step, self.msg
         if msg.rows is not None:
             def write() -> None:
@@ -282,6 +282,9 @@ class StepRun:
                     write_inputs(st.prog, st.graph, msg.inputs, st.feed, st.uploads, partial=True)
                 st.plan_rows().apply(msg.step, msg.rows, st.sampled)
             return write
+        if st.feed and msg.chunk is not None:
+            return lambda: write_inputs(st.prog, st.graph, {**msg.inputs, **chunk_inputs(msg.chunk)}, st.feed,
+                                        st.uploads)
         if st.feed:
             return lambda: write_inputs(st.prog, st.graph, msg.inputs, st.feed, st.uploads)
         return None

@@ -28,6 +28,10 @@ GQA (``gqa``):
   ``"enable_gqa"``: [B, H, T, hd] queries with ``enable_gqa=True``; backends
     without native GQA for masked attention fall back to a path that repeats
     the cache per query head.
+``fewest_ops`` (``common.use_fewest_ops``, CPU deployments): the cache row
+indices of a step are made once for every layer's cache write.  (The mask
+stays bool: made additive once it would hold four times the bytes through
+the step, and a CPU's attention call takes either as fast.)
 Attention sinks (GPT-oss): a learned per-head logit in the softmax
 denominator.  Implemented as an extra, always-zero cache slot whose
 additive mask entry is the sink logit: it adds ``exp(sink)`` to the
@@ -70,12 +74,14 @@ class CachedAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         self.row_base = 0  # without ``rows``: the batch uses cache rows row_base .. row_base+B-1
         self.kv_window = 0  # > 0: read only the first kv_window slots (every position of the step is below it)
+        self.fewest_ops = False
         # sinks: one zero slot for the sink logit, padded so rows stay 16-element aligned for the kernels
         slots = max_seq + ((16 - max_seq % 16) if sinks else 0)
         register_state(self, "k_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
         register_state(self, "v_cache", torch.zeros(max_batch, n_kv_heads, slots, head_dim))
 
-    def _write(self, k: Tensor, v: Tensor, positions: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _write(self, k: Tensor, v: Tensor, positions: Tensor, rows: Tensor | None,
+               masks: dict | None = None) -> tuple[Tensor, Tensor]:
         """Store the new keys/values; return the cache rows of this batch."""
         B, T = positions.shape
         if rows is None:
@@ -83,7 +89,12 @@ class CachedAttention(nn.Module):
             if base + B > self.k_cache.shape[0]:
                 raise ValueError(f"rows {base}..{base + B - 1} exceed the KV cache's max_batch {self.k_cache.shape[0]}")
             k_cache, v_cache = self.k_cache[base:base + B], self.v_cache[base:base + B]
-            where = (torch.arange(B, device=k.device) + base)[:, None].expand(B, T)
+            shared = masks if self.fewest_ops and masks is not None else {}
+            key = ("rows", B, base, k.device)
+            where = shared.get(key)
+            if where is None:
+                where = shared[key] = torch.arange(B, device=k.device) + base
+            where = where[:, None].expand(B, T)
         else:
             k_cache, v_cache = self.k_cache, self.v_cache
             where = rows[:, None].expand(B, T)
@@ -140,7 +151,7 @@ class CachedAttention(nn.Module):
         q = apply_rope(self.wq(x).view(B, T, H, hd), cos, sin)
         k = apply_rope(self.wk(x).view(B, T, KV, hd), cos, sin)
         v = self.wv(x).view(B, T, KV, hd)
-        k_cache, v_cache = self._write(k, v, positions, rows)
+        k_cache, v_cache = self._write(k, v, positions, rows, masks)
         k_cache, v_cache = k_cache.to(q.dtype), v_cache.to(q.dtype)
         # ``masks``: one dict per forward, shared by the layers - the mask of a step is the same in every
         # layer of one shape (sinks are per layer: never shared)

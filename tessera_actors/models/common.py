@@ -141,7 +141,12 @@ def lm_positions(kind: str, batch: int, seq: int, pos: int, device) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, result cast back to the input dtype."""
+    """RMSNorm computed in float32, result cast back to the input dtype.
+    ``fewest_ops`` (:func:`use_fewest_ops`): one ``F.rms_norm`` call (the
+    aten capture records it as one kernel) instead of its six ops; on a
+    CPU the two give the same bits."""
+
+    fewest_ops = False
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -149,9 +154,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fewest_ops:
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+
+def use_fewest_ops(model: nn.Module, on: bool = True) -> None:
+    """Give every module of ``model`` that has one its fewest-ops form
+    (``fewest_ops``; ``on=False``: the default form back).  The forms
+    compute the same values (on a CPU the same bits) in fewer aten ops:
+    what an executor that dispatches a captured graph op by op wants, as
+    CPU deployments do.  The default form is the one compilers (inductor)
+    are given: it fuses either way."""
+    for m in model.modules():
+        if hasattr(m, "fewest_ops"):
+            m.fewest_ops = on
 
 
 def add_lm_stack(module: nn.Module, cfg, block) -> None:
@@ -189,13 +208,26 @@ def rope_tables(max_pos: int, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
     return angles.cos(), angles.sin()
 
 
+def rope_full_width(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The tables [B, T, D/2] at full width [B, T, D] for :func:`apply_rope`'s
+    four-op form: ``cat(cos, cos)`` and ``cat(-sin, sin)`` (made once a step,
+    read by every layer)."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` [B, T, H, D] in the half-split ("rotate_half") layout with
-    ``cos``/``sin`` [B, T, D/2] already gathered at the token positions."""
+    ``cos``/``sin`` [B, T, D/2] already gathered at the token positions:
+    ``x1 c - x2 s`` and ``x2 c + x1 s`` (seven ops).  With the tables at full
+    width [B, T, D] (:func:`rope_full_width`) the same products and sums in
+    four ops, bit for bit: ``x * cos + cat(x2, x1) * sin`` (``-sin`` on the
+    first half; an exact negation)."""
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if cos.shape[-1] == x.shape[-1]:
+        return (xf * c + torch.cat([x2, x1], dim=-1) * s).to(x.dtype)
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 

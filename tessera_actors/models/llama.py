@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from tessera_actors.models.attention import CachedAttention
 from tessera_actors.models.common import (ReferenceModel, RMSNorm, SwiGLU, add_lm_stack, example_ids, lm_positions,
-                     rope_inv_freq, rope_tables)
+                     rope_full_width, rope_inv_freq, rope_tables)
 
 
 @dataclass
@@ -107,7 +107,11 @@ class LlamaDecoder(nn.Module):
     tokens as embeddings).  With ``pool`` set (a capture-time constant, as
     the serving engine's embedding buckets set it) it returns instead the
     final-norm hidden states summed over the tokens up to ``last`` [B, 1, D]
-    (the engine divides by their count: a mean-pooled embedding)."""
+    (the engine divides by their count: a mean-pooled embedding).
+    ``fewest_ops`` (``common.use_fewest_ops``): the rotary tables of a step
+    at full width, for the four-op rotary of every layer."""
+
+    fewest_ops = False
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -121,7 +125,9 @@ class LlamaDecoder(nn.Module):
     def forward(self, h: Tensor, positions: Tensor, rows: Tensor | None = None,
                 last: Tensor | None = None) -> Tensor:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        masks: dict = {}   # the attention mask of this step, built by the first layer, read by all
+        if self.fewest_ops:
+            cos, sin = rope_full_width(cos, sin)
+        masks: dict = {}   # what the layers of this step share (its attention mask), made by the first layer
         for layer in self.layers:
             h = layer(h, cos, sin, positions, rows, masks)
         if self.pool:

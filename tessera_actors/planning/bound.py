@@ -43,6 +43,7 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.coarsen import build_problem, tied_positions
 from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.sparse import SparseRows
 
 
 @dataclass(frozen=True)
@@ -56,30 +57,6 @@ class Bound:
     throughput: float
     busy: tuple[float, ...]
     share: tuple[tuple[float, ...], ...]
-
-
-class _Lp:
-    def __init__(self) -> None:
-        self.r: list[int] = []
-        self.c: list[int] = []
-        self.v: list[float] = []
-        self.rhs: list[float] = []
-        self.n = 0
-
-    def var(self, count: int) -> int:
-        first, self.n = self.n, self.n + count
-        return first
-
-    def row(self, cols: Sequence[int], vals: Sequence[float], rhs: float) -> None:
-        """``sum vals * cols <= rhs``."""
-        i = len(self.rhs)
-        self.r.extend([i] * len(cols))
-        self.c.extend(cols)
-        self.v.extend(vals)
-        self.rhs.append(rhs)
-
-    def matrix(self):
-        return coo_matrix((self.v, (self.r, self.c)), shape=(len(self.rhs), self.n)).tocsr()
 
 
 def _key(graph: KernelGraph, gi: int, b: int) -> tuple:
@@ -96,7 +73,7 @@ def placement_bound(work: Sequence[tuple[KernelGraph, CostTable, float]],
     first = work[0][1]
     D = first.ndev
     mult_a = np.ones(D) if mult is None else np.asarray(mult, dtype=float)
-    lp, eq_rows, eq_cols = _Lp(), [], []
+    lp, eq_rows, eq_cols = SparseRows(), [], []
     tau = lp.var(1)
     comp = [([], []) for _ in range(D)]
     egress = [([], []) for _ in range(D)]
@@ -122,8 +99,8 @@ def placement_bound(work: Sequence[tuple[KernelGraph, CostTable, float]],
             s0, r0 = lp.var(D), lp.var(D)
             for d in range(D):
                 for v in g.consumers:
-                    lp.row([x0 + g.producer * D + d, x0 + v * D + d, s0 + d], [1.0, -1.0, -1.0], 0.0)
-                    lp.row([x0 + v * D + d, x0 + g.producer * D + d, r0 + d], [1.0, -1.0, -1.0], 0.0)
+                    lp.add([x0 + g.producer * D + d, x0 + v * D + d, s0 + d], [1.0, -1.0, -1.0], -np.inf, 0.0)
+                    lp.add([x0 + v * D + d, x0 + g.producer * D + d, r0 + d], [1.0, -1.0, -1.0], -np.inf, 0.0)
                 egress[d][0].append(s0 + d)
                 egress[d][1].append(n_exec * g.nbytes / fast_out[d])
                 ingress[d][0].append(r0 + d)
@@ -132,10 +109,11 @@ def placement_bound(work: Sequence[tuple[KernelGraph, CostTable, float]],
     for d in range(D):
         for cols, vals in (comp[d], egress[d], ingress[d]):
             if cols:
-                lp.row(list(cols) + [tau], list(vals) + [-mult_a[d]], 0.0)
+                lp.add(list(cols) + [tau], list(vals) + [-mult_a[d]], -np.inf, 0.0)
     for d, cap in enumerate(first.mem):
         if cap is not None and held:
-            lp.row([y0 + d for _, y0 in held.values()], [nb / (cap * mult_a[d]) for nb, _ in held.values()], 1.0)
+            lp.add([y0 + d for _, y0 in held.values()], [nb / (cap * mult_a[d]) for nb, _ in held.values()],
+                   -np.inf, 1.0)
     a_eq = coo_matrix(([1.0] * sum(len(c) for c in eq_cols),
                        ([r for r, cs in zip(eq_rows, eq_cols) for _ in cs], [c for cs in eq_cols for c in cs])),
                       shape=(len(eq_rows), lp.n)).tocsr()
@@ -144,7 +122,7 @@ def placement_bound(work: Sequence[tuple[KernelGraph, CostTable, float]],
     bounds = np.zeros((lp.n, 2))
     bounds[:, 1] = 1.0
     bounds[tau, 1] = np.inf
-    res = linprog(obj, A_ub=lp.matrix(), b_ub=np.asarray(lp.rhs), A_eq=a_eq, b_eq=np.ones(len(eq_rows)),
+    res = linprog(obj, A_ub=lp.matrix(), b_ub=np.asarray(lp.ub), A_eq=a_eq, b_eq=np.ones(len(eq_rows)),
                   bounds=bounds, method="highs")
     if res.status == 2:
         raise PlanError("the budgets cannot hold the weights and state even split fractionally")
@@ -177,7 +155,7 @@ def _layers_equal(graph: KernelGraph, costs: CostTable) -> bool:
     return tied
 
 
-def _memory_rows(lp: _Lp, graph: KernelGraph, gi: int, prob, x0: int, D: int,
+def _memory_rows(lp: SparseRows, graph: KernelGraph, gi: int, prob, x0: int, D: int,
                  held: dict[tuple, tuple[int, int]]) -> None:
     """``y[b,d] >= x[c,d]`` for every weight and state buffer ``b`` a class ``c`` touches."""
     kclass = np.empty(len(graph.kernels), dtype=np.int64)
@@ -197,4 +175,4 @@ def _memory_rows(lp: _Lp, graph: KernelGraph, gi: int, prob, x0: int, D: int,
         y0 = held[key][1]
         for c in classes:
             for d in range(D):
-                lp.row([x0 + c * D + d, y0 + d], [1.0, -1.0], 0.0)
+                lp.add([x0 + c * D + d, y0 + d], [1.0, -1.0], -np.inf, 0.0)

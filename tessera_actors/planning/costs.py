@@ -17,7 +17,7 @@ profiles can be planned.
 Every source of kernel times is a :class:`CostModel` (``table(graph,
 devices) -> CostTable``): :class:`Roofline` (the presets here),
 ``registry.Measured`` (profiled tables by graph, a roofline for the others),
-``offload.model.HostRoofline`` (CPU rates while a copy stream runs, gathers
+``offload.rates.HostRoofline`` (CPU rates while a copy stream runs, gathers
 read what they write) and ``whatif.Fitted`` (the fitted what-if roofline of
 simulated GPUs).  Pure Python; no torch.
 """
@@ -206,10 +206,6 @@ class CostTable:
             times.append([m.launch_s + max(k.flops / m.flops_per_s, nb / m.bytes_per_s) for m in ms])
         lat, bw = cls._links(specs, links)
         return cls(list(devices), times, lat, bw, [s.mem for s in specs], "estimate")
-
-    def with_mem(self, mem: Sequence[int | None]) -> "CostTable":
-        """A copy with other memory budgets."""
-        return CostTable(list(self.devices), self.times, self.latency, self.bandwidth, list(mem), self.source)
 
     # -- serialisation ------------------------------------------------------
     def to_dict(self) -> dict:

@@ -41,13 +41,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
+from scipy.optimize import Bounds, milp
 
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.coarsen import Problem
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.rounding import Objective, round_relaxation
+from tessera_actors.planning.sparse import SparseRows
 
 _US = 1e6          # seconds -> microseconds (keeps HiGHS numerics sane)
 
@@ -62,27 +62,6 @@ class Solution:
     solve_s: float
     nvars: int
     nrows: int
-
-
-class _Rows:
-    def __init__(self) -> None:
-        self.r: list[int] = []
-        self.c: list[int] = []
-        self.v: list[float] = []
-        self.lb: list[float] = []
-        self.ub: list[float] = []
-
-    def add(self, cols, vals, lb: float, ub: float) -> None:
-        row = len(self.lb)
-        self.r.extend([row] * len(cols))
-        self.c.extend(cols)
-        self.v.extend(vals)
-        self.lb.append(lb)
-        self.ub.append(ub)
-
-    def constraint(self, nvars: int) -> LinearConstraint:
-        a = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lb), nvars)).tocsr()
-        return LinearConstraint(a, np.asarray(self.lb), np.asarray(self.ub))
 
 
 def _link_costs(costs: CostTable) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -134,7 +113,7 @@ class _Model:
     """The MILP's arrays (see the module docstring) and the column layout."""
 
     obj: np.ndarray
-    rows: _Rows
+    rows: SparseRows
     nx: int                      # x columns come first, class-major
     ub: np.ndarray
     scale: float                 # objective -> seconds (or bytes with slack)
@@ -164,7 +143,7 @@ def _build(prob: Problem, costs: CostTable, mode: str, inflight: int, slack: boo
 
     obj = np.zeros(nvars)
     scale = 1 / _US
-    rows = _Rows()
+    rows = SparseRows()
     for c in range(C):
         rows.add([ix(c, d) for d in range(D)], [1.0] * D, 1.0, 1.0)
     for gi, g in enumerate(prob.comm):
@@ -217,7 +196,7 @@ def _build(prob: Problem, costs: CostTable, mode: str, inflight: int, slack: boo
     return _Model(obj, rows, nx, ub, scale, cost, out_c, in_c)
 
 
-def _memory_rows(rows: _Rows, obj: np.ndarray, prob: Problem, costs: CostTable, mult: np.ndarray,
+def _memory_rows(rows: SparseRows, obj: np.ndarray, prob: Problem, costs: CostTable, mult: np.ndarray,
                  capped: list[int], base_y: int, base_sl: int | None) -> None:
     """Per budgeted device: ``y[m,d] >= x[c,d]`` for the classes sharing
     buffers ``m``, and bytes held within the budget (``base_sl``: with a

@@ -13,7 +13,7 @@ Pure Python.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 T = 1e12
 GB = 1e9
@@ -52,6 +52,11 @@ class GpuSpec:
         return self.fp32
 
 
+_H100 = GpuSpec("H100", sms=132, boost_ghz=1.98,
+                tensor={"bf16": 989.5 * T, "fp16": 989.5 * T, "fp8": 1979 * T, "tf32": 494.5 * T},
+                fp32=67 * T, mem_bw=3350 * GB, l2_bytes=50 * MiB, mem_bytes=80 * 10**9,
+                nvlink=450 * GB, pcie=64 * GB, price_per_h=2.9)
+
 SPECS: dict[str, GpuSpec] = {
     # NVIDIA A100 Tensor Core GPU datasheet (2021 revision with the 80 GB parts, A100 80GB
     # SXM column): FP32 19.5 TF, TF32 156 TF (312 sparse),
@@ -76,10 +81,7 @@ SPECS: dict[str, GpuSpec] = {
     # (989.5 dense), FP8 3,958 TF sparse (1,979 dense), 80 GB HBM3 at 3.35 TB/s, NVLink
     # 900 GB/s, PCIe Gen5 128 GB/s (bidirectional).  132 SMs, 1,980 MHz boost (SXM5) and
     # 50 MB L2: NVIDIA H100 Tensor Core GPU Architecture whitepaper (V1.01), table 3.
-    "H100": GpuSpec("H100", sms=132, boost_ghz=1.98,
-                    tensor={"bf16": 989.5 * T, "fp16": 989.5 * T, "fp8": 1979 * T, "tf32": 494.5 * T},
-                    fp32=67 * T, mem_bw=3350 * GB, l2_bytes=50 * MiB, mem_bytes=80 * 10**9,
-                    nvlink=450 * GB, pcie=64 * GB, price_per_h=2.9),
+    "H100": _H100,
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column, 2024): compute
     # as H100 SXM (FP32 67 TF; TF32 989, BF16/FP16 1,979, FP8 3,958 TF sparse), 141 GB HBM3e at
     # 4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s (bidirectional).  Same GH100 die and
@@ -87,10 +89,7 @@ SPECS: dict[str, GpuSpec] = {
     # Price: $3.50/GPU-hour, the low end of the "specialty cloud" on-demand range for H200
     # SXM5 ($3.50-4.50) in Mercatus, "Cloud GPU pricing" (May 2026), between the paper's
     # H100 (2.9) and B200 (5.0).
-    "H200": GpuSpec("H200", sms=132, boost_ghz=1.98,
-                    tensor={"bf16": 989.5 * T, "fp16": 989.5 * T, "fp8": 1979 * T, "tf32": 494.5 * T},
-                    fp32=67 * T, mem_bw=4800 * GB, l2_bytes=50 * MiB, mem_bytes=141 * 10**9,
-                    nvlink=450 * GB, pcie=64 * GB, price_per_h=3.5),
+    "H200": replace(_H100, name="H200", mem_bw=4800 * GB, mem_bytes=141 * 10**9, price_per_h=3.5),
     # NVIDIA HGX B200 datasheet (2024; the 8-GPU board's figures divided by 8):
     # FP32 75 TF (600/8), TF32 18 PF sparse -> 1.125 PF dense per GPU, FP16/BF16 36 PF sparse
     # -> 2.25 PF dense, FP8 72 PF sparse -> 4.5 PF dense, HBM3e 1,440 GB -> 180 GB per GPU at

@@ -54,11 +54,6 @@ def registry() -> dict[str, type]:
     return dict(_REGISTRY)
 
 
-def lookup(kind: str) -> type | None:
-    """The class registered under ``kind``, or None."""
-    return _REGISTRY.get(kind)
-
-
 # --- runtime messages -------------------------------------------------------
 
 @message
@@ -226,6 +221,23 @@ class StepRows:
 
 
 @message
+class ChunkRows:
+    """A prompt-chunk step's rows, as ints; the device that reads the step's
+    inputs builds ``input_ids`` and ``positions`` ``[rows, size]``, ``rows``
+    and ``last`` ``[rows]`` from them.  Row ``i`` feeds ``tokens[i]`` into
+    KV row ``slots[i]`` from position ``starts[i]`` on (its columns past
+    them: token 0 at the next positions, none past ``pad``; ``last`` is its
+    last real token); a row past ``tokens`` is padding: token 0 at position
+    ``pad`` (the last cache slot) of KV row ``slots[0]``."""
+    size: int = 0
+    rows: int = 0
+    slots: list = dataclasses.field(default_factory=list)
+    starts: list = dataclasses.field(default_factory=list)
+    tokens: list = dataclasses.field(default_factory=list)
+    pad: int = 0
+
+
+@message
 class RunStep:
     """Run one step of an installed plan. ``inputs`` maps step-input names to
     tensors (only those this device reads are needed). Reply: ``StepDone``
@@ -237,10 +249,11 @@ class RunStep:
     top_k, seed, index]`` with an optional eighth element, the record);
     that device answers with ``tokens``.  ``rows`` (a decode step): its
     rows as :class:`StepRows` instead of ``sample`` and of the
-    ``input_ids`` and ``positions`` inputs.  ``outputs=False``: no output
-    bytes in the reply (the engine needs only the tokens).  ``trace``:
-    answer with ``StepDone.spans`` (what the device did when, for a trace
-    file)."""
+    ``input_ids`` and ``positions`` inputs; ``chunk`` (a prompt-chunk
+    step): its rows as :class:`ChunkRows` instead of the token inputs.
+    ``outputs=False``: no output bytes in the reply (the engine needs only
+    the tokens).  ``trace``: answer with ``StepDone.spans`` (what the
+    device did when, for a trace file)."""
     plan_id: str
     step: int
     inputs: dict = dataclasses.field(default_factory=dict)
@@ -248,6 +261,7 @@ class RunStep:
     outputs: bool = True
     trace: bool = False
     rows: StepRows | None = None
+    chunk: ChunkRows | None = None
 
 
 @message

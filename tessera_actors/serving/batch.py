@@ -12,16 +12,15 @@
   entry at the last position, which a sequence always writes itself before
   it reads it; a row whose previous token is still being sampled by a step
   in flight, ``Sequence.pending``, takes it on the device);
-  :func:`prefill_inputs` forms one prompt chunk.
+  :func:`chunk_rows` forms one prompt-chunk step (ints: the device builds
+  its tensors).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Sequence as Seq
 
-import torch
-
-from tessera_actors.runtime.messages import SampleRow, StepRows
+from tessera_actors.runtime.messages import ChunkRows, SampleRow, StepRows
 
 
 @dataclass
@@ -75,13 +74,6 @@ class Sequence:
         else:
             held = self.context + self.generated[len(self.context) - len(self.prompt):][:-1]
         return held[:max_len - 1]
-
-    def may_decode(self, max_len: int) -> bool:
-        """Whether one more decode step can be due: the tokens in flight
-        leave room under ``max_tokens`` and the context (its next position,
-        ``len(prompt) + n - 1``, below the last)."""
-        n = len(self.generated) + self.pending
-        return n < self.params.max_tokens and len(self.prompt) + n < max_len
 
 
 class SlotAllocator:
@@ -152,9 +144,6 @@ class SlotAllocator:
     def forget(self) -> None:
         """Drop every kept prefix (the KV cache was placed afresh)."""
         self.kept.clear()
-
-    def group_of(self, slot: int) -> int:
-        return self.groups[slot]
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -261,22 +250,9 @@ def prefill_batch(waiting: Seq[Sequence], sizes: Seq[int], row_counts: Seq[int],
     return seqs, chunks, size, rows
 
 
-def prefill_inputs(seq: Sequence, sizes: Seq[int], max_len: int, size: int | None = None
-                   ) -> tuple[int, int, dict[str, torch.Tensor], list]:
-    """(bucket size, real tokens, inputs, sample entries) of the next chunk of
-    ``seq``'s context (:func:`prefill_chunk`; ``size``: padded to that many
-    tokens instead); the last chunk samples."""
-    need, n = prefill_chunk(seq, sizes)
-    if size is not None and size < n:
-        raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
-    size = size or need
-    inputs, sample = batch_prefill_inputs([seq], [n], size, 1, max_len)
-    return size, n, inputs, sample
-
-
-def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows: int, max_len: int
-                         ) -> tuple[dict[str, torch.Tensor], list]:
-    """(inputs, sample entries) of one prompt-chunk step of ``rows`` rows of
+def chunk_rows(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows: int, max_len: int
+               ) -> tuple[ChunkRows, list]:
+    """(rows, sample entries) of one prompt-chunk step of ``rows`` rows of
     ``size`` tokens: row ``i`` feeds ``chunks[i]`` tokens of ``seqs[i]``'s
     context into its KV row, from where its prefill stands; a sequence whose
     chunk ends its context samples (entry row ``i``).  Padding - tokens past
@@ -285,18 +261,11 @@ def batch_prefill_inputs(seqs: Seq[Sequence], chunks: Seq[int], size: int, rows:
     it writes it itself."""
     if not 0 < len(seqs) <= rows or len(chunks) != len(seqs):
         raise ValueError(f"{len(seqs)} sequences for a prefill step of {rows} rows")
-    ids = torch.zeros(rows, size, dtype=torch.int64)
-    pos = torch.full((rows, size), max_len - 1, dtype=torch.int64)
-    slot = torch.full((rows,), seqs[0].slot, dtype=torch.int64)
-    last = torch.zeros(rows, dtype=torch.int64)
-    sample = []
+    tokens, sample = [], []
     for i, (seq, n) in enumerate(zip(seqs, chunks)):
         if not 0 < n <= size:
             raise ValueError(f"a prefill chunk of {n} tokens does not fit a bucket of {size}")
-        start = seq.prefilled
-        ids[i, :n] = torch.tensor(seq.context[start:start + n], dtype=torch.int64)
-        pos[i] = torch.clamp(torch.arange(start, start + size, dtype=torch.int64), max=max_len - 1)
-        slot[i], last[i] = seq.slot, n - 1
-        if start + n == len(seq.context):
+        tokens.append(seq.context[seq.prefilled:seq.prefilled + n])
+        if seq.prefilled + n == len(seq.context):
             sample.append(seq.sample_row(i))
-    return {"input_ids": ids, "positions": pos, "rows": slot, "last": last}, sample
+    return ChunkRows(size, rows, [s.slot for s in seqs], [s.prefilled for s in seqs], tokens, max_len - 1), sample

@@ -252,8 +252,10 @@ def load_served_model(cfg: EngineConfig, core_only: bool = False, progress=None)
         for name, graph in graphs.items():
             served.add(name, graph, captures[name], captured.get(name))
         return served
+    from tessera_actors.models.common import use_fewest_ops
     from tessera_actors.serving.gpu_capture import attention_form, set_attention_form
     set_attention_form(meta, attention_form(cfg, gpu=all_cuda(cfg)))
+    use_fewest_ops(meta, all_cpu(cfg))   # a CPU runs the graph op by op: the fewest ops, the same bits
     now = [n for n in buckets if n in core_buckets(cfg, buckets)] if core_only else list(buckets)
     for i, name in enumerate(now):
         served.graph(name)
@@ -271,6 +273,12 @@ def capture_kind(cfg: EngineConfig) -> str:
     if not all_cuda(cfg) or cfg.model.startswith("hf:"):
         return "aten"
     return "inductor" if torch.cuda.is_available() else "aten"
+
+
+def all_cpu(cfg: EngineConfig) -> bool:
+    """Whether every device of the deployment (in-process, or of every node) is a CPU."""
+    specs = cfg.device_specs()
+    return bool(specs) and all(s.kind == "cpu" for s in specs)
 
 
 def all_cuda(cfg: EngineConfig) -> bool:

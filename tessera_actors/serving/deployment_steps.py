@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from tessera_actors.runtime.errors import ActorError
-from tessera_actors.runtime.messages import RunStep, StepRows
+from tessera_actors.runtime.messages import ChunkRows, RunStep, StepRows
 from tessera_actors.serving.batch import decode_rows
 from tessera_actors.serving.inflight import StepFailed, StepResult
 
@@ -59,11 +59,13 @@ class Stepping:
             p.rows_at = None
 
     async def step(self, bucket: str, inputs: dict, sample: list, rows: Sequence[str] = (),
-                   number: int | None = None, outputs: bool = False, decode: StepRows | None = None) -> StepResult:
+                   number: int | None = None, outputs: bool = False, decode: StepRows | None = None,
+                   chunk: ChunkRows | None = None) -> StepResult:
         """Run one step of ``bucket``; ``number``: a step number from
         :meth:`reserve` or :meth:`decode_rows`; ``decode``: a decode step's
         rows (``RunStep.rows``; from :meth:`decode_rows`) instead of
-        ``sample`` and the token inputs; ``rows``: the requests it carries
+        ``sample`` and the token inputs; ``chunk``: a prompt-chunk step's
+        rows (``RunStep.chunk``) instead of the inputs; ``rows``: the requests it carries
         (for the trace); ``outputs``: the graph's output bytes come back too
         (``StepResult.outputs``).  A decode step not numbered by
         :meth:`decode_rows` (its bucket was not placed then) gives every row
@@ -78,7 +80,7 @@ class Stepping:
         else:
             step = number
         t0, wall = time.perf_counter(), time.time()
-        asks = self._asks(p, step, inputs, sample, outputs, decode)
+        asks = self._asks(p, step, inputs, sample, outputs, decode, chunk)
         if len(asks) == 1:   # one device: no gather (a task per ask)
             try:
                 results = [await asks[0]]
@@ -120,11 +122,12 @@ class Stepping:
         done.add_done_callback(lambda d: [a.cancel() for a in asks] if d.cancelled() else None)
         return done
 
-    def _asks(self, p, step: int, inputs: dict, sample: list, outputs: bool, decode: StepRows | None) -> list:
+    def _asks(self, p, step: int, inputs: dict, sample: list, outputs: bool, decode: StepRows | None,
+              chunk: ChunkRows | None = None) -> list:
         """One ``RunStep`` per plan device, sent (inputs only to the devices that read them)."""
         traced, timeout = self.trace is not None, self.cfg.step_timeout
         return [ref.ask_soon(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced,
-                                     decode), timeout)
+                                     decode, chunk if p.plan.inputs[d] else None), timeout)
                 for d, ref in enumerate(p.refs)]
 
     def _result(self, p, bucket: str, step: int, results: list, rows: Sequence[str], want: int, t0: float,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera_actors.runtime.messages import ChunkRows
 from tessera_actors.serving.params import EngineDead, InvalidRequest
 
 
@@ -42,8 +43,8 @@ async def embed(engine, prompt) -> tuple[list[float], int]:
         total = None
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
-            res = await engine.deployment.step(name, _inputs(part, start, chunk, slot, engine.max_model_len), [],
-                                            outputs=True)
+            rows = ChunkRows(chunk, 1, [slot], [start], [part], engine.max_model_len - 1)
+            res = await engine.deployment.step(name, {}, [], outputs=True, chunk=rows)
             vec = _pooled(res, engine.served.graph(name))
             total = vec if total is None else total + vec
     finally:
@@ -62,14 +63,6 @@ async def _take_slot(engine) -> int:
                 return slot
         engine._slot_freed.clear()
         await engine._slot_freed.wait()
-
-
-def _inputs(part: list[int], start: int, chunk: int, slot: int, max_len: int) -> dict:
-    ids = torch.zeros(1, chunk, dtype=torch.int64)
-    ids[0, :len(part)] = torch.tensor(part, dtype=torch.int64)
-    pos = torch.clamp(torch.arange(start, start + chunk, dtype=torch.int64), max=max_len - 1)[None]
-    return {"input_ids": ids, "positions": pos, "rows": torch.tensor([slot], dtype=torch.int64),
-            "last": torch.tensor([len(part) - 1], dtype=torch.int64)}
 
 
 def _pooled(res, graph) -> torch.Tensor:

@@ -43,8 +43,7 @@ from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
-from tessera_actors.serving.batch import (Sequence, SlotAllocator, batch_prefill_inputs, prefill_chunk,
-                                          smallest_bucket)
+from tessera_actors.serving.batch import Sequence, SlotAllocator, chunk_rows, prefill_chunk, smallest_bucket
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.buckets import bucket_name, decode_sizes, window_for
 from tessera_actors.serving.deploy import capture_kind, load_served_model
@@ -354,8 +353,8 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
             b = self.deployment.served.buckets.get(bucket)
             size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0],
                                                                  1)
-            inputs, sample = batch_prefill_inputs([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
-            task = loop.create_task(self.deployment.step(bucket, inputs, sample, [r.seq.rid for r in reqs]))
+            chunk, sample = chunk_rows([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
+            task = loop.create_task(self.deployment.step(bucket, {}, sample, [r.seq.rid for r in reqs], chunk=chunk))
             task.add_done_callback(self._stepped)
             for r in reqs:
                 r.in_step += 1
@@ -407,9 +406,10 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
                            number if feeds and self.cfg.lookahead else None, formed)
 
     def _form(self, rows: list[_Request], limit: int) -> Formed | None:
-        """The rows of a group's next decode step: those that may decode
-        (``Sequence.may_decode``, inlined: every row, every step that does
-        not continue the rows of the one before); None when there are none."""
+        """The rows of a group's next decode step: those whose tokens in
+        flight leave room under ``max_tokens`` and below the context's last
+        position (every row, every step that does not continue the rows of
+        the one before); None when there are none."""
         reqs, seqs, end, top, horizon = [], [], 0, 0, limit
         needs_tokens = False
         for r in rows:

@@ -70,7 +70,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
                         "(--devices a GPU and a CPU; default then: cuda:0,cpu?threads=12)")
     p.add_argument("--planner-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a planner option, repeatable (offload: policy=tessera|layer_offload|streaming|expert_offload, ring=bytes|slots, "
-                        "cpu_bps=4e10, pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
+                        "cpu_bps=4e10, cpu_rows_bps=1:4e10,8:3.3e10 (the CPU's matmul weight rate by rows), cpu_flops=1.5e13, "
+                        "pcie_bps=5.5e10, switch_s=2e-4, reserve=335544320)")
     p.add_argument(seed_flag, dest="engine_seed", type=int, default=None, metavar="N",
                    help=f"engine seed: random weights and unseeded sampling (default: {d.seed})")
 

@@ -20,17 +20,27 @@ def predicted_busy(o: Offload, plan: Plan) -> list[float]:
     return list(o.simulate(p).busy_s)
 
 
-def adapt(costs: CostTable, predicted: Sequence[float], observed: Sequence[float],
-          tolerance: float = 1.25) -> tuple[CostTable, list[float]]:
-    """Rates rescaled per device by observed / predicted busy time where the
-    two differ by more than ``tolerance`` (either way); returns the new table
-    and the factors applied (1.0: unchanged)."""
+def busy_factors(predicted: Sequence[float], observed: Sequence[float], tolerance: float = 1.25,
+                 bound: float | None = None) -> list[float]:
+    """Per device observed / predicted busy time where the two differ by
+    more than ``tolerance`` (either way), else 1.0; clamped to ``bound``
+    either way (None: no bound)."""
     factors = []
     for p, o in zip(predicted, observed):
         f = o / p if p > 0 and o > 0 else 1.0
+        if bound is not None:
+            f = min(max(f, 1 / bound), bound)
         factors.append(f if (f > tolerance or f < 1 / tolerance) else 1.0)
+    return factors
+
+
+def adapt(costs: CostTable, predicted: Sequence[float], observed: Sequence[float],
+          tolerance: float = 1.25) -> tuple[CostTable, list[float]]:
+    """Rates rescaled per device by :func:`busy_factors`; returns the new
+    table and the factors applied (1.0: unchanged)."""
+    factors = busy_factors(predicted, observed, tolerance)
     times = [[t * factors[d] for d, t in enumerate(row)] for row in costs.times]
     return CostTable(list(costs.devices), times, costs.latency, costs.bandwidth, list(costs.mem), "adapted"), factors
 
 
-__all__ = ["adapt", "predicted_busy"]
+__all__ = ["adapt", "busy_factors", "predicted_busy"]

@@ -6,7 +6,7 @@ planner of the registry.  Pure Python; no torch.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
@@ -15,7 +15,8 @@ from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.pinning import state_homes
 from tessera_actors.planning.offload.baselines import expert_offload, layer_offload, streaming
 from tessera_actors.planning.offload.mixes import class_chooser
-from tessera_actors.planning.offload.model import PCIE_BPS, SWITCH_S, Offload, Placement, StepTime, HostRoofline, cpu_runs, fastest
+from tessera_actors.planning.offload.model import Offload, Placement, StepTime, cpu_runs, fastest
+from tessera_actors.planning.offload.rates import PCIE_BPS, SWITCH_S, HostRoofline, rows_rates
 from tessera_actors.planning.offload.staging import RING_MODES
 
 
@@ -220,19 +221,26 @@ def follow(o: Offload, homes: dict[str, str], slots: int, slot_bytes: int, polic
 
 def to_plan(o: Offload, p: Placement, name: str, st: StepTime | None = None) -> Plan:
     """A plan whose ``meta["offload"]`` tells the budgeted device which
-    weights it streams (``actors/streaming.py``)."""
+    weights it streams (``actors/streaming.py``) and, with ``st``, holds the
+    step model's terms of it (``terms``: :meth:`~.model.StepTime.terms`) and
+    each device's busy seconds (``busy_s``): what the planner predicted, for
+    whoever compares a run with it (the offload bench, a re-plan)."""
     plan = build_plan(o.graph, o.devices, p.assignment, name=name)
     plan.predicted_step_s = st.step_s if st else None
     plan.meta["offload"] = {"device": o.gpu, "streamed": list(p.streamed), "slots": p.slots,
                             "slot_bytes": p.slot_bytes, "ring": p.ring, "gpu_bytes": o.gpu_bytes(p), "budget": o.budget,
                             "choices": "".join(p.choice[u] for u in sorted(p.choice))}
+    if st is not None:   # the prediction's terms and each device's busy seconds, on the graph this plan runs
+        plan.meta["offload"].update(terms=st.terms(o.gpu), busy_s=list(st.busy_s))
     return plan
 
 
 class OffloadPlanner:
     """``Planner`` for a budgeted GPU beside a CPU.  ``costs``: a measured
-    table (None: :class:`~.model.HostRoofline` (:func:`~.model.estimate_rates`) per graph, with ``cpu_bps`` - the
-    CPU's measured DRAM rate - and ``switch_s``); ``policy``: ``tessera``
+    table (None: :class:`~.rates.HostRoofline` (:func:`~.rates.estimate_rates`) per graph, with ``cpu_bps`` - the
+    CPU's measured DRAM rate -, ``cpu_rows_bps`` - its matmuls' weight rate
+    by rows, ``{rows: bytes/s}`` or ``"1:3.6e10,8:3e10"`` -, ``cpu_flops`` and
+    ``switch_s``); ``policy``: ``tessera``
     (:func:`choose_homes`), ``layer_offload``, ``streaming`` or
     ``expert_offload`` (the baselines); ``ring``: how streamed weights fill
     the staging ring, ``bytes`` (packed, the default) or ``slots`` (one
@@ -250,7 +258,8 @@ class OffloadPlanner:
 
     def __init__(self, costs: CostTable | None = None, pcie_bps: float = PCIE_BPS, reserve: int = 0,
                  slot_options: Sequence[int] = (2, 3, 4, 6, 8), cpu_bps: float | None = None,
-                 switch_s: float = SWITCH_S, policy: str = "tessera", ring: str = "bytes") -> None:
+                 switch_s: float = SWITCH_S, policy: str = "tessera", ring: str = "bytes",
+                 cpu_rows_bps: Mapping | str | None = None, cpu_flops: float | None = None) -> None:
         if policy not in POLICIES:
             raise PlanError(f"unknown offload policy {policy!r}; known: {', '.join(POLICIES)}")
         if ring not in RING_MODES:
@@ -258,6 +267,7 @@ class OffloadPlanner:
         self.ring = ring
         self.costs, self.pcie_bps, self.reserve, self.slot_options = costs, pcie_bps, int(reserve), tuple(slot_options)
         self.cpu_bps, self.switch_s, self.policy = cpu_bps, switch_s, policy
+        self.cpu_rows_bps, self.cpu_flops = rows_rates(cpu_rows_bps), cpu_flops
         self.extra = 0                              # bytes of the other graphs' own buffers (expect)
         self.homes: dict[str, str] | None = None    # weight name -> R/S/C, from the first graph planned
         self.state_homes: dict[str, int] = {}       # state name -> device, from the first graph planned
@@ -269,7 +279,8 @@ class OffloadPlanner:
         self.extra = sum(b.nbytes for g in graphs for b in g.buffers.values() if b.role not in ("weight", "state"))
 
     def offload(self, graph: KernelGraph, devices: Sequence[str], reserve: int = 0) -> Offload:
-        costs = self.costs if self.costs is not None else HostRoofline(self.switch_s, self.cpu_bps).table(graph, devices)
+        costs = self.costs if self.costs is not None else HostRoofline(
+            self.switch_s, self.cpu_bps, self.cpu_rows_bps, self.cpu_flops).table(graph, devices)
         costs.check_graph(graph)
         return Offload(graph, devices, costs, self.pcie_bps, self.reserve + reserve, ring=self.ring)
 

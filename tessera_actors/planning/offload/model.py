@@ -15,8 +15,9 @@ bytes for transient op results.  Light kernels (no heavy weight, no state)
 run on the CPU only between two CPU kernels; state kernels (KV cache) stay on
 the GPU.  Choices come from measured rates: a :class:`CostTable` (kernel
 times on both devices, activation links) and ``pcie_bps``, the pinned
-host-to-device rate while the CPU computes.  :func:`estimate_rates` gives the
-DESIGN.md numbers when nothing was measured.
+host-to-device rate while the CPU computes; :mod:`.rates` estimates them
+(:func:`~.rates.estimate_rates`: a roofline with the CPU's measured rates, or
+the DESIGN.md numbers when nothing was measured).
 
 The step model (:meth:`Offload.simulate`) is the one step-time model
 (:mod:`~tessera_actors.planning.timing`) over a chain in program order: a
@@ -34,64 +35,10 @@ from typing import Sequence
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import PlanError
-from tessera_actors.planning.costs import CostTable, DeviceModel, device_model
+from tessera_actors.planning.costs import CostTable
+from tessera_actors.planning.offload.rates import PCIE_BPS
 from tessera_actors.planning.offload.staging import RING_MODES, ring_layout, slot_pitch
 from tessera_actors.planning.timing import Programs, run
-
-# DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
-# beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
-CPU_GEMV_BPS = {1: 6e9, 2: 11e9, 4: 22e9, 8: 47e9, 12: 46e9, 16: 14.5e9}
-PCIE_BPS = 55e9
-
-
-def host_model(threads: int | None) -> DeviceModel:
-    """CPU rates at ``threads`` (None: 16) while a copy stream runs beside it."""
-    t = min(threads or 16, 16)
-    known = sorted(CPU_GEMV_BPS)
-    lo = max(k for k in known if k <= t)
-    hi = min(k for k in known if k >= t)
-    bw = CPU_GEMV_BPS[lo] if lo == hi else (
-        CPU_GEMV_BPS[lo] + (t - lo) / (hi - lo) * (CPU_GEMV_BPS[hi] - CPU_GEMV_BPS[lo]))
-    return DeviceModel(f"cpu-t{t}", 1.0e12 * t / 16, bw, 5e-6)
-
-
-SWITCH_S = 200e-6   # one activation hand-off between two device actors (messages, not the wire)
-GATHERS = ("embedding", "index", "index_select", "gather")
-
-
-def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float = SWITCH_S,
-                   cpu_bps: float | None = None) -> CostTable:
-    """Roofline kernel times: cuda devices from the H200 preset, cpu devices
-    from :func:`host_model` at their thread count (``cpu_bps``: a measured
-    DRAM rate of the unbudgeted cpu device instead); a gather (embedding)
-    reads what it writes, not its whole table.  Links: ``switch_s`` latency."""
-    specs = [DeviceSpec.parse(d) for d in devices]
-    models = [host_model(s.threads) if s.kind == "cpu" else device_model(s) for s in specs]
-    if cpu_bps:
-        for i, s in enumerate(specs):
-            if s.kind == "cpu" and s.mem is None:
-                models[i] = DeviceModel(f"cpu-measured-t{s.threads}", models[i].flops_per_s, cpu_bps,
-                                        models[i].launch_s)
-    costs = CostTable.estimate(graph, list(devices), models)
-    for k in graph.kernels:
-        if k.name in GATHERS:
-            nb = 2.0 * sum(a.nbytes for a in k.accesses if a.writes)
-            costs.times[k.id] = [m.launch_s + nb / m.bytes_per_s for m in models]
-    n = len(specs)
-    costs.latency = [[0.0 if a == b else max(costs.latency[a][b], switch_s) for b in range(n)] for a in range(n)]
-    return costs
-
-
-@dataclass(frozen=True)
-class HostRoofline:
-    """The :class:`~tessera_actors.planning.costs.CostModel` of
-    :func:`estimate_rates` (CPU rates while a copy stream runs, gathers read
-    what they write, links of at least ``switch_s``)."""
-    switch_s: float = SWITCH_S
-    cpu_bps: float | None = None
-
-    def table(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
-        return estimate_rates(graph, devices, self.switch_s, self.cpu_bps)
 
 
 @dataclass
@@ -311,6 +258,9 @@ class Offload:
         """The step time of placement ``p`` (:meth:`programs`, one step) and
         its terms: the hand-offs in the chain, and how long kernels waited
         for their streamed weight's copy beyond the chain."""
+        if len(p.assignment) != len(self.graph.kernels):
+            raise PlanError(f"a placement of {len(p.assignment)} kernels scored on a graph of "
+                            f"{len(self.graph.kernels)}: another capture of the model")
         progs, links = self._chain(p)
         r = run([(progs, 1)], [1], record=True)
         start = {e.ref: (e.start, e.end) for e in r.events if e.kind == "run"}
