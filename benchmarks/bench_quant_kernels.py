@@ -59,10 +59,13 @@ def main() -> int:
     ap.add_argument("--rows", default="1,16,128,512")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--max-macs", type=float, default=2e9, help="skip a case above this many multiply-adds "
                                                                 "(float32's int kernels take seconds there)")
     ap.add_argument("--out", default="benchmarks/results/serve_cpu/quant_kernels.json")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     rows = []
     print(f"{'out x in':>12} {'rows':>5} {'dtype':>9} {'dense ms':>9} {'int4 ms':>9} {'int8 ms':>9}")
     for dt in a.dtypes.split(","):

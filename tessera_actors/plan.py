@@ -145,9 +145,10 @@ def check_device_types(graph: KernelGraph, devices: Sequence[str], assignment: S
             wrong.setdefault((k.name, d), []).append(k.id)
     if wrong:
         (name, d), ks = next(iter(wrong.items()))
-        raise PlanError(f"{sum(map(len, wrong.values()))} kernels have a kernel on {owner[name]} devices only, "
+        raise PlanError(f"{sum(map(len, wrong.values()))} kernels run on {owner[name]} devices only and are "
                         f"assigned elsewhere: {len(ks)} x {name} (kernels {ks[:3]}...) on {devices[d]}, which has "
-                        f"no {name} (place them on a {owner[name]} device; quantized weights are for CPUs)")
+                        f"no such kernel: place them on a {owner[name]} device (quantized weights: torch's CPU "
+                        f"int4/int8 kernels), or capture the graph without them")
 
 
 def final_writes(graph: KernelGraph, buffer_ids: Sequence[int]) -> list[tuple[int, int, int, int]]:
