@@ -41,6 +41,7 @@ class ServedCase:
     decode_tokens: int = 48
     reps: int = 5
     overrides: dict = field(default_factory=dict)
+    window_hook: Any = None   # decode: called with "start" and "end" at the window's ends (a profiler, say)
 
 
 def engine_for(case: ServedCase, kind: str):
@@ -92,11 +93,15 @@ async def served_decode(case: ServedCase) -> dict[str, Any]:
             if not done.is_set():
                 marks["end"] = (time.perf_counter(), eng.counters["decode_steps"], eng.host_times())
                 done.set()
+                if case.window_hook is not None:
+                    case.window_hook("end")
             return n
 
         async def window() -> None:
             await asyncio.gather(*(e.wait() for e in first))
             marks["start"] = (time.perf_counter(), eng.counters["decode_steps"], eng.host_times())
+            if case.window_hook is not None:
+                case.window_hook("start")
         t1 = time.perf_counter()
         made, _ = await asyncio.gather(asyncio.gather(*(one(i) for i in range(case.batch))), window())
         wall = time.perf_counter() - t1
