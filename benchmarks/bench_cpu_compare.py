@@ -291,6 +291,7 @@ async def main(argv=None) -> dict:
         servers: dict = {}
         r = {"order": [s.name for s in order], "servers": servers}
         result["rounds"].append(r)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         for spec in order:
             if past(a.stop_at):
                 result["stopped_at"] = f"round {rnd + 1} before {spec.name}: past --stop-at {a.stop_at}"
@@ -299,7 +300,6 @@ async def main(argv=None) -> dict:
                   flush=True)
             servers[spec.name] = await server_block(spec, a, tokenizer, rnd, work)
             r["ratios"] = report.round_ratios(servers)
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(result, indent=1))       # kept after every server
         if all(servers.get(n, {}).get("greedy") for n in ("tessera", "vllm")):
             r["greedy"] = report.compare_greedy(servers["tessera"]["greedy"], servers["vllm"]["greedy"], a.near_tie)
@@ -312,6 +312,7 @@ async def main(argv=None) -> dict:
             print(result["stopped_at"], flush=True)
             break
     if not result["rounds"]:
+        Path(a.out).write_text(json.dumps(result, indent=1))
         return result
     for g in result["rounds"][-1].get("greedy", []):
         print(f"greedy {g['prompt']!r}: max |logprob diff| {report.fmt(g['max_logprob_diff'])}, " + (

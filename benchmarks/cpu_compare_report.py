@@ -92,7 +92,7 @@ def compare_greedy(a: list[dict], b: list[dict], near: float) -> list[dict]:
             row.update(first_diff_token=i, a_token=tx[i][0], b_token=ty[i][0], a_margin=margin(tx[i]),
                        b_margin=margin(ty[i]),
                        near_tie=_near_tie(ty[i], tx[i][0], near) or _near_tie(tx[i], ty[i][0], near))
-        row["ok"] = row["same_text"] or bool(row.get("near_tie")) or (i is None and bool(tx) and bool(ty))
+        row["ok"] = row["same_text"] or bool(row.get("near_tie"))
         rows.append(row)
     return rows
 
@@ -155,19 +155,22 @@ def write_plot(rounds: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
     labels = [m[0] for m in METRICS]
-    pairs = sorted({p for r in rounds for p in r["ratios"]})
+    ran = {p for r in rounds for p in r.get("ratios", {})}
+    pairs = [f"{a}/{b}" for a, b in PAIRS if f"{a}/{b}" in ran]
     fig, axes = plt.subplots(1, max(1, len(pairs)), figsize=(6 * max(1, len(pairs)), 5.5), sharey=True,
                              squeeze=False)
     for ax, pair in zip(axes[0], pairs):
         for i, r in enumerate(rounds):
-            ratios = r["ratios"].get(pair) or {}
+            ratios = r.get("ratios", {}).get(pair) or {}
             ax.scatter([ratios.get(lbl) or float("nan") for lbl in labels], range(len(labels)),
                        label=f"round {i + 1}", s=20)
         ax.axvline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(FixedLocator([0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]))
         ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         a, b = pair.split("/")
         ax.set_xlabel(f"{LABELS[a]} / {LABELS[b]} (2 threads)", fontsize=9)
         ax.legend(fontsize=7)

@@ -120,18 +120,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session_pids(sid: int) -> list[int]:
+def _pids_where(field: int, value: int) -> list[int]:
+    """Processes whose ``/proc/PID/stat`` field ``field`` (counted after the command, from 0) is ``value``."""
     pids = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == sid:        # field 6 of stat: the session id
+                if int(fields[field]) == value:
                     pids.append(int(d))
             except (OSError, IndexError, ValueError):
                 pass
     return pids
+
+
+def _session_pids(sid: int) -> list[int]:
+    return _pids_where(3, sid)          # field 6 of stat: the session id
 
 
 def _kib(path: str, key: str) -> int:
@@ -222,11 +227,17 @@ class Server:
 
 
 def stop_live(signum, _frame) -> None:
-    """SIGTERM handler: kill every server still running (each in its own session), then exit."""
+    """SIGTERM handler: kill every server still running (each in its own session) and this process's other
+    children (guidellm), then exit."""
     for server in list(LIVE):
         try:
             os.killpg(server.proc.pid, signal.SIGKILL)
         except OSError:
             pass
         LIVE.discard(server)
+    for pid in _pids_where(1, os.getpid()):     # field 4 of stat: the parent
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
     raise SystemExit(128 + signum)
