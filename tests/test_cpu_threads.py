@@ -32,7 +32,7 @@ def test_the_fewest_threads_within_the_margin_of_the_fastest_are_chosen():
     assert choose_threads(two_core).threads == 1
     # two threads faster at both batches by more than the margin: two
     assert choose_threads([ThreadTimes(2, 10.0, 40.0), ThreadTimes(1, 15.0, 80.0)]).threads == 2
-    # a 16-core machine: all but one core within 10% of every core, leaving one to the serving loop
+    # a 16-core machine: all but one core within 25% of every core, leaving one to the serving loop
     many = [ThreadTimes(16, 10.0, 20.0), ThreadTimes(15, 10.4, 21.0), ThreadTimes(8, 12.0, 35.0),
             ThreadTimes(1, 20.0, 200.0)]
     assert choose_threads(many).threads == 15
