@@ -28,8 +28,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default=None,
                        help="in-process devices (default: chosen for this machine and printed: on CPUs alone one "
-                            "'cpu' device, its thread count measured at start (about 1.5 s); a split such "
-                            "as 'cpu,cpu' only when asked for)")
+                            "'cpu' device at every core but one, fewer where a probe at start finds them as fast; "
+                            "a split such as 'cpu,cpu' only when asked for)")
     where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
     where.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                        help="node daemons as Ray actors on this Ray cluster: one per GPU (see --ray-cpu)")
@@ -140,14 +140,16 @@ def default_deployment(cores: int | None = None, gpus: int | None = None,
                        weights: str = "auto", dtype: str | None = None) -> Deployment:
     """The default in-process deployment of this machine (``cores``/``gpus``:
     its usable CPU cores and CUDA devices, found when None).  On CPUs alone:
-    one ``cpu`` device, its intra-op thread count chosen by
-    :func:`~tessera_actors.serving.cpu_threads.choose_threads` from
-    ``measure(candidates)`` (default: :func:`~tessera_actors.serving.cpu_threads.measure_threads`,
+    one ``cpu`` device at every core but one (left to the serving loop);
+    with more than one count to choose from (3 cores and more), the count
+    :func:`~tessera_actors.serving.cpu_threads.choose_threads` takes from
+    ``measure(counts)`` (default: :func:`~tessera_actors.serving.cpu_threads.measure_threads`,
     about 1.5 s, on int4 weights unless ``weights`` is "dense", at ``dtype``
-    or the engine's default activations).  A split over CPU devices pays a hand-off per cut edge and
-    gains only what the cores can run side by side; measured on the 2-core
-    box (``benchmarks/bench_cpu_step.py``) one device was faster at every
-    batch, so a split is used only where asked for (``--devices cpu,cpu``).
+    or the engine's default activations).  A split over CPU devices pays a
+    hand-off per cut edge and gains only what the cores can run side by
+    side; measured on the 2-core box (``benchmarks/bench_cpu_step.py``) one
+    device was faster at every batch, so a split is used only where asked
+    for (``--devices cpu,cpu``).
     With GPUs: the engine's default devices, as before (the GPU deployments
     are chosen by the launchers and flags)."""
     import os
@@ -159,16 +161,20 @@ def default_deployment(cores: int | None = None, gpus: int | None = None,
     if gpus:
         from tessera_actors.serving.config import EngineConfig
         return Deployment(EngineConfig().devices, f"{gpus} GPU(s) seen: the engine's default devices")
+    from tessera_actors.serving.cpu_threads import candidates, choose_threads, measure_threads
     where = f"{cores} CPU core{'s' if cores != 1 else ''}, no GPU: one device"
     split = "a CPU split only where asked for: --devices cpu,cpu"
-    if cores == 1:
-        return Deployment("cpu?threads=1", f"{where}, 1 thread ({split})")
-    from tessera_actors.serving.cpu_threads import candidates, choose_threads, measure_threads
+    counts = candidates(cores)
+    if len(counts) == 1:
+        n = counts[0]
+        rule = "every core but one, left to the serving loop" if n < cores else "the one core"
+        return Deployment(f"cpu?threads={n}", f"{where}, {n} intra-op thread{'s' if n != 1 else ''} ({rule}); "
+                                              f"{split}")
     if measure is None:
         quantized = weights != "dense"
         measure = functools.partial(measure_threads, quantized=quantized,
                                     dtype=dtype or ("bfloat16" if quantized else "float32"))
-    choice = choose_threads(measure(candidates(cores)))
+    choice = choose_threads(measure(counts))
     return Deployment(f"cpu?threads={choice.threads}",
                       f"{where}, {choice.threads} intra-op thread{'s' if choice.threads != 1 else ''}; "
                       f"{choice.why}; {split}")
