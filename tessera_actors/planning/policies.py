@@ -124,25 +124,24 @@ def _planned(graph: KernelGraph, costs: CostTable, planner: str) -> Option | Non
 
 
 def served_prefill(gp: KernelGraph, cp: CostTable, pres: Sequence[Option], g: KernelGraph,
-                    dec: Option) -> list[Option]:
+                   dec: Option) -> list[Option]:
     """The prompt's plans ``pres`` (of ``gp`` on ``cp``) as the engine serves
     them beside decode plan ``dec`` (of ``g``): as planned where they keep
     its state and weight homes, else pinned to them
-    (:func:`.pinning.served_assignment`, the scheduler's rule), one prompt
-    chunk in flight; those that do not fit are left out."""
+    (:func:`.pinning.served_assignment`, the scheduler's rule) at the same
+    micro-batches in flight; pinned plans that do not fit are left out."""
     pins, weights = state_homes(g, dec.plan.assignment), weight_homes(g, dec.plan.assignment)
     out, seen = [], set()
     for o in pres:
         a = served_assignment(gp, o.plan.assignment, pins, weights)
-        if a is None and o.inflight == 1:
+        if a is None:
             out.append(o)
-            continue
-        plan, label = (o.plan, o.label) if a is None else (
-            build_plan(gp, cp.devices, a, name=f"{o.plan.name}, state-pinned"),
-            f"pinned to decode's homes (planned {o.label})")
-        if tuple(plan.assignment) not in seen and not any(fits(gp, plan, cp)):
-            seen.add(tuple(plan.assignment))
-            out.append(Option(simulate(plan, cp, inflight=1).throughput, _busy(plan, cp), 1, label, plan))
+        elif (tuple(a), o.inflight) not in seen:
+            seen.add((tuple(a), o.inflight))
+            plan = build_plan(gp, cp.devices, a, name=f"{o.plan.name}, state-pinned")
+            if not any(fits(gp, plan, cp, o.inflight)):
+                out.append(Option(simulate(plan, cp, inflight=o.inflight).throughput, _busy(plan, cp), o.inflight,
+                                  f"pinned to decode's homes (planned {o.label})", plan))
     return out
 
 
