@@ -128,3 +128,18 @@ def test_the_tessera_row_serves_no_prompt_on_a_gpu_that_does_not_hold_the_decode
     tess = res["policies"]["Tessera"]
     assert "prefill on L40S" not in tess["note"] or "decode on L40S" in tess["note"]
     assert tess["tokens_per_s"] < res["policies"]["PD"]["tokens_per_s"]
+
+
+def test_unit_s_is_the_step_time_models_makespan_of_prefill_and_decode_sharing_gpus():
+    """``unit_s`` is the closed form of the one step-time model
+    (:mod:`.timing`) for a prompt plan and a decode plan in flight together:
+    on two GPUs (PD) and on one (time sharing) it is the simulated makespan."""
+    from tessera_actors.planning.policies import Option, unit_s
+    from tessera_actors.planning.timing import Programs, run
+    for pre_dev, dec_dev in ((0, 1), (0, 0)):
+        pre = Programs([[("run", 0)] if d == pre_dev else [] for d in range(2)], [0.010], {})
+        dec = Programs([[("run", 0)] if d == dec_dev else [] for d in range(2)], [0.001], {})
+        r = run([(pre, 1), (dec, 1)], [4, 16])
+        parts = [(Option(100.0, tuple(0.010 if d == pre_dev else 0.0 for d in range(2)), 1, ""), 4),
+                 (Option(1000.0, tuple(0.001 if d == dec_dev else 0.0 for d in range(2)), 1, ""), 16)]
+        assert max(r.finish) == pytest.approx(unit_s(parts))
