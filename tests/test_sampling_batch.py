@@ -16,7 +16,6 @@ from tessera_actors.execution.rows import PlanRows
 from tessera_actors.execution.sampling import (
     SampleBatch,
     draw,
-    greedy,
     uniform,
     uniforms,
 )
@@ -84,38 +83,6 @@ def test_a_mixed_batch_samples_like_its_entries_alone_and_moves_its_index_on():
     moved = [SampleRow(r.row, r.col, r.temperature, r.top_p, r.top_k, r.seed, r.index + 1) for r in rows]
     assert batch.sample(logits)[0].tolist() == [int(SampleBatch([r], logits.device).sample(logits)[0][0])
                                                 for r in moved]
-
-
-def _ties_and_bf16(rows: int, vocab: int) -> torch.Tensor:
-    """bfloat16 logits [rows, 1, vocab] whose rows tie at their maximum (row r's maximum at ids r and 3r + 5)."""
-    torch.manual_seed(1)
-    x = torch.randn(rows, 1, vocab).to(torch.bfloat16)
-    for r in range(rows):
-        x[r, 0, r] = x[r, 0, 3 * r + 5] = 9.0
-    return x
-
-
-def test_the_greedy_reduction_picks_the_lowest_tied_id_with_the_log_softmax_probability():
-    x = _ties_and_bf16(5, 300)[:, 0]
-    ids, lps = greedy(x)
-    assert ids.tolist() == list(range(5)) and lps.dtype == torch.float32
-    ref = torch.log_softmax(x.float(), -1).gather(1, ids.view(-1, 1)).view(-1)
-    assert torch.allclose(lps, ref, atol=1e-6, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_greedy_gpu_batch_is_sampled_by_the_compiled_reduction_with_the_cpu_tokens():
-    from tessera_actors.execution import sampling
-    logits = _ties_and_bf16(64, 128256)
-    rows = [SampleRow(r, 0, 0.0) for r in range(64)]
-    cpu_ids, cpu_lps, _ = SampleBatch(rows, logits.device).sample(logits)
-    gpu = logits.cuda()
-    for n in (64, 3):   # two row counts: one compiled form
-        ids, lps, top = SampleBatch(rows[:n], gpu.device).sample(gpu)
-        assert ids.tolist() == cpu_ids[:n].tolist() and top is None
-        assert torch.allclose(lps.cpu(), cpu_lps[:n], atol=1e-4, rtol=0)
-    assert sampling._FUSED["greedy"] is not sampling.greedy   # compiled, not the eager fallback
 
 
 @pytest.mark.parametrize("written", [False, True])
