@@ -16,13 +16,13 @@ from tessera_actors.execution.rows import PlanRows
 from tessera_actors.execution.sampling import (
     SampleBatch,
     draw,
-    greedy,
     uniform,
     uniforms,
 )
 from tessera_actors.graph import Access, KernelGraph
 from tessera_actors.runtime.messages import SampleRow, StepRows
 from tessera_actors.serving.buckets import Bucket, capture_aten
+from tessera_actors.serving.gpu_capture import GreedyHead
 
 
 def _one(x: torch.Tensor, temperature: float, top_p: float, top_k: int, u: float) -> torch.Tensor:
@@ -86,36 +86,24 @@ def test_a_mixed_batch_samples_like_its_entries_alone_and_moves_its_index_on():
                                                 for r in moved]
 
 
-def _ties_and_bf16(rows: int, vocab: int) -> torch.Tensor:
-    """bfloat16 logits [rows, 1, vocab] whose rows tie at their maximum (row r's maximum at ids r and 3r + 5)."""
-    torch.manual_seed(1)
-    x = torch.randn(rows, 1, vocab).to(torch.bfloat16)
-    for r in range(rows):
-        x[r, 0, r] = x[r, 0, 3 * r + 5] = 9.0
-    return x
-
-
-def test_the_greedy_reduction_picks_the_lowest_tied_id_with_the_log_softmax_probability():
-    x = _ties_and_bf16(5, 300)[:, 0]
-    ids, lps = greedy(x)
-    assert ids.tolist() == list(range(5)) and lps.dtype == torch.float32
-    ref = torch.log_softmax(x.float(), -1).gather(1, ids.view(-1, 1)).view(-1)
-    assert torch.allclose(lps, ref, atol=1e-6, rtol=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_greedy_gpu_batch_is_sampled_by_the_compiled_reduction_with_the_cpu_tokens():
-    from tessera_actors.execution import sampling
-    logits = _ties_and_bf16(64, 128256)
-    rows = [SampleRow(r, 0, 0.0) for r in range(64)]
-    cpu_ids, cpu_lps, _ = SampleBatch(rows, logits.device).sample(logits)
-    gpu = logits.cuda()
-    for n in (64, 3):   # two row counts: one compiled form
-        ids, lps, top = SampleBatch(rows[:n], gpu.device).sample(gpu)
-        assert ids.tolist() == cpu_ids[:n].tolist() and top is None
-        assert torch.allclose(lps.cpu(), cpu_lps[:n], atol=1e-4, rtol=0)
-    assert sampling._FUSED["greedy"] is not sampling.greedy   # compiled, not the eager fallback
+def test_a_greedy_batch_takes_the_graphs_argmax_and_log_sum_exp_with_the_tokens_it_samples_itself():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1, 500).to(torch.bfloat16)
+    logits[2, 0, 7] = logits[2, 0, 40] = 12.0                    # a tie: the lowest id
+    head = GreedyHead()(logits)
+    rows = [SampleRow(r, 0, 0.0) for r in (0, 2, 5)]            # not rows 0..n-1: gathered
+    ref_ids, ref_lps, _ = SampleBatch(rows, logits.device).sample(logits)
+    ids, lps, top = SampleBatch(rows, logits.device).sample(logits, (), head)
+    assert ids.tolist() == ref_ids.tolist() and int(ids[1]) == 7 and top is None
+    assert torch.allclose(lps, ref_lps, atol=1e-5, rtol=0)
+    first = [SampleRow(r, 0, 0.0) for r in range(4)]            # rows 0..n-1: a view
+    assert SampleBatch(first, logits.device).sample(logits, (), head)[0].tolist() == head[0][:4, 0].tolist()
+    # a record that asks for top log probabilities, or a drawn entry, samples from the logits as before
+    topped = SampleBatch(rows, logits.device).sample(logits, [[0, {"top": 2}]], head)
+    assert torch.equal(topped[1], ref_lps) and topped[2] is not None
+    mixed = rows + [SampleRow(1, 0, 0.7, 1.0, 0, seed=5)]
+    assert torch.equal(SampleBatch(mixed, logits.device).sample(logits, (), head)[1],
+                       SampleBatch(mixed, logits.device).sample(logits)[1])
 
 
 @pytest.mark.parametrize("written", [False, True])

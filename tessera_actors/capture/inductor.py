@@ -289,11 +289,13 @@ def _between_blocks(model: torch.nn.Module, blocks) -> list[tuple[str, torch.nn.
     worth compiling on their own: leaves with parameters of their own, other
     than a ``Linear`` or an ``Embedding`` (one library kernel either way) -
     a final norm, which run eagerly is six kernels in float32 (about 20 us of
-    a Llama decode step of 64 rows on an H200) and compiled is one."""
+    a Llama decode step of 64 rows on an H200) and compiled is one - and
+    those marked ``compile_alone`` (``serving.gpu_capture.GreedyHead``)."""
     under = [name + "." for name, _ in blocks]
     return [(name, m) for name, m in model.named_modules()
-            if m is not model and not any(name.startswith(u) or name + "." == u for u in under)
-            and not any(True for _ in m.children()) and any(True for _ in m.parameters(recurse=False))
+            if m is not model and not any(name.startswith(u) for u in under)
+            and not any(True for _ in m.children())
+            and (getattr(m, "compile_alone", False) or any(True for _ in m.parameters(recurse=False)))
             and not isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
 
 

@@ -17,15 +17,16 @@ probability is that of the unmodified distribution (``log_softmax`` of the
 logits), the number a client can compare bitwise across placements.  An
 entry may carry a record of :mod:`.sampling_extras` (penalties, logit bias,
 a token mask, top log probabilities), applied to its logits before the
-draw.  A greedy batch on a GPU that asks for no top log probabilities
-and changes no logits is sampled by one compiled reduction
-(:func:`greedy_fused`).  No host read: the results stay on the device
+draw.  Where the step's graph computed the logits' argmax and log-sum-exp
+itself (a GPU deployment's buckets: ``serving.gpu_capture.GreedyHead``), a
+greedy batch that asks for no top log probabilities and changes no logits
+takes its tokens and their log probabilities from those.  No host read:
+the results stay on the device
 (:func:`.sampling_extras.pack` puts them in one tensor for one copy,
 :func:`~.sampling_extras.unpack` reads it).
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,8 +35,6 @@ import torch
 from tessera_actors.execution.inputs import to_device
 from tessera_actors.execution.sampling_extras import apply_records, top_logprobs
 from tessera_actors.runtime.messages import SampleRow
-
-log = logging.getLogger("tessera_actors.execution")
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -113,15 +112,18 @@ class SampleBatch:
     def advance(self) -> None:
         self.index += np.uint64(1)
 
-    def sample(self, logits: torch.Tensor, changing: Sequence[Sequence] = ()
+    def sample(self, logits: torch.Tensor, changing: Sequence[Sequence] = (),
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(token ids [n] int64, their log probabilities [n] float32, the top
         log probabilities ``[n, 2, k]`` of :func:`.sampling_extras.top_logprobs`
         or None) on the logits' device; ``changing``: ``[[entry, record]]``
-        merged over the entries' own records for this step.  No host read."""
+        merged over the entries' own records for this step; ``greedy``: the
+        logits' argmax and log-sum-exp ``[B, T]`` (float32) where the step
+        computed them, used when every entry is greedy, no record changes its
+        logits and none asks for top log probabilities.  No host read."""
         if logits.dim() != 3:
             raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
-        view = logits[:self.first, 0] if self.first else logits[self.where[0], self.where[1]]   # [n, V]
         records = self.records
         if changing:
             records = dict(records)
@@ -129,10 +131,12 @@ class SampleBatch:
                 records[int(i)] = {**records.get(int(i), {}), **rec}
         shaping = {i: r for i, r in records.items() if any(key != "top" for key in r)}   # "top" alone: no change
         tops = max((int(r.get("top", 0)) for r in records.values()), default=0)
-        if view.is_cuda and not shaping and not tops and not len(self.drawn):
-            ids, chosen = greedy_fused(view)
+        pick = (lambda t: t[:self.first, 0]) if self.first else (lambda t: t[self.where[0], self.where[1]])
+        if greedy is not None and not shaping and not tops and not len(self.drawn):
+            ids = pick(greedy[0]).clone()   # a copy: the next step's kernels rewrite the step's outputs
+            chosen = pick(logits).gather(1, ids.view(-1, 1)).view(-1).float() - pick(greedy[1])
             return ids, chosen, None
-        raw = view.float()
+        raw = pick(logits).float()   # [n, V]
         x = apply_records(raw, shaping) if shaping else raw
         ids = x.argmax(dim=-1)
         if len(self.drawn):
@@ -143,37 +147,6 @@ class SampleBatch:
         logprobs = torch.log_softmax(raw, dim=-1)
         chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
         return ids, chosen, top_logprobs(logprobs, tops)
-
-
-def greedy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's argmax (the lowest id on ties) and its log probability, in
-    float32, from ``x`` ([n, V], any float dtype): the chosen logit less the
-    row's log-sum-exp (what ``log_softmax`` gives that id, to rounding)."""
-    f = x.float()
-    ids = f.argmax(dim=-1)
-    return ids, f.gather(1, ids.view(-1, 1)).view(-1) - torch.logsumexp(f, dim=-1)
-
-
-_FUSED: dict[str, Callable] = {}
-
-
-def greedy_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`greedy` on a GPU as inductor compiles it (one reduction that
-    reads the low-precision logits once, where the eager form writes a
-    float32 copy, reduces it for the argmax, writes the whole log-softmax
-    and gathers from it: about 110 us of a Llama-vocabulary decode step of
-    64 rows on an H200, against a few); compiled once (any row count), and
-    eager from then on if it cannot compile here."""
-    fn = _FUSED.get("greedy")
-    if fn is None:
-        fn = _FUSED["greedy"] = torch.compile(greedy, dynamic=True, fullgraph=True)
-    try:
-        return fn(x)
-    except Exception as e:   # noqa: BLE001 - inductor's own errors too: sampling must not fail for speed
-        log.warning("the compiled greedy sampler failed (%s: %s); sampling eagerly from now on",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        _FUSED["greedy"] = greedy
-        return greedy(x)
 
 
 def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, filtered: torch.Tensor,
