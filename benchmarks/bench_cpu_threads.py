@@ -2,9 +2,9 @@
 
 ``old``: one ``cpu`` device at torch's thread count (every core), the
 default before; ``new``: what ``tessera serve`` now chooses with no
-``--devices`` (``flags.chosen_deployment``: the intra-op thread count from
-its start-up probe, chosen afresh in each round and recorded with the
-probe's times and how long the choice took); ``--also`` adds explicit
+``--devices`` (``flags.chosen_deployment``: every core but one, or with
+3+ cores the count a start-up probe picks; chosen afresh in each round and
+recorded with its reason and how long the choice took); ``--also`` adds explicit
 device lists.  Each is served through ``AsyncEngine`` by
 ``bench_quant_serve.serve`` (SmolLM2-135M, ``weights="auto"``: quantized,
 bfloat16 activations, as ``tessera serve``'s CPU default; 16 KV rows of

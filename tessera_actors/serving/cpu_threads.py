@@ -5,8 +5,9 @@ measurement among the counts below it.
 A CPU step is hundreds of small kernels; with more intra-op threads each
 pays an OpenMP fork and barrier, and the serving loop and the device's
 worker thread run on the same cores, so a barrier waits on any thread the
-loop displaced.  Served on the 2-core box, one thread decoded a single
-stream 1.6-1.9x faster than two and 16 streams as fast
+loop displaced.  Served on the shared 2-core box, two threads fell to ~1
+tok/s in two rounds of five, one thread never did, and per round one
+thread decoded a stream a median 1.6x faster, 16 streams 1.15x
 (``benchmarks/results/serve_cpu/README.md``, "Default thread count"),
 while a probe with the cores to itself could not tell the two apart: its
 choice flipped between runs, and another process's load swung one count's
