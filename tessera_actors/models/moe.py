@@ -106,8 +106,8 @@ class Experts(nn.Module):
 
     With ``expert_parts`` P > 1 the routed experts' matrices are P stacked
     tensors of ``n_experts / P`` consecutive experts each (``gate_up.0`` ..,
-    ``down.0`` ..; the light biases stay one tensor): each part is its own
-    pair of grouped GEMMs, so a planner can keep one part on the GPU, stream
+    ``down.0`` .., their biases likewise): each part is its own pair of
+    grouped GEMMs, so a planner can keep one part on the GPU, stream
     another and compute a third on the CPU (:mod:`.moe_load` gives each
     part's share of the tokens)."""
 
@@ -122,12 +122,12 @@ class Experts(nn.Module):
                 return nn.Parameter(torch.empty(E, *shape))
             return nn.ParameterList(nn.Parameter(torch.empty(E // P, *shape)) for _ in range(P))
         self.gate_up = stacked(D, 2 * I)
-        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I))
+        self.gate_up_bias = stacked(2 * I)
         self.down = stacked(I, D)
-        self.down_bias = nn.Parameter(torch.empty(E, D))
+        self.down_bias = stacked(D)
 
     def _whole(self, name: str) -> Tensor:
-        """The stacked [E, ...] tensor of ``gate_up`` or ``down`` (a copy when in parts)."""
+        """The stacked [E, ...] tensor of ``gate_up``, ``down`` or a bias (a copy when in parts)."""
         w = getattr(self, name)
         return w if isinstance(w, Tensor) else torch.cat(list(w))
 
@@ -163,18 +163,27 @@ class Experts(nn.Module):
         wflat = weights.reshape(N * k)
         local = torch.arange(per, device=flat.device)
         out = torch.zeros_like(flat)
-        for j, (gate_up, down) in enumerate(zip(self.gate_up, self.down)):
+        parts = zip(self.gate_up, self.gate_up_bias, self.down, self.down_bias)
+        for j, (gate_up, gate_up_bias, down, down_bias) in enumerate(parts):
             e = experts - j * per
             key = torch.where((e >= 0) & (e < per), e, per)           # the other parts' pairs sort last
             key_sorted, perm = torch.sort(key, stable=True)
             offs = (key[:, None] == local).sum(0).cumsum(0).to(torch.int32)
             mine = key_sorted < per
-            glob = key_sorted.clamp(max=per - 1) + j * per
-            h = torch._grouped_mm(flat[perm // k], gate_up, offs) + self.gate_up_bias[glob]
-            y = torch._grouped_mm(self._activation(h), down, offs) + self.down_bias[glob]
+            local_e = key_sorted.clamp(max=per - 1)
+            h = torch._grouped_mm(flat[perm // k], gate_up, offs) + gate_up_bias[local_e]
+            y = torch._grouped_mm(self._activation(h), down, offs) + down_bias[local_e]
             y = y.masked_fill(~mine[:, None], 0.0) * wflat[perm][:, None]   # rows past the offsets: unwritten
             out = out.index_add(0, perm // k, y)
         return out
+
+    def _gather(self, flat: Tensor, idx: Tensor, gate_up: Tensor, gate_up_bias: Tensor, down: Tensor,
+                down_bias: Tensor) -> Tensor:
+        """Gather dispatch: the experts ``idx`` [N, k] of each token applied to it -> [N, k, D]."""
+        w_gu, b_gu = gate_up[idx], gate_up_bias[idx]                          # [N,k,D,2I], [N,k,2I]
+        h = torch.matmul(flat[:, None, None, :], w_gu).squeeze(2) + b_gu      # [N, k, 2I]
+        w_d, b_d = down[idx], down_bias[idx]                                  # [N,k,I,D], [N,k,D]
+        return torch.matmul(self._activation(h)[:, :, None, :], w_d).squeeze(2) + b_d  # [N, k, D]
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, D = x.shape
@@ -185,20 +194,24 @@ class Experts(nn.Module):
         dispatch = self.cfg.dispatch
         if dispatch == "grouped" and (flat.is_cuda or flat.is_meta) and flat.dtype != torch.bfloat16:
             dispatch = "gather"  # CUDA grouped GEMMs (and their meta shapes) are bf16 only
-        if dispatch == "grouped" and self.cfg.expert_parts > 1:
-            out = self._grouped_parts(flat, top_idx, weights)
-        elif dispatch == "grouped":
-            out = self._grouped(flat, top_idx, weights)
+        parts = self.cfg.expert_parts > 1
+        if dispatch == "grouped":
+            out = (self._grouped_parts if parts else self._grouped)(flat, top_idx, weights)
         elif dispatch == "dense":
             gate = torch.zeros_like(logits).scatter(1, top_idx, weights)  # [N, E], k nonzeros/row
-            h = torch.matmul(flat[None], self._whole("gate_up")) + self.gate_up_bias[:, None, :]  # [E, N, 2I]
-            y = torch.matmul(self._activation(h), self._whole("down")) + self.down_bias[:, None, :]  # [E, N, D]
+            h = torch.matmul(flat[None], self._whole("gate_up")) + self._whole("gate_up_bias")[:, None, :]  # [E,N,2I]
+            y = torch.matmul(self._activation(h), self._whole("down")) + self._whole("down_bias")[:, None, :]  # [E,N,D]
             out = (y * gate.t()[:, :, None]).sum(dim=0)
+        elif parts:   # each part's own gathers, so that its weights stay its kernels' alone
+            per = self.cfg.n_experts // self.cfg.expert_parts
+            out = torch.zeros_like(flat)
+            for j, part in enumerate(zip(self.gate_up, self.gate_up_bias, self.down, self.down_bias)):
+                e = top_idx - j * per
+                mine = (e >= 0) & (e < per)
+                y = self._gather(flat, e.clamp(0, per - 1), *part)
+                out = out + (y.masked_fill(~mine[:, :, None], 0.0) * weights[:, :, None]).sum(dim=1)
         else:
-            w_gu, b_gu = self._whole("gate_up")[top_idx], self.gate_up_bias[top_idx]    # [N,k,D,2I], [N,k,2I]
-            h = torch.matmul(flat[:, None, None, :], w_gu).squeeze(2) + b_gu  # [N, k, 2I]
-            w_d, b_d = self._whole("down")[top_idx], self.down_bias[top_idx]            # [N,k,I,D], [N,k,D]
-            y = torch.matmul(self._activation(h)[:, :, None, :], w_d).squeeze(2) + b_d  # [N, k, D]
+            y = self._gather(flat, top_idx, self.gate_up, self.gate_up_bias, self.down, self.down_bias)
             out = (y * weights[:, :, None]).sum(dim=1)
         return out.view(B, T, D)
 
