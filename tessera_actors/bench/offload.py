@@ -31,8 +31,17 @@ the two device actors through an engine (median of three), and on a GPU the
 CPU's GEMV rate beside a pinned copy stream and that copy's rate (best of
 three windows); ``--no-measure``: the DESIGN.md numbers.
 
+A mixture of experts (``--model moe``) is built with each layer's routed
+experts in ``--expert-parts`` stacked tensors, each placed on its own, and
+every row plans with the expert load of a warm-up batch (the router's
+choices over 4 x ``warmup_tokens`` tokens on the host model, ATSInfer's
+statistics: :func:`warmup_load`), so a part's CPU time is what a step of its
+tokens reads of it and Tessera may keep hot parts resident, stream some and
+compute the cold ones on the CPU; the load is in the JSON (``expert_load``).
+
 Writes ``offload.json`` (git commit, command line, rates, every number) and
-``offload.png`` to ``--out``; prints a table.  Runs on CPU only too
+``offload.png`` to ``--out`` (and, after every row, ``offload.partial.json``
+with the rows so far: a run cut short keeps them); prints a table.  Runs on CPU only too
 (``--devices "cpu?threads=1,cpu"``: the budgeted CPU stands in for the GPU;
 functional, for CI on a tiny model).
 """
@@ -82,7 +91,7 @@ class OffloadConfig:
     rings: tuple[str, ...] = ("bytes",)   # staging ring modes: the first for every policy, others Tessera again
     tie_nats: float = TIE_NATS
     reference_capture: str = "auto"   # the GPU-only reference's capture: auto (what a GPU-only user gets) or aten
-    expert_parts: int = 8             # moe: each layer's routed experts as this many tensors, placed apart
+    expert_parts: int = 4             # moe: each layer's routed experts as this many tensors, placed apart
     warmup_tokens: int = 128          # moe: tokens per row of the 4-row warm-up batch whose routing is the load
 
     @property
@@ -256,7 +265,13 @@ async def bench(cfg: OffloadConfig) -> dict:
                          "gpu_only_tok_s": None, "headline": ring_row(cfg.rings[0])} for w in work}
     check = (list(PROMPT), *ref["scored"], cfg.tie_nats) if b1 else None
     rows = _rows(cfg, plain, budgeted, cpu.name, budget, options, bool(routed_experts(top)), fits)
-    await run_rows(cfg, rows, results, (devices, options), check, {w: ref[w].get("tokens") for w in work})
+    def save() -> None:   # after every row: what a run cut short (a device's time limit) still leaves
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "offload.partial.json").write_text(json.dumps(
+            {"git_commit": git_commit() or "unknown", "command": " ".join(sys.argv), "config": asdict(cfg),
+             "rates": rates, "expert_load": load, **results}, indent=1, default=str))
+    await run_rows(cfg, rows, results, (devices, options), check, {w: ref[w].get("tokens") for w in work}, save)
     return {"rates": rates, "reference_tokens": ref["scored"][0] if b1 else [], "expert_load": load, **results}
 
 
@@ -299,9 +314,10 @@ def set_ideal(cfg: OffloadConfig, results: dict, got: dict, devices: list[str], 
             row["ideal_tok_s"] = tokens_per_step(cfg, w) / row["ideal_step_s"]
 
 
-async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, check, ref_tokens: dict) -> None:
+async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, check, ref_tokens: dict,
+                   save=lambda: None) -> None:
     """Every row's engine (one failing, e.g. out of memory, does not lose
-    the others), and one load-aware re-plan of the headline Tessera row;
+    the others; ``save()`` after each), and one load-aware re-plan of the headline Tessera row;
     ``rated``: the budgeted devices and the planner's rates;
     ``ref_tokens``: per workload the reference's row-0 greedy tokens."""
     work = list(ref_tokens)
@@ -315,6 +331,7 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, 
             for w in work:
                 results[w]["policies"][name] = {"error": why}
                 results[w][f"{name}_tok_s"] = None
+            save()
             continue
         set_ideal(cfg, results, got, *rated)
         for w in work:
@@ -326,6 +343,7 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, 
             results[w][f"{name}_tok_s"] = info["tok_s"]
             log(f"{w} {name}: {info['tok_s']:.1f} tok/s (step {info['step_s'] * 1e3:.1f} ms, predicted "
                 f"{(info['predicted_step_s'] or 0) * 1e3:.1f}), peak {info['gpu_peak_bytes']} B")
+        save()
         if name == head:
             replan = replanned(cfg, got, first, conf)
             if replan is not None:
