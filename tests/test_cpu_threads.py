@@ -91,3 +91,9 @@ def test_the_probe_times_every_count_it_is_given():
     times = measure_threads((2, 1), budget_s=0.0, reps=1)   # one round
     assert [t.threads for t in times] == [2, 1]
     assert all(t.batch1_ms > 0 and t.batch16_ms > 0 for t in times)
+
+
+def test_a_machine_with_a_gpu_serves_on_it_by_default():
+    one, two = default_deployment(cores=16, gpus=1), default_deployment(cores=16, gpus=2)
+    assert one.devices == two.devices == "cuda:0"
+    assert "1 GPU seen" in one.why and "cuda:0,cuda:1" in two.why

@@ -150,8 +150,8 @@ def default_deployment(cores: int | None = None, gpus: int | None = None,
     side; measured on the 2-core box (``benchmarks/bench_cpu_step.py``) one
     device was faster at every batch, so a split is used only where asked
     for (``--devices cpu,cpu``).
-    With GPUs: the engine's default devices, as before (the GPU deployments
-    are chosen by the launchers and flags)."""
+    With a GPU: ``cuda:0`` (inductor's kernels replayed as CUDA graphs;
+    more GPUs, a GPU beside the CPU or a budget are asked for by flags)."""
     import os
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -159,8 +159,8 @@ def default_deployment(cores: int | None = None, gpus: int | None = None,
         import torch
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
-        from tessera_actors.serving.config import EngineConfig
-        return Deployment(EngineConfig().devices, f"{gpus} GPU(s) seen: the engine's default devices")
+        more = "; --devices cuda:0,cuda:1 places the kernels over two" if gpus > 1 else ""
+        return Deployment("cuda:0", f"{gpus} GPU{'s' if gpus > 1 else ''} seen: one GPU device{more}")
     from tessera_actors.serving.cpu_threads import candidates, choose_threads, measure_threads
     where = f"{cores} CPU core{'s' if cores != 1 else ''}, no GPU: one device"
     split = "a CPU split only where asked for: --devices cpu,cpu"
