@@ -51,7 +51,7 @@ from tessera_actors.runtime.messages import (Placed, Describe, GetGraph, GetStat
                                      LoadValues, Ok, Place, Readmit, Register, Registered, ReportLost, Routes,
                                      Stats, Uninstall)
 from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_to_dict
-from tessera_actors.planning.pinning import pinned_assignment, respects
+from tessera_actors.planning.pinning import served_assignment
 
 log = logging.getLogger("tessera_actors.scheduler")
 
@@ -319,8 +319,8 @@ class SchedulerActor(Actor):
         pins = {name: where[tuple(r)] for name, r in msg.pins.items() if tuple(r) in where}
         weights = {name: {where[tuple(r)] for r in rs if tuple(r) in where} for name, rs in msg.weights.items()}
         weights = {name: ds for name, ds in weights.items() if ds}
-        if (pins or weights) and not respects(graph, plan.assignment, pins, weights):
-            assignment = pinned_assignment(graph, pins, weights)
+        assignment = served_assignment(graph, plan.assignment, pins, weights)
+        if assignment is not None:
             plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)
         placed = await self._deploy(msg.plan_id, graph, plan, live, graph_bytes, placing, msg.graph, msg.share)
         return Placed(placed.plan_id, placed.routes, plan) if msg.objects else placed

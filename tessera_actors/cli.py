@@ -268,6 +268,9 @@ def offload_flags(b: argparse.ArgumentParser) -> None:
     b.add_argument("--reference-capture", default="auto", choices=["auto", "aten", "inductor"],
                    help="the GPU-only reference engine's capture (auto: inductor on a GPU, what a GPU-only "
                         "user gets; aten: the kernels the offload rows run)")
+    b.add_argument("--expert-parts", type=int, default=4,
+                   help="moe: each layer's routed experts as this many stacked tensors, each placed on its own "
+                        "(resident, streamed or on the CPU); 1: one tensor a layer")
     b.add_argument("--out", default="benchmarks/results/offload", help="result folder")
 
 

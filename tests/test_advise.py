@@ -78,3 +78,68 @@ def test_gpu_groups_with_counts():
     for bad in ("A100", "A100,L40S,H100", "0xA100,L40S", "A100,V100"):
         with pytest.raises(ValueError):
             parse_gpus(bad)
+
+
+def test_unit_s_is_time_sharing_on_one_gpu_and_pd_on_two():
+    """The one formula of prefill and decode sharing GPUs: at least each
+    plan's own time, each GPU's compute of both, and the link (PD's state)."""
+    from tessera_actors.planning.policies import Option, unit_s
+    pre0 = Option(100.0, (0.010, 0.0), 1, "prefill on 0")      # 10 ms a prompt
+    dec1 = Option(1000.0, (0.0, 0.001), 1, "decode on 1")      # 1 ms a decode step
+    dec0 = Option(1000.0, (0.001, 0.0), 1, "decode on 0")
+    assert unit_s([(pre0, 1), (dec1, 16)], 0.002) == pytest.approx(0.016)     # PD, decode bound
+    assert unit_s([(pre0, 4), (dec1, 16)], 0.008) == pytest.approx(0.040)     # PD, prefill bound
+    assert unit_s([(pre0, 1), (dec1, 4)], 0.030) == pytest.approx(0.030)      # PD, the link bound
+    assert unit_s([(pre0, 1), (dec0, 16)]) == pytest.approx(0.026)            # one GPU: time sharing
+
+
+def test_the_prompt_is_served_where_the_decode_plan_keeps_the_weights():
+    """A prompt planned on the other GPU alone would need a second copy of
+    every weight: the engine serves it pinned to the decode plan's homes, and
+    so does the Tessera row; a prompt plan that keeps them is taken as is."""
+    from tessera_actors.graph import Access, Buffer, Kernel, KernelGraph
+    from tessera_actors.plan import build_plan
+    from tessera_actors.planning.costs import CostTable
+    from tessera_actors.planning.policies import Option, served_prefill
+    bufs = {0: Buffer(0, 64, "input", "x"), 1: Buffer(1, 64, "weight", "w1"), 2: Buffer(2, 64, "weight", "w2"),
+            3: Buffer(3, 64, "temp"), 4: Buffer(4, 64, "output", "y")}
+    ks = [Kernel(0, "a", "library", (Access(0, 0, 64, "r"), Access(1, 0, 64, "r"), Access(3, 0, 64, "w"))),
+          Kernel(1, "b", "library", (Access(3, 0, 64, "r"), Access(2, 0, 64, "r"), Access(4, 0, 64, "w")))]
+    g = KernelGraph(ks, bufs, {"x": 0}, [4])
+    devs = ["cuda:0", "cuda:1"]
+    costs = CostTable(devs, [[0.004, 0.001], [0.004, 0.001]], [[0.0, 1e-5], [1e-5, 0.0]],
+                      [[float("inf"), 1e9], [1e9, float("inf")]], [None, None])
+    plan = lambda a, name: build_plan(g, devs, a, name=name)  # noqa: E731
+    dec = Option(1 / 0.008, (0.008, 0.0), 1, "on cuda:0", plan([0, 0], "homo[cuda:0]"))
+    on_r = Option(1 / 0.002, (0.0, 0.002), 1, "on cuda:1", plan([1, 1], "homo[cuda:1]"))
+    (served,) = served_prefill(g, costs, [on_r], g, dec)
+    assert served.plan.assignment == [0, 0] and served.busy == pytest.approx((0.008, 0.0))
+    assert served.rate == pytest.approx(1 / 0.008) and "pinned to decode's homes" in served.label
+    split = Option(1 / 0.005, (0.004, 0.001), 1, "split", plan([0, 1], "split"))
+    dec_split = Option(1 / 0.005, (0.004, 0.001), 1, "split", plan([0, 1], "split"))
+    assert served_prefill(g, costs, [split], g, dec_split) == [split]
+
+
+def test_the_tessera_row_serves_no_prompt_on_a_gpu_that_does_not_hold_the_decode_weights():
+    """Llama on A100+L40S (the committed graphs): the decode plan keeps
+    weights on the A100, so the prompt cannot run on the L40S alone (it did:
+    a pair the engine cannot serve, 527 tokens/s, above PD and AF)."""
+    res = advise.evaluate("llama", ["A100", "L40S"])
+    tess = res["policies"]["Tessera"]
+    assert "prefill on L40S" not in tess["note"] or "decode on L40S" in tess["note"]
+    assert tess["tokens_per_s"] < res["policies"]["PD"]["tokens_per_s"]
+
+
+def test_unit_s_is_the_step_time_models_makespan_of_prefill_and_decode_sharing_gpus():
+    """``unit_s`` is the closed form of the one step-time model
+    (:mod:`.timing`) for a prompt plan and a decode plan in flight together:
+    on two GPUs (PD) and on one (time sharing) it is the simulated makespan."""
+    from tessera_actors.planning.policies import Option, unit_s
+    from tessera_actors.planning.timing import Programs, run
+    for pre_dev, dec_dev in ((0, 1), (0, 0)):
+        pre = Programs([[("run", 0)] if d == pre_dev else [] for d in range(2)], [0.010], {})
+        dec = Programs([[("run", 0)] if d == dec_dev else [] for d in range(2)], [0.001], {})
+        r = run([(pre, 1), (dec, 1)], [4, 16])
+        parts = [(Option(100.0, tuple(0.010 if d == pre_dev else 0.0 for d in range(2)), 1, ""), 4),
+                 (Option(1000.0, tuple(0.001 if d == dec_dev else 0.0 for d in range(2)), 1, ""), 16)]
+        assert max(r.finish) == pytest.approx(unit_s(parts))

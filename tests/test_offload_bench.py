@@ -162,3 +162,29 @@ def test_a_replan_rescales_the_cpu_by_its_plans_own_busy_time_within_a_bound():
     opts = replan(10575 * cpu_s).planner_options          # far off: bounded
     assert opts["cpu_bps"] == pytest.approx(4e10 / REPLAN_BOUND) and opts["cpu_flops"] == pytest.approx(
         1e13 / REPLAN_BOUND)
+
+
+def test_offload_bench_of_a_mixture_of_experts_on_cpu(tmp_path):
+    """The tiny MoE with its experts in parts: an expert-offload row (every
+    routed part on the CPU), the warm-up's expert load in the JSON and fed
+    to the planner, and every row's batch-1 tokens the single-device
+    reference's (float32 on CPU: bitwise)."""
+    out = tmp_path / "moe"
+    cmd = [sys.executable, "-m", "tessera_actors.cli", "bench", "offload", "--model", "moe", "--size", "tiny",
+           "--gpu-budget", "7MiB", "--batch", "1,2", "--prefill", "8", "--steps", "3", "--prefill-steps", "1",
+           "--dtype", "float32", "--no-measure", "--expert-parts", "4", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads((out / "offload.json").read_text())
+    load = doc["expert_load"]
+    assert len(load) == 2 * 2 * 4 and sum(sum(load[f"layers.0.experts.gate_up.{j}"]) for j in range(4)) == \
+        pytest.approx(2)   # top-2: every token chose two experts
+    for name in ("decode_b1", "decode_b2", "prefill"):
+        pols = doc[name]["policies"]
+        assert {"layer_offload", "streaming", "expert_offload", "tessera_bytes_ring"} <= set(pols), name
+        assert all("error" not in p for p in pols.values()), (name, pols)
+        homes = pols["expert_offload"]["homes"]   # both layers' gate_up and down parts (and their heavy biases)
+        assert homes["C"] >= 2 * 2 * 4 and homes["S"] == 0 and homes["R"] > 0
+    for name, pol in doc["decode_b1"]["policies"].items():
+        assert pol["tokens_equal_reference"] and pol["forced_tokens_equal_reference"], name
+        assert pol["argmax_flips_beyond_ties"] == 0 and pol["max_top_logprob_error"] < 1e-4, name

@@ -1,7 +1,7 @@
 """Baseline policies as plans, and the `tessera plan` command."""
 import pytest
 
-from tessera_actors.planning.baselines import (af_assignment, is_attention, layer_split_assignment, pd_rate,
+from tessera_actors.planning.baselines import (af_assignment, is_attention, layer_split_assignment,
                                                request_distribution, single_graph_baselines)
 from tessera_actors.planning.cli import plan_command
 from tessera_actors.planning.costs import CostTable
@@ -48,14 +48,6 @@ def test_layer_split_cuts_at_layer_boundaries_in_proportion():
     assert a == [0] * cut + [1] * (len(a) - cut)
     assert g.kernels[cut].layer != g.kernels[cut - 1].layer
     assert g.kernels[cut].layer == 6                # 6 of 8 layers on the 3x faster device
-
-
-def test_pd_rate_is_the_slower_of_its_two_devices():
-    """PD's one formula: prefills (or their state crossing the link, whichever
-    is slower) on one device, ``decode_steps`` decode steps on the other."""
-    assert pd_rate(0.010, 0.002, 0.001, 16) == pytest.approx(1 / 0.016)     # decode bound
-    assert pd_rate(0.010, 0.002, 0.001, 4) == pytest.approx(1 / 0.010)      # prefill bound
-    assert pd_rate(0.010, 0.030, 0.001, 4) == pytest.approx(1 / 0.030)      # the link bound
 
 
 def test_baselines_are_legal_plans_with_predictions():

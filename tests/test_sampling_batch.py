@@ -22,6 +22,7 @@ from tessera_actors.execution.sampling import (
 from tessera_actors.graph import Access, KernelGraph
 from tessera_actors.runtime.messages import SampleRow, StepRows
 from tessera_actors.serving.buckets import Bucket, capture_aten
+from tessera_actors.serving.gpu_capture import GreedyHead
 
 
 def _one(x: torch.Tensor, temperature: float, top_p: float, top_k: int, u: float) -> torch.Tensor:
@@ -83,6 +84,26 @@ def test_a_mixed_batch_samples_like_its_entries_alone_and_moves_its_index_on():
     moved = [SampleRow(r.row, r.col, r.temperature, r.top_p, r.top_k, r.seed, r.index + 1) for r in rows]
     assert batch.sample(logits)[0].tolist() == [int(SampleBatch([r], logits.device).sample(logits)[0][0])
                                                 for r in moved]
+
+
+def test_a_greedy_batch_takes_the_graphs_argmax_and_log_sum_exp_with_the_tokens_it_samples_itself():
+    torch.manual_seed(3)
+    logits = torch.randn(6, 1, 500).to(torch.bfloat16)
+    logits[2, 0, 7] = logits[2, 0, 40] = 12.0                    # a tie: the lowest id
+    head = GreedyHead()(logits)
+    rows = [SampleRow(r, 0, 0.0) for r in (0, 2, 5)]            # not rows 0..n-1: gathered
+    ref_ids, ref_lps, _ = SampleBatch(rows, logits.device).sample(logits)
+    ids, lps, top = SampleBatch(rows, logits.device).sample(logits, (), head)
+    assert ids.tolist() == ref_ids.tolist() and int(ids[1]) == 7 and top is None
+    assert torch.allclose(lps, ref_lps, atol=1e-5, rtol=0)
+    first = [SampleRow(r, 0, 0.0) for r in range(4)]            # rows 0..n-1: a view
+    assert SampleBatch(first, logits.device).sample(logits, (), head)[0].tolist() == head[0][:4, 0].tolist()
+    # a record that asks for top log probabilities, or a drawn entry, samples from the logits as before
+    topped = SampleBatch(rows, logits.device).sample(logits, [[0, {"top": 2}]], head)
+    assert torch.equal(topped[1], ref_lps) and topped[2] is not None
+    mixed = rows + [SampleRow(1, 0, 0.7, 1.0, 0, seed=5)]
+    assert torch.equal(SampleBatch(mixed, logits.device).sample(logits, (), head)[1],
+                       SampleBatch(mixed, logits.device).sample(logits)[1])
 
 
 @pytest.mark.parametrize("written", [False, True])

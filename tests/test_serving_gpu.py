@@ -42,7 +42,9 @@ async def test_a_gpu_deployment_serves_inductor_captures_replayed_as_cuda_graphs
     async with AsyncEngine(devices="cuda:0", **CFG) as ind:   # capture="auto": inductor on a GPU
         got = await _run(ind, greedy)
         stats = ind.stats()["bucket_stats"]
+        heads = {name: g.meta.get("greedy_outputs") for name, g in ind.served.graphs.items()}
     assert got == ref
+    assert heads and all(heads.values()), heads   # every bucket computes the greedy argmax in its graph
     ran = {name: s for name, s in stats.items() if s.get("replays", 0) + s.get("eager_runs", 0)}
     assert ran and all(s["capture"] == "inductor" for s in stats.values()), stats
     assert any(s["replays"] > 0 for s in ran.values()) and all(s["capture_failures"] == 0 for s in ran.values())

@@ -31,8 +31,17 @@ the two device actors through an engine (median of three), and on a GPU the
 CPU's GEMV rate beside a pinned copy stream and that copy's rate (best of
 three windows); ``--no-measure``: the DESIGN.md numbers.
 
+A mixture of experts (``--model moe``) is built with each layer's routed
+experts in ``--expert-parts`` stacked tensors, each placed on its own, and
+every row plans with the expert load of a warm-up batch (the router's
+choices over 4 x ``warmup_tokens`` tokens on the host model, ATSInfer's
+statistics: :func:`warmup_load`), so a part's CPU time is what a step of its
+tokens reads of it and Tessera may keep hot parts resident, stream some and
+compute the cold ones on the CPU; the load is in the JSON (``expert_load``).
+
 Writes ``offload.json`` (git commit, command line, rates, every number) and
-``offload.png`` to ``--out``; prints a table.  Runs on CPU only too
+``offload.png`` to ``--out`` (and, after every row, ``offload.partial.json``
+with the rows so far: a run cut short keeps them); prints a table.  Runs on CPU only too
 (``--devices "cpu?threads=1,cpu"``: the budgeted CPU stands in for the GPU;
 functional, for CI on a tiny model).
 """
@@ -82,6 +91,8 @@ class OffloadConfig:
     rings: tuple[str, ...] = ("bytes",)   # staging ring modes: the first for every policy, others Tessera again
     tie_nats: float = TIE_NATS
     reference_capture: str = "auto"   # the GPU-only reference's capture: auto (what a GPU-only user gets) or aten
+    expert_parts: int = 4             # moe: each layer's routed experts as this many tensors, placed apart
+    warmup_tokens: int = 128          # moe: tokens per row of the 4-row warm-up batch whose routing is the load
 
     @property
     def build_device(self) -> str:
@@ -105,10 +116,12 @@ def engine_fields(cfg: OffloadConfig) -> dict:
     max_len = max(cfg.prefill + 8, 3 + warm + cfg.steps + 8)
     max_len = -(-max_len // 64) * 64
     chunks = tuple(sorted({32, cfg.prefill} - {0}))
+    overrides = {"n_layers": cfg.layers} if cfg.layers else {}
+    if cfg.model == "moe":
+        overrides["expert_parts"] = cfg.expert_parts
     return dict(model=cfg.model, size=cfg.size, dtype=cfg.dtype, seed=cfg.seed, max_seqs=max(cfg.batches),
                 max_model_len=max_len, decode_buckets=tuple(cfg.batches), prefill_buckets=chunks, kv_windows=(),
-                mode="latency", overrides={"n_layers": cfg.layers} if cfg.layers else {},
-                build_device=cfg.build_device, embeddings=False)
+                mode="latency", overrides=overrides, build_device=cfg.build_device, embeddings=False)
 
 
 def budget_bytes(cfg: OffloadConfig, graph) -> int:
@@ -238,6 +251,9 @@ async def bench(cfg: OffloadConfig) -> dict:
     # the planner's rates; the bound of every workload comes from the same rates (run_rows)
     options = {"pcie_bps": rates["pcie_bps"], "cpu_bps": rates["cpu_gemv_bps"], "switch_s": rates["planned_switch_s"],
                "reserve": reserve}
+    load = warmup_load(cfg, served.model)
+    if load:   # every row plans with the router's statistics: what each routed part's kernels really read
+        options["expert_load"] = load
     if rates.get("cpu_rows_bps"):
         options.update(cpu_rows_bps=rates["cpu_rows_bps"], cpu_flops=rates["cpu_flops"])
     # whether the model fits the budget, on the reference's graph (its capture may differ from the offload
@@ -249,14 +265,42 @@ async def bench(cfg: OffloadConfig) -> dict:
                          "gpu_only_tok_s": None, "headline": ring_row(cfg.rings[0])} for w in work}
     check = (list(PROMPT), *ref["scored"], cfg.tie_nats) if b1 else None
     rows = _rows(cfg, plain, budgeted, cpu.name, budget, options, bool(routed_experts(top)), fits)
-    await run_rows(cfg, rows, results, (devices, options), check, {w: ref[w].get("tokens") for w in work})
-    return {"rates": rates, "reference_tokens": ref["scored"][0] if b1 else [], **results}
+    def save() -> None:   # after every row: what a run cut short (a device's time limit) still leaves
+        out = Path(cfg.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "offload.partial.json").write_text(json.dumps(
+            {"git_commit": git_commit() or "unknown", "command": " ".join(sys.argv), "config": asdict(cfg),
+             "rates": rates, "expert_load": load, **results}, indent=1, default=str))
+    await run_rows(cfg, rows, results, (devices, options), check, {w: ref[w].get("tokens") for w in work}, save)
+    return {"rates": rates, "reference_tokens": ref["scored"][0] if b1 else [], "expert_load": load, **results}
+
+
+def warmup_load(cfg: OffloadConfig, model: torch.nn.Module) -> dict[str, list[float]]:
+    """A mixture of experts' expert load (ATSInfer): the router's choices
+    over a warm-up batch (up to 4 rows - the KV rows the model has - of
+    ``warmup_tokens`` deterministic ids) on
+    the host model (:func:`~tessera_actors.models.moe_load.router_load`);
+    {} for a model without routed experts."""
+    from tessera_actors.models.moe import MoE
+    from tessera_actors.models.moe_load import router_load
+    if not isinstance(model, MoE):
+        return {}
+    vocab, tokens, rows = model.cfg.vocab_size, min(cfg.warmup_tokens, model.cfg.max_seq), min(4, model.cfg.max_batch)
+    ids = torch.tensor([[(i * 7919 + r * 104729 + 1) % vocab for i in range(tokens)] for r in range(rows)])
+    t0 = time.perf_counter()
+    load = router_load(model, ids)
+    even = model.cfg.top_k / model.cfg.n_experts   # every expert's share under uniform routing
+    shares = [p for ps in load.values() for p in ps]
+    log(f"expert load from a warm-up batch of {rows} x {tokens} tokens in {time.perf_counter() - t0:.1f} s: "
+        f"{len(load)} routed weights, experts at {min(shares) / even:.2f}x to {max(shares) / even:.2f}x "
+        f"a uniform router's share")
+    return load
 
 
 def step_model(graph, devices: list[str], options: dict, ring: str) -> Offload:
     """The offload step model of ``graph`` with the planner's rates ``options``."""
     costs = estimate_rates(graph, devices, options["switch_s"], options["cpu_bps"], options.get("cpu_rows_bps"),
-                           options.get("cpu_flops"))
+                           options.get("cpu_flops"), options.get("expert_load"))
     return Offload(graph, devices, costs, options["pcie_bps"], options["reserve"], ring=ring)
 
 
@@ -270,9 +314,10 @@ def set_ideal(cfg: OffloadConfig, results: dict, got: dict, devices: list[str], 
             row["ideal_tok_s"] = tokens_per_step(cfg, w) / row["ideal_step_s"]
 
 
-async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, check, ref_tokens: dict) -> None:
+async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, check, ref_tokens: dict,
+                   save=lambda: None) -> None:
     """Every row's engine (one failing, e.g. out of memory, does not lose
-    the others), and one load-aware re-plan of the headline Tessera row;
+    the others; ``save()`` after each), and one load-aware re-plan of the headline Tessera row;
     ``rated``: the budgeted devices and the planner's rates;
     ``ref_tokens``: per workload the reference's row-0 greedy tokens."""
     work = list(ref_tokens)
@@ -286,6 +331,7 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, 
             for w in work:
                 results[w]["policies"][name] = {"error": why}
                 results[w][f"{name}_tok_s"] = None
+            save()
             continue
         set_ideal(cfg, results, got, *rated)
         for w in work:
@@ -297,6 +343,7 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, 
             results[w][f"{name}_tok_s"] = info["tok_s"]
             log(f"{w} {name}: {info['tok_s']:.1f} tok/s (step {info['step_s'] * 1e3:.1f} ms, predicted "
                 f"{(info['predicted_step_s'] or 0) * 1e3:.1f}), peak {info['gpu_peak_bytes']} B")
+        save()
         if name == head:
             replan = replanned(cfg, got, first, conf)
             if replan is not None:
@@ -418,7 +465,7 @@ def main(args) -> int:
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
                         args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
-                        rings_of(args.ring), args.tie_nats, args.reference_capture)
+                        rings_of(args.ring), args.tie_nats, args.reference_capture, args.expert_parts)
     run_offload_bench(cfg)
     return 0
 

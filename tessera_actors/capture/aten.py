@@ -42,7 +42,9 @@ from tessera_actors.capture.pytree import encode_constant, flatten_inputs, flatt
 _FULL_OVERWRITE = {"aten::copy_", "aten::fill_", "aten::zero_"}
 _MATMUL = {"aten::mm", "aten::bmm", "aten::addmm", "aten::matmul", "aten::linear", "aten::baddbmm",
            # quantized weights (models/quantized.py): activations [M, K] first, 2 M N K as a dense matmul
-           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"}
+           "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
+           # a mixture of experts' grouped GEMM (models/moe.py): rows [M, K] first, 2 M N K whatever the groups
+           "aten::_grouped_mm"}
 
 
 @dataclass

@@ -149,8 +149,8 @@ class PlanRows:
         self.batch = SampleBatch([self.params[r] for r in order], self.device, self.uploads.put,
                                  np.array(index, dtype=np.uint64))
 
-    def sample(self, logits: torch.Tensor, records: Sequence[Any] = ()
+    def sample(self, logits: torch.Tensor, records: Sequence[Any] = (), greedy: Any = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.batch is None:
             raise BackendError("the plan's rows were never given to the device that samples them")
-        return self.batch.sample(logits, records)
+        return self.batch.sample(logits, records, greedy)

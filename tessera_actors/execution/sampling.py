@@ -17,7 +17,11 @@ probability is that of the unmodified distribution (``log_softmax`` of the
 logits), the number a client can compare bitwise across placements.  An
 entry may carry a record of :mod:`.sampling_extras` (penalties, logit bias,
 a token mask, top log probabilities), applied to its logits before the
-draw.  No host read: the results stay on the device
+draw.  Where the step's graph computed the logits' argmax and log-sum-exp
+itself (a GPU deployment's buckets: ``serving.gpu_capture.GreedyHead``), a
+greedy batch that asks for no top log probabilities and changes no logits
+takes its tokens and their log probabilities from those.  No host read:
+the results stay on the device
 (:func:`.sampling_extras.pack` puts them in one tensor for one copy,
 :func:`~.sampling_extras.unpack` reads it).
 """
@@ -108,21 +112,31 @@ class SampleBatch:
     def advance(self) -> None:
         self.index += np.uint64(1)
 
-    def sample(self, logits: torch.Tensor, changing: Sequence[Sequence] = ()
+    def sample(self, logits: torch.Tensor, changing: Sequence[Sequence] = (),
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(token ids [n] int64, their log probabilities [n] float32, the top
         log probabilities ``[n, 2, k]`` of :func:`.sampling_extras.top_logprobs`
         or None) on the logits' device; ``changing``: ``[[entry, record]]``
-        merged over the entries' own records for this step.  No host read."""
+        merged over the entries' own records for this step; ``greedy``: the
+        logits' argmax and log-sum-exp ``[B, T]`` (float32) where the step
+        computed them, used when every entry is greedy, no record changes its
+        logits and none asks for top log probabilities.  No host read."""
         if logits.dim() != 3:
             raise ValueError(f"logits must be [B, T, V], got shape {list(logits.shape)}")
-        raw = (logits[:self.first, 0] if self.first else logits[self.where[0], self.where[1]]).float()   # [n, V]
         records = self.records
         if changing:
             records = dict(records)
             for i, rec in changing:
                 records[int(i)] = {**records.get(int(i), {}), **rec}
         shaping = {i: r for i, r in records.items() if any(key != "top" for key in r)}   # "top" alone: no change
+        tops = max((int(r.get("top", 0)) for r in records.values()), default=0)
+        pick = (lambda t: t[:self.first, 0]) if self.first else (lambda t: t[self.where[0], self.where[1]])
+        if greedy is not None and not shaping and not tops and not len(self.drawn):
+            ids = pick(greedy[0]).clone()   # a copy: the next step's kernels rewrite the step's outputs
+            chosen = pick(logits).gather(1, ids.view(-1, 1)).view(-1).float() - pick(greedy[1])
+            return ids, chosen, None
+        raw = pick(logits).float()   # [n, V]
         x = apply_records(raw, shaping) if shaping else raw
         ids = x.argmax(dim=-1)
         if len(self.drawn):
@@ -132,7 +146,7 @@ class SampleBatch:
             ids = picked if self.all_drawn else ids.index_copy(0, self.drawn_at, picked)
         logprobs = torch.log_softmax(raw, dim=-1)
         chosen = logprobs.gather(1, ids.view(-1, 1)).view(-1)
-        return ids, chosen, top_logprobs(logprobs, max((int(r.get("top", 0)) for r in records.values()), default=0))
+        return ids, chosen, top_logprobs(logprobs, tops)
 
 
 def draw(x: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, filtered: torch.Tensor,

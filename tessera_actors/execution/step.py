@@ -109,6 +109,13 @@ class DeviceStep:
         self.landings = Landings(runner.device, AHEAD + 1)
         self.rows: PlanRows | None = None
         self.logits_view: torch.Tensor | None = None
+        # the argmax and log-sum-exp the graph computes beside the logits (a GPU bucket's), when they end here
+        views = graph.meta.get("output_views") or []
+        here = {b for b, _, _, dev in plan.outputs if dev == device}
+        self.greedy_refs = [views[i] for i in graph.meta.get("greedy_outputs") or ()]
+        if not self.holds_logits or any(ref[0] not in here for ref in self.greedy_refs):
+            self.greedy_refs = []
+        self.greedy_views: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def local(self, msg) -> bool:
         """Whether a step may be launched ahead: this device's program runs
@@ -252,11 +259,13 @@ class StepRun:
             if st.logits_view is None:
                 st.logits_view = st.prog.view(st.logits)   # the arena never moves: one view for every step
             logits = st.logits_view
+            if st.greedy_refs and st.greedy_views is None:
+                st.greedy_views = tuple(st.prog.view(ref) for ref in st.greedy_refs)
             if msg.rows is not None:
-                ids, lps, top = st.plan_rows().sample(logits, msg.rows.records)
+                ids, lps, top = st.plan_rows().sample(logits, msg.rows.records, st.greedy_views)
             else:
                 ids, lps, top = SampleBatch([as_sample_row(e) for e in msg.sample], logits.device,
-                                            st.uploads.put).sample(logits)
+                                            st.uploads.put).sample(logits, (), st.greedy_views)
             st.sampled = (msg.step, ids)
             self.host = st.landings.land(pack(ids, lps, top))   # one copy: ids, log probabilities, top ones
             if self.spans is not None:

@@ -57,6 +57,7 @@ class MoEConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 150000.0
     dispatch: str = "grouped"
+    expert_parts: int = 1       # > 1: each layer's routed experts as that many stacked tensors (placed apart)
     max_batch: int = 4
     max_seq: int = 64
 
@@ -66,6 +67,8 @@ class MoEConfig:
         if self.dispatch == "grouped" and (self.dim % 8 or self.expert_dim % 8):
             raise ValueError(f"grouped dispatch needs dim and expert_dim multiples of 8 (16-byte rows), "
                              f"got {self.dim}, {self.expert_dim}")
+        if self.expert_parts < 1 or self.n_experts % self.expert_parts:
+            raise ValueError(f"expert_parts={self.expert_parts} must divide n_experts={self.n_experts}")
         if not 0 < self.top_k <= self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
         if self.n_heads % self.n_kv_heads:
@@ -99,18 +102,34 @@ class MoEConfig:
 
 
 class Experts(nn.Module):
-    """Router + ``n_experts`` GPT-oss experts; ``forward(x [B,T,D]) -> [B,T,D]``."""
+    """Router + ``n_experts`` GPT-oss experts; ``forward(x [B,T,D]) -> [B,T,D]``.
+
+    With ``expert_parts`` P > 1 the routed experts' matrices are P stacked
+    tensors of ``n_experts / P`` consecutive experts each (``gate_up.0`` ..,
+    ``down.0`` .., their biases likewise): each part is its own pair of
+    grouped GEMMs, so a planner can keep one part on the GPU, stream
+    another and compute a third on the CPU (:mod:`.moe_load` gives each
+    part's share of the tokens)."""
 
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
-        E, D, I = cfg.n_experts, cfg.dim, cfg.expert_dim
+        E, D, I, P = cfg.n_experts, cfg.dim, cfg.expert_dim, cfg.expert_parts
         self.router = nn.Linear(D, E, bias=True)
         # gate/up interleaved along the last dim: gate = [..., 0::2], up = [..., 1::2]
-        self.gate_up = nn.Parameter(torch.empty(E, D, 2 * I))
-        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * I))
-        self.down = nn.Parameter(torch.empty(E, I, D))
-        self.down_bias = nn.Parameter(torch.empty(E, D))
+        def stacked(*shape: int):   # [E, *shape], or P parts of [E / P, *shape]
+            if P == 1:
+                return nn.Parameter(torch.empty(E, *shape))
+            return nn.ParameterList(nn.Parameter(torch.empty(E // P, *shape)) for _ in range(P))
+        self.gate_up = stacked(D, 2 * I)
+        self.gate_up_bias = stacked(2 * I)
+        self.down = stacked(I, D)
+        self.down_bias = stacked(D)
+
+    def _whole(self, name: str) -> Tensor:
+        """The stacked [E, ...] tensor of ``gate_up``, ``down`` or a bias (a copy when in parts)."""
+        w = getattr(self, name)
+        return w if isinstance(w, Tensor) else torch.cat(list(w))
 
     def _activation(self, h: Tensor) -> Tensor:
         limit, alpha = self.cfg.swiglu_limit, self.cfg.swiglu_alpha
@@ -132,6 +151,40 @@ class Experts(nn.Module):
         y = y[inverse].view(N, k, D)                                         # back in (token, choice) order
         return (y * weights[:, :, None]).sum(dim=1)
 
+    def _grouped_parts(self, flat: Tensor, top_idx: Tensor, weights: Tensor) -> Tensor:
+        """Grouped dispatch over the experts' parts: per part, its pairs
+        sorted to the front (by expert; the other parts' pairs after them,
+        past the last offset, where the grouped GEMM leaves its rows
+        unwritten and the mask zeroes them), its two grouped GEMMs, and its
+        rows' weighted sum added to the output."""
+        N, D = flat.shape
+        k, per = self.cfg.top_k, self.cfg.n_experts // self.cfg.expert_parts
+        experts = top_idx.reshape(N * k)
+        wflat = weights.reshape(N * k)
+        local = torch.arange(per, device=flat.device)
+        out = torch.zeros_like(flat)
+        parts = zip(self.gate_up, self.gate_up_bias, self.down, self.down_bias)
+        for j, (gate_up, gate_up_bias, down, down_bias) in enumerate(parts):
+            e = experts - j * per
+            key = torch.where((e >= 0) & (e < per), e, per)           # the other parts' pairs sort last
+            key_sorted, perm = torch.sort(key, stable=True)
+            offs = (key[:, None] == local).sum(0).cumsum(0).to(torch.int32)
+            mine = key_sorted < per
+            local_e = key_sorted.clamp(max=per - 1)
+            h = torch._grouped_mm(flat[perm // k], gate_up, offs) + gate_up_bias[local_e]
+            y = torch._grouped_mm(self._activation(h), down, offs) + down_bias[local_e]
+            y = y.masked_fill(~mine[:, None], 0.0) * wflat[perm][:, None]   # rows past the offsets: unwritten
+            out = out.index_add(0, perm // k, y)
+        return out
+
+    def _gather(self, flat: Tensor, idx: Tensor, gate_up: Tensor, gate_up_bias: Tensor, down: Tensor,
+                down_bias: Tensor) -> Tensor:
+        """Gather dispatch: the experts ``idx`` [N, k] of each token applied to it -> [N, k, D]."""
+        w_gu, b_gu = gate_up[idx], gate_up_bias[idx]                          # [N,k,D,2I], [N,k,2I]
+        h = torch.matmul(flat[:, None, None, :], w_gu).squeeze(2) + b_gu      # [N, k, 2I]
+        w_d, b_d = down[idx], down_bias[idx]                                  # [N,k,I,D], [N,k,D]
+        return torch.matmul(self._activation(h)[:, :, None, :], w_d).squeeze(2) + b_d  # [N, k, D]
+
     def forward(self, x: Tensor) -> Tensor:
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
@@ -141,18 +194,24 @@ class Experts(nn.Module):
         dispatch = self.cfg.dispatch
         if dispatch == "grouped" and (flat.is_cuda or flat.is_meta) and flat.dtype != torch.bfloat16:
             dispatch = "gather"  # CUDA grouped GEMMs (and their meta shapes) are bf16 only
+        parts = self.cfg.expert_parts > 1
         if dispatch == "grouped":
-            out = self._grouped(flat, top_idx, weights)
+            out = (self._grouped_parts if parts else self._grouped)(flat, top_idx, weights)
         elif dispatch == "dense":
             gate = torch.zeros_like(logits).scatter(1, top_idx, weights)  # [N, E], k nonzeros/row
-            h = torch.matmul(flat[None], self.gate_up) + self.gate_up_bias[:, None, :]  # [E, N, 2I]
-            y = torch.matmul(self._activation(h), self.down) + self.down_bias[:, None, :]  # [E, N, D]
+            h = torch.matmul(flat[None], self._whole("gate_up")) + self._whole("gate_up_bias")[:, None, :]  # [E,N,2I]
+            y = torch.matmul(self._activation(h), self._whole("down")) + self._whole("down_bias")[:, None, :]  # [E,N,D]
             out = (y * gate.t()[:, :, None]).sum(dim=0)
+        elif parts:   # each part's own gathers, so that its weights stay its kernels' alone
+            per = self.cfg.n_experts // self.cfg.expert_parts
+            out = torch.zeros_like(flat)
+            for j, part in enumerate(zip(self.gate_up, self.gate_up_bias, self.down, self.down_bias)):
+                e = top_idx - j * per
+                mine = (e >= 0) & (e < per)
+                y = self._gather(flat, e.clamp(0, per - 1), *part)
+                out = out + (y.masked_fill(~mine[:, :, None], 0.0) * weights[:, :, None]).sum(dim=1)
         else:
-            w_gu, b_gu = self.gate_up[top_idx], self.gate_up_bias[top_idx]    # [N,k,D,2I], [N,k,2I]
-            h = torch.matmul(flat[:, None, None, :], w_gu).squeeze(2) + b_gu  # [N, k, 2I]
-            w_d, b_d = self.down[top_idx], self.down_bias[top_idx]            # [N,k,I,D], [N,k,D]
-            y = torch.matmul(self._activation(h)[:, :, None, :], w_d).squeeze(2) + b_d  # [N, k, D]
+            y = self._gather(flat, top_idx, self.gate_up, self.gate_up_bias, self.down, self.down_bias)
             out = (y * weights[:, :, None]).sum(dim=1)
         return out.view(B, T, D)
 

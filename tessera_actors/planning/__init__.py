@@ -5,7 +5,7 @@ policies, plan prediction by simulation (the one step-time model,
 Pure Python + numpy + scipy (no torch): graphs captured elsewhere are planned
 and compared here without hardware.
 """
-from tessera_actors.planning.baselines import (BaselineResult, af_plan, homo_plan, layer_split_plan, pd_rate,
+from tessera_actors.planning.baselines import (BaselineResult, af_plan, homo_plan, layer_split_plan,
                                                request_distribution, single_graph_baselines)
 from tessera_actors.planning.costs import PRESETS, CostModel, CostTable, DeviceModel, Roofline, costs_path_for, device_model
 from tessera_actors.planning.monitor import Monitor
@@ -14,5 +14,5 @@ from tessera_actors.planning.simulate import Prediction, simulate
 
 __all__ = ["BaselineResult", "CostModel", "CostTable", "DeviceModel", "MilpPlanner", "Monitor", "PRESETS",
            "PlannerConfig", "Prediction", "Roofline", "af_plan", "costs_path_for",
-           "device_model", "homo_plan", "layer_split_plan", "pd_rate",
+           "device_model", "homo_plan", "layer_split_plan",
            "request_distribution", "simulate", "single_graph_baselines"]

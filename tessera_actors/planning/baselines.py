@@ -8,11 +8,11 @@ processes the graph's batch: multiply by its tokens for tokens/s).
   device whose memory holds the whole graph, requests routed in proportion
   to speed; throughput = the sum of the replicas' throughputs.  It is several
   plans, one per device, with the request share in ``plan.meta["share"]``.
-* **PD** (:func:`pd_rate`, the one PD formula; ``tessera advise`` applies it
-  in ``policies.py``): the prefill graph on one device, the decode graph on
-  the other, the prefill graph's state (KV cache) bytes sent over the link
-  after each prefill step; requests/s of the pair for a workload of
-  ``decode_steps`` decode steps per prefill step.
+* **PD**: the prefill graph on one device, the decode graph on the other,
+  the prefill graph's state (KV cache) crossing the link per request; it
+  is a workload of two graphs, so ``tessera advise`` predicts it
+  (``policies.unit_s``, the one formula of prefill and decode sharing
+  devices), not a baseline of one graph here.
 * **AF** (:func:`af_plan`): attention kernels on one device, everything else
   (FFN/MLP/experts, norms, embeddings) on the other, two micro-batches
   ping-ponging.  A kernel is attention when its ``scope`` has a module path
@@ -206,13 +206,6 @@ def candidate_assignments(graph: KernelGraph, costs: CostTable) -> list[tuple[st
     for _, a in out:
         validate_assignment(graph, a, costs.ndev)
     return out
-
-
-def pd_rate(prefill_s: float, link_s: float, decode_s: float, decode_steps: float) -> float:
-    """Requests/s of PD, the one formula: prefills on one device, their state
-    crossing the link while the next prefill runs (``max``), decode steps of
-    ``decode_s`` on the other, ``decode_steps`` of them per request."""
-    return min(1.0 / max(prefill_s, link_s, 1e-30), 1.0 / max(decode_s * decode_steps, 1e-30))
 
 
 def single_graph_baselines(graph: KernelGraph, devices: Sequence[str], costs: CostTable) -> list[BaselineResult]:

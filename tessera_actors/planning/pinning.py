@@ -11,7 +11,10 @@ bucket must run the kernels touching a state buffer where that buffer lives.
   follows the nearest pinned kernel before it (after it, for a prefix that
   precedes all of them) - a split that moves only activations.
 * :func:`respects` says whether a plan already keeps the homes (the
-  planner's own choice is used then).
+  planner's own choice is used then);
+* :func:`served_assignment` is that rule whole: what the scheduler serves a
+  bucket with beside a reference placement (``tessera advise`` predicts
+  the same).
 
 Pure functions over the graph model (no torch).
 """
@@ -95,3 +98,14 @@ def pinned_assignment(graph: KernelGraph, pins: Mapping[str, int],
         current = fixed.get(k, current)
         out.append(current)
     return out
+
+
+def served_assignment(graph: KernelGraph, assignment: Sequence[int], pins: Mapping[str, int],
+                      weights: Mapping[str, Sequence[int]] | None = None) -> list[int] | None:
+    """The assignment a bucket planned as ``assignment`` is served with under
+    ``pins`` and ``weights`` (as :func:`pinned_assignment` takes them): None
+    when the plan keeps them (it is served as planned), else
+    :func:`pinned_assignment`."""
+    if not (pins or weights) or respects(graph, assignment, pins, weights):
+        return None
+    return pinned_assignment(graph, pins, weights)

@@ -10,8 +10,8 @@ the number of sequences a policy decodes at once (a plan's batch times its
 micro-batches in flight; the replicas' batches summed).
 
 Workload: a batch of ``b`` requests costs ``b`` prefills and ``out_tokens``
-decode steps (:func:`unit_s`, time sharing); PD is
-:func:`.baselines.pd_rate`.  Policies: Homo-L / Homo-R (every GPU of one
+decode steps (:func:`unit_s`: time sharing on one GPU, PD on two, the one
+formula of both).  Policies: Homo-L / Homo-R (every GPU of one
 type alone, a replica each), Request Distribution (a replica on every GPU
 that holds one, its own best batch each), PD (prefill on one GPU, decode on
 another, the prompt's KV cache crossing the link), AF (attention on one GPU,
@@ -19,24 +19,29 @@ the rest on another, two micro-batches; prefill on the better GPU), Layer
 split (a pipeline over every GPU, prefill too) and Tessera (the MILP
 planner's throughput plan of each graph - one plan per bucket, as the
 engine serves; it falls back to a baseline plan when that is predicted
-faster, and says so).  ``bound``: :func:`.bound.placement_bound` over the
+faster, and says so; the prompt's plan is served under the decode plan's
+state and weight homes, as the scheduler serves it, pinned when it breaks
+them: a pair that keeps the KV cache or the weights in two places is not
+a Tessera row).  ``bound``: :func:`.bound.placement_bound` over the
 same graphs, the best batch's.  DiT: one request is an image of
 ``denoise_steps`` steps at a batch of 16; its tokens are the latent tokens;
 PD and AF do not apply (nor AF to the SSM), as in the paper.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from tessera_actors.graph import KernelGraph
-from tessera_actors.plan import PlanError, build_plan
-from tessera_actors.planning.baselines import af_plan, layer_split_plan, pd_rate
+from tessera_actors.plan import Plan, PlanError, build_plan
+from tessera_actors.planning.baselines import af_plan, layer_split_plan
 from tessera_actors.planning.bound import placement_bound
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.inflight import fits
+from tessera_actors.planning.pinning import served_assignment, state_homes, weight_homes
 from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
 from tessera_actors.planning.reference import Workload, batch_of, decode_buckets, graph_path, load_graph, load_params
+from tessera_actors.planning.simulate import simulate
 from tessera_actors.planning.specs import get_spec
 from tessera_actors.planning.symmetry import device_types, type_table
 from tessera_actors.planning.whatif import Fitted
@@ -57,13 +62,13 @@ def parse_gpus(text: str) -> list[str]:
     return out
 
 
-def _homo_step(graph: KernelGraph, costs: CostTable, d: int) -> float | None:
-    """Step seconds of the whole graph on device ``d``; None when it does not fit."""
+def _homo_plan(graph: KernelGraph, costs: CostTable, d: int) -> Plan | None:
+    """The whole graph on device ``d``; None when it does not fit."""
     held = sum(b.nbytes for b in graph.buffers.values() if b.role in ("weight", "state"))
     if costs.mem[d] is not None and held > costs.mem[d]:
         return None
     plan = build_plan(graph, costs.devices, [d] * len(graph.kernels), name=f"homo[{costs.devices[d]}]")
-    return None if any(fits(graph, plan, costs)) else costs.device_total(d)
+    return None if any(fits(graph, plan, costs)) else plan
 
 
 def _holds(graph: KernelGraph, costs: CostTable) -> bool:
@@ -75,18 +80,28 @@ def _holds(graph: KernelGraph, costs: CostTable) -> bool:
 @dataclass(frozen=True)
 class Option:
     """One way to run a bucket: ``rate`` executions/s on its own, ``busy[d]``
-    compute seconds per execution on device ``d``, micro-batches in flight."""
+    compute seconds per execution on device ``d``, micro-batches in flight,
+    and the plan (None: a rate without one)."""
 
     rate: float
     busy: tuple[float, ...]
     inflight: int
     label: str
+    plan: Plan | None = field(default=None, compare=False)
+
+
+def _busy(plan: Plan, costs: CostTable) -> tuple[float, ...]:
+    busy = [0.0] * costs.ndev
+    for k, d in enumerate(plan.assignment):
+        busy[d] += costs.times[k][d]
+    return tuple(busy)
 
 
 def _homo(graph: KernelGraph, costs: CostTable, d: int) -> Option | None:
-    t = _homo_step(graph, costs, d)
-    return None if t is None else Option(1 / t, tuple(t if e == d else 0.0 for e in range(costs.ndev)), 1,
-                                         f"on {costs.devices[d]}")
+    plan = _homo_plan(graph, costs, d)
+    t = costs.device_total(d)
+    return None if plan is None else Option(1 / t, tuple(t if e == d else 0.0 for e in range(costs.ndev)), 1,
+                                            f"on {costs.devices[d]}", plan)
 
 
 def _planned(graph: KernelGraph, costs: CostTable, planner: str) -> Option | None:
@@ -105,10 +120,29 @@ def _planned(graph: KernelGraph, costs: CostTable, planner: str) -> Option | Non
         return None
     if any(fits(graph, p, costs, p.microbatches)):
         return None
-    busy = [0.0] * costs.ndev
-    for k, d in enumerate(p.assignment):
-        busy[d] += costs.times[k][d]
-    return Option(p.meta["predicted"]["throughput"], tuple(busy), p.microbatches, label)
+    return Option(p.meta["predicted"]["throughput"], _busy(p, costs), p.microbatches, label, p)
+
+
+def served_prefill(gp: KernelGraph, cp: CostTable, pres: Sequence[Option], g: KernelGraph,
+                   dec: Option) -> list[Option]:
+    """The prompt's plans ``pres`` (of ``gp`` on ``cp``) as the engine serves
+    them beside decode plan ``dec`` (of ``g``): as planned where they keep
+    its state and weight homes, else pinned to them
+    (:func:`.pinning.served_assignment`, the scheduler's rule) at the same
+    micro-batches in flight; pinned plans that do not fit are left out."""
+    pins, weights = state_homes(g, dec.plan.assignment), weight_homes(g, dec.plan.assignment)
+    out, seen = [], set()
+    for o in pres:
+        a = served_assignment(gp, o.plan.assignment, pins, weights)
+        if a is None:
+            out.append(o)
+        elif (tuple(a), o.inflight) not in seen:
+            seen.add((tuple(a), o.inflight))
+            plan = build_plan(gp, cp.devices, a, name=f"{o.plan.name}, state-pinned")
+            if not any(fits(gp, plan, cp, o.inflight)):
+                out.append(Option(simulate(plan, cp, inflight=o.inflight).throughput, _busy(plan, cp), o.inflight,
+                                  f"pinned to decode's homes (planned {o.label})", plan))
+    return out
 
 
 def _inflight(costs: CostTable) -> int | None:
@@ -260,12 +294,13 @@ def _split_policies(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelG
         keep("Layer split", cell.tokens_per_s(b, pre.get("layers"), ls), ls.inflight * b,
              f"decode pipeline x{ls.inflight}; prefill pipeline")
     milp = _planned(g, c, "milp")
-    # the planner's own candidates: its MILP plan, the pipeline, one GPU alone (per bucket)
+    # the planner's own candidates: its MILP plan, the pipeline, one GPU alone (per bucket); the prompt's
+    # plan as the engine serves it beside the decode plan
     decs = [o for o in [milp, ls, *homo] if o]
-    pres = [o for o in [pre.get("milp"), pre.get("layers"), *single] if o] or [None]
+    pres = [o for o in [pre.get("milp"), pre.get("layers"), *single] if o]
     best = None
     for d in decs:
-        for p in pres:
+        for p in (served_prefill(*cell.prefill, pres, g, d) if cell.prefill else []) or [None]:
             v = cell.tokens_per_s(b, p, d)
             if v and (best is None or v > best[0]):
                 best = (v, d, p)
@@ -275,17 +310,21 @@ def _split_policies(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelG
 
 
 def _pd(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelGraph, c: CostTable) -> None:
-    """PD (:func:`.baselines.pd_rate`) at decode batch ``b``: the prompt's
-    state (per-token KV bytes of the decode graph, or an SSM's fixed state)
-    crosses the link."""
+    """PD at decode batch ``b``: :func:`unit_s` of the prefills on one GPU
+    (an SSM's: its prompt's decode steps) and the decode steps on the other,
+    the prompt's state (per-token KV bytes of the decode graph, or an SSM's
+    fixed state) crossing the link per request."""
     state = sum(x.nbytes for x in g.buffers.values() if x.role == "state")
     kv = state / b if cell.ssm else state / (b * cell.wl.cache) * (cell.wl.prompt + (576 if cell.model == "vlm" else 0))
     for p, d in ((0, 1), (1, 0)):
         if homo[d] is None:
             continue
-        pre_s = cell.wl.prompt / b / c.device_total(p) ** -1 if cell.ssm else (
-            1 / pre[f"homo{p}"].rate if pre.get(f"homo{p}") else None)
-        if pre_s:
-            rate = pd_rate(pre_s, c.comm_s(p, d, kv), 1 / homo[d].rate, cell.wl.out_tokens / b)
-            keep("PD", rate * cell.wl.out_tokens, b,
+        if cell.ssm:
+            t = c.device_total(p)
+            prefill, n = Option(1 / t, tuple(t if e == p else 0.0 for e in range(c.ndev)), 1, ""), cell.wl.prompt
+        else:
+            prefill, n = pre.get(f"homo{p}"), b
+        if prefill:
+            out = cell.wl.out_tokens
+            keep("PD", b * out / unit_s([(prefill, n), (homo[d], out)], b * c.comm_s(p, d, kv)), b,
                  f"prefill on {cell.gpus[p]}, decode on {cell.gpus[d]}, KV {kv / 2**20:.0f} MiB/request")

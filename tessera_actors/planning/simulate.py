@@ -48,14 +48,6 @@ def plan_programs(plan: Plan, costs: CostTable) -> Programs:
                     xfer, names)
 
 
-def run_programs(plan: Plan, costs: CostTable, items: int, inflight: int,
-                 record: bool = False) -> tuple[list[float], list[float], list[float], list[Event]]:
-    """Simulate ``items`` micro-batches; returns (start, finish) time per item,
-    per-device busy seconds and, with ``record``, the events.  Micro-batches
-    are admitted in order."""
-    return Simulation(plan, costs).run(items, inflight, record)
-
-
 class Simulation:
     """One plan's programs and its step time, built once for predictions at
     several micro-batch counts (:func:`.inflight.choose_inflight` asks for
@@ -68,7 +60,9 @@ class Simulation:
 
     def run(self, items: int, inflight: int,
             record: bool = False) -> tuple[list[float], list[float], list[float], list[Event]]:
-        """As :func:`run_programs`."""
+        """Simulate ``items`` micro-batches, ``inflight`` at a time (admitted in
+        order); returns (start, finish) time per item, per-device busy seconds
+        and, with ``record``, the events."""
         r = run([(self.programs, inflight)], [items], record, self.plan.name)
         return r.start, r.finish, r.busy + [0.0] * (len(self.plan.devices) - len(r.busy)), r.events
 

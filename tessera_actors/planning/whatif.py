@@ -297,12 +297,6 @@ def predict(graph: KernelGraph, devices: Sequence[tuple[str, int | None]] | Sequ
     return CostTable(names, times, lat, bw, budgets, "whatif")
 
 
-def step_time(graph: KernelGraph, gpu: str, sms: int | None, params: Params, corrected: bool = True) -> float:
-    """Sum of the predicted kernel times (a whole step on one device)."""
-    spec = get_spec(gpu)
-    return sum(kernel_time(f, spec, sms or spec.sms, params, corrected) for f in graph_features(graph))
-
-
 @dataclass(frozen=True)
 class Fitted:
     """The :class:`~tessera_actors.planning.costs.CostModel` of
@@ -316,4 +310,4 @@ class Fitted:
 
 
 __all__ = ["CLASSES", "Fitted", "KernelFeatures", "Params", "Profile", "StepProfile", "correction", "fit", "graph_features",
-           "kernel_features", "kernel_time", "predict", "roofline_time", "step_time"]
+           "kernel_features", "kernel_time", "predict", "roofline_time"]

@@ -108,6 +108,7 @@ class EngineConfig:
     regions: str = "auto"   # inductor: per repeated block (auto, blocks) or the whole model as one graph
     gqa: str = "auto"       # attention's GQA form: auto (enable_gqa on GPUs: cuDNN's kernel), fold, enable_gqa
     gpu_budget: int | str | None = None   # bytes the GPU may hold: the offload planner serves a bigger model
+    devices_chosen: str = ""   # why these devices, when tessera serve chose them (flags.default_deployment)
 
     def __post_init__(self) -> None:
         def bad(why: str) -> ValueError:

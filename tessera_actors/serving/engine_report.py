@@ -33,6 +33,7 @@ class Reporting:
         return {"queue_depth": len(self._waiting), "slots_in_use": len(self.slots.used),
                 "slots_total": self.slots.total, "plan": self.plan_in_use(), "groups": self.groups,
                 "generation": rt.generation if rt else 0, "placement": placement, "devices": devices,
+                "devices_chosen": self.cfg.devices_chosen,
                 "lost": sorted(rt.lost) if rt else [],
                 "buckets_placed": len(rt.placed) if rt else 0, "buckets": len(rt.served.buckets) if rt else 0,
                 "step_s": {b: t / n for b, (n, t) in self.step_time.items() if n},

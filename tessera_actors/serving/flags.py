@@ -4,8 +4,9 @@ flag left out keeps the engine's default."""
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from tessera_actors.launch.env import LAUNCHERS, job_place
 
@@ -27,7 +28,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default=None,
                        help="in-process devices (default: chosen for this machine and printed: on CPUs alone one "
-                            "'cpu' device with every core; a split such as 'cpu,cpu' only when asked for)")
+                            "'cpu' device at every core but one, fewer where a probe at start finds them as fast; "
+                            "a split such as 'cpu,cpu' only when asked for)")
     where.add_argument("--nodes", default=None, help="node processes, ';' between nodes: 'cpu;cpu?threads=1'")
     where.add_argument("--ray", default=None, metavar="auto|ADDRESS",
                        help="node daemons as Ray actors on this Ray cluster: one per GPU (see --ray-cpu)")
@@ -89,8 +91,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body in bytes, 413 above (default: 4 MiB)")
 
 
-def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
-    """AsyncEngine keyword arguments from the parsed flags (unset flags keep the engine's defaults)."""
+def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None, chosen: Deployment | None = None) -> dict:
+    """AsyncEngine keyword arguments from the parsed flags (unset flags keep the engine's defaults);
+    ``chosen``: the default deployment already chosen for flags that name no devices
+    (:func:`chosen_deployment`; None: chosen here)."""
     kw: dict[str, Any] = {"model": a.model}
     if a.nodes:
         kw["nodes"] = [n for n in a.nodes.split(";") if n]
@@ -106,7 +110,8 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
         kw["gpu_budget"] = a.gpu_budget
         kw.setdefault("devices", GPU_BUDGET_DEVICES)
     if not {"devices", "nodes", "ray", "expect_nodes"} & set(kw):
-        kw["devices"] = default_deployment().devices
+        chosen = chosen or chosen_deployment(a)
+        kw["devices"], kw["devices_chosen"] = chosen.devices, chosen.why
     if trace_dir:
         kw["trace_dir"] = trace_dir
     for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "weights",
@@ -125,20 +130,28 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None) -> dict:
 @dataclass(frozen=True)
 class Deployment:
     """The in-process devices chosen when no ``--devices`` (or nodes) are
-    given, and why (``tessera serve`` prints it)."""
+    given, and why (``tessera serve`` prints it, ``engine.stats()`` reports it)."""
     devices: str
     why: str
 
 
-def default_deployment(cores: int | None = None, gpus: int | None = None) -> Deployment:
+def default_deployment(cores: int | None = None, gpus: int | None = None,
+                       measure: Callable[[tuple[int, ...]], list] | None = None,
+                       weights: str = "auto", dtype: str | None = None) -> Deployment:
     """The default in-process deployment of this machine (``cores``/``gpus``:
     its usable CPU cores and CUDA devices, found when None).  On CPUs alone:
-    one ``cpu`` device with every core.  A split over CPU devices pays a
-    hand-off per cut edge and gains only what the cores can run side by side;
-    measured on the 2-core box (``benchmarks/bench_cpu_step.py``) one device
-    was faster at every batch, so a split is used only where asked for
-    (``--devices cpu,cpu``).  With GPUs: the engine's default devices, as
-    before (the GPU deployments are chosen by the launchers and flags)."""
+    one ``cpu`` device at every core but one (left to the serving loop);
+    with more than one count to choose from (3 cores and more), the count
+    :func:`~tessera_actors.serving.cpu_threads.choose_threads` takes from
+    ``measure(counts)`` (default: :func:`~tessera_actors.serving.cpu_threads.measure_threads`,
+    about 1.5 s, on int4 weights unless ``weights`` is "dense", at ``dtype``
+    or the engine's default activations).  A split over CPU devices pays a
+    hand-off per cut edge and gains only what the cores can run side by
+    side; measured on the 2-core box (``benchmarks/bench_cpu_step.py``) one
+    device was faster at every batch, so a split is used only where asked
+    for (``--devices cpu,cpu``).
+    With a GPU: ``cuda:0`` (inductor's kernels replayed as CUDA graphs;
+    more GPUs, a GPU beside the CPU or a budget are asked for by flags)."""
     import os
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -146,10 +159,39 @@ def default_deployment(cores: int | None = None, gpus: int | None = None) -> Dep
         import torch
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus:
-        from tessera_actors.serving.config import EngineConfig
-        return Deployment(EngineConfig().devices, f"{gpus} GPU(s) seen: the engine's default devices")
-    return Deployment("cpu", f"{cores} CPU core{'s' if cores != 1 else ''}, no GPU: one device with every core "
-                             "(a CPU split only where asked for: --devices cpu,cpu)")
+        more = "; --devices cuda:0,cuda:1 places the kernels over two" if gpus > 1 else ""
+        return Deployment("cuda:0", f"{gpus} GPU{'s' if gpus > 1 else ''} seen: one GPU device{more}")
+    from tessera_actors.serving.cpu_threads import candidates, choose_threads, measure_threads
+    where = f"{cores} CPU core{'s' if cores != 1 else ''}, no GPU: one device"
+    split = "a CPU split only where asked for: --devices cpu,cpu"
+    counts = candidates(cores)
+    if len(counts) == 1:
+        n = counts[0]
+        rule = "every core but one, left to the serving loop" if n < cores else "the one core"
+        return Deployment(f"cpu?threads={n}", f"{where}, {n} intra-op thread{'s' if n != 1 else ''} ({rule}); "
+                                              f"{split}")
+    if measure is None:
+        quantized = weights != "dense"
+        measure = functools.partial(measure_threads, quantized=quantized,
+                                    dtype=dtype or ("bfloat16" if quantized else "float32"))
+    choice = choose_threads(measure(counts))
+    return Deployment(f"cpu?threads={choice.threads}",
+                      f"{where}, {choice.threads} intra-op thread{'s' if choice.threads != 1 else ''}; "
+                      f"{choice.why}; {split}")
+
+
+def chosen_deployment(a: argparse.Namespace) -> Deployment | None:
+    """The default deployment when the flags name no devices, nodes, Ray
+    cluster, job or GPU budget (None: the flags' own; never overridden)."""
+    if a.devices or a.nodes or getattr(a, "ray", None) or getattr(a, "from_env", None) \
+            or getattr(a, "gpu_budget", None):
+        return None
+    return default_deployment(weights=getattr(a, "weights", "auto"), dtype=getattr(a, "dtype", None))
+
+
+def devices_line(chosen: Deployment) -> str:
+    """The line ``tessera serve`` prints for a deployment it chose."""
+    return f"tessera serve: devices {chosen.devices} ({chosen.why})"
 
 
 def weights_line(engine: dict) -> str:

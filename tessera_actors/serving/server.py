@@ -44,7 +44,8 @@ from aiohttp import web
 
 from tessera_actors.serving import completions as completions_
 from tessera_actors.serving import openai_api as oa
-from tessera_actors.serving.flags import DEFAULT_MAX_BODY, default_deployment, engine_kwargs, weights_line
+from tessera_actors.serving.flags import (DEFAULT_MAX_BODY, chosen_deployment, devices_line, engine_kwargs,
+                                          weights_line)
 from tessera_actors.serving.metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger("tessera.serve")
@@ -311,11 +312,11 @@ def run_command(a: argparse.Namespace) -> int:
     """Run ``tessera serve`` with parsed flags until SIGINT/SIGTERM; 0 on an orderly stop."""
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {a.port}")
+    chosen = chosen_deployment(a)   # None where the flags name the devices: those are never overridden
+    if chosen is not None:
+        print(devices_line(chosen), flush=True)
     cfg = ServeConfig(host=a.host, port=a.port, api_key=a.api_key, max_body=a.max_body,
-                      served_model_name=a.served_model_name, engine=engine_kwargs(a, a.trace))
-    if not (a.devices or a.nodes or a.ray or a.from_env or getattr(a, "gpu_budget", None)):
-        chosen = default_deployment()
-        print(f"tessera serve: devices {chosen.devices} ({chosen.why})", flush=True)
+                      served_model_name=a.served_model_name, engine=engine_kwargs(a, a.trace, chosen))
     print(f"tessera serve: {weights_line(cfg.engine)}", flush=True)
     # warnings and errors only: the start shows as one progress bar, not a line per placed plan
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

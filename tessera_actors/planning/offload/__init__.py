@@ -2,7 +2,8 @@
 CPU (:mod:`.model`: the units, homes and the step model; :mod:`.choose`:
 Tessera's choice of homes and the ``offload`` planner; :mod:`.baselines`:
 GPU-only, layer offload, streaming and the relaxed bound; :mod:`.rates`:
-the kernel times the step model scores with; :mod:`.mixes`:
+the kernel times the step model scores with; :mod:`.load`: a mixture of
+experts' router statistics in those times; :mod:`.mixes`:
 per-role mixes for the packed ring; :mod:`.staging`: the ring layout the
 executor shares).  Pure Python; no torch."""
 from tessera_actors.planning.offload.baselines import expert_offload, gpu_only, ideal, layer_offload, routed_experts, streaming

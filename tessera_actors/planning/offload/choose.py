@@ -16,6 +16,7 @@ from tessera_actors.planning.pinning import state_homes
 from tessera_actors.planning.offload.baselines import expert_offload, layer_offload, streaming
 from tessera_actors.planning.offload.mixes import class_chooser
 from tessera_actors.planning.offload.model import Offload, Placement, StepTime, cpu_runs, fastest
+from tessera_actors.planning.offload.load import check_load
 from tessera_actors.planning.offload.rates import PCIE_BPS, SWITCH_S, HostRoofline, rows_rates
 from tessera_actors.planning.offload.staging import RING_MODES
 
@@ -239,8 +240,10 @@ class OffloadPlanner:
     """``Planner`` for a budgeted GPU beside a CPU.  ``costs``: a measured
     table (None: :class:`~.rates.HostRoofline` (:func:`~.rates.estimate_rates`) per graph, with ``cpu_bps`` - the
     CPU's measured DRAM rate -, ``cpu_rows_bps`` - its matmuls' weight rate
-    by rows, ``{rows: bytes/s}`` or ``"1:3.6e10,8:3e10"`` -, ``cpu_flops`` and
-    ``switch_s``); ``policy``: ``tessera``
+    by rows, ``{rows: bytes/s}`` or ``"1:3.6e10,8:3e10"`` -, ``cpu_flops``,
+    ``switch_s`` and ``expert_load`` - a mixture of experts' router
+    statistics, the share of a step each routed part reads,
+    :mod:`~tessera_actors.planning.offload.load`); ``policy``: ``tessera``
     (:func:`choose_homes`), ``layer_offload``, ``streaming`` or
     ``expert_offload`` (the baselines); ``ring``: how streamed weights fill
     the staging ring, ``bytes`` (packed, the default) or ``slots`` (one
@@ -259,7 +262,8 @@ class OffloadPlanner:
     def __init__(self, costs: CostTable | None = None, pcie_bps: float = PCIE_BPS, reserve: int = 0,
                  slot_options: Sequence[int] = (2, 3, 4, 6, 8), cpu_bps: float | None = None,
                  switch_s: float = SWITCH_S, policy: str = "tessera", ring: str = "bytes",
-                 cpu_rows_bps: Mapping | str | None = None, cpu_flops: float | None = None) -> None:
+                 cpu_rows_bps: Mapping | str | None = None, cpu_flops: float | None = None,
+                 expert_load: Mapping | None = None) -> None:
         if policy not in POLICIES:
             raise PlanError(f"unknown offload policy {policy!r}; known: {', '.join(POLICIES)}")
         if ring not in RING_MODES:
@@ -268,6 +272,7 @@ class OffloadPlanner:
         self.costs, self.pcie_bps, self.reserve, self.slot_options = costs, pcie_bps, int(reserve), tuple(slot_options)
         self.cpu_bps, self.switch_s, self.policy = cpu_bps, switch_s, policy
         self.cpu_rows_bps, self.cpu_flops = rows_rates(cpu_rows_bps), cpu_flops
+        self.expert_load = check_load(expert_load)
         self.extra = 0                              # bytes of the other graphs' own buffers (expect)
         self.homes: dict[str, str] | None = None    # weight name -> R/S/C, from the first graph planned
         self.state_homes: dict[str, int] = {}       # state name -> device, from the first graph planned
@@ -280,7 +285,7 @@ class OffloadPlanner:
 
     def offload(self, graph: KernelGraph, devices: Sequence[str], reserve: int = 0) -> Offload:
         costs = self.costs if self.costs is not None else HostRoofline(
-            self.switch_s, self.cpu_bps, self.cpu_rows_bps, self.cpu_flops).table(graph, devices)
+            self.switch_s, self.cpu_bps, self.cpu_rows_bps, self.cpu_flops, self.expert_load).table(graph, devices)
         costs.check_graph(graph)
         return Offload(graph, devices, costs, self.pcie_bps, self.reserve + reserve, ring=self.ring)
 

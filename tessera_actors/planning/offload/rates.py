@@ -32,6 +32,7 @@ from tessera_actors.devices import DeviceSpec
 from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable, DeviceModel, device_model
+from tessera_actors.planning.offload.load import apply_load, check_load
 
 # DESIGN.md (one H200 + 16 cores): bf16 GEMV from DRAM with a copy stream running
 # beside it (12 threads 46 GB/s, 16 collapse to 14.5 GB/s); pinned H2D 55 GB/s.
@@ -104,11 +105,13 @@ def matmul_rows(graph: KernelGraph, k: int) -> tuple[float, int] | None:
 
 def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float = SWITCH_S,
                    cpu_bps: float | None = None, cpu_rows_bps: Mapping | str | None = None,
-                   cpu_flops: float | None = None) -> CostTable:
+                   cpu_flops: float | None = None, expert_load: Mapping | None = None) -> CostTable:
     """Roofline kernel times (module docstring): cuda devices from the H200
     preset, cpu devices from :func:`host_model` at their thread count, the
     unbudgeted cpu device with the measured ``cpu_bps``, ``cpu_rows_bps``
-    and ``cpu_flops`` where given.  Links: ``switch_s`` latency."""
+    and ``cpu_flops`` where given; kernels reading a routed expert weight
+    of ``expert_load`` scaled by the share of it a step reads
+    (:func:`~.load.apply_load`).  Links: ``switch_s`` latency."""
     specs = [DeviceSpec.parse(d) for d in devices]
     models = [host_model(s.threads) if s.kind == "cpu" else device_model(s) for s in specs]
     rows_bps = rows_rates(cpu_rows_bps)
@@ -129,6 +132,7 @@ def estimate_rates(graph: KernelGraph, devices: Sequence[str], switch_s: float =
                 m = models[i]
                 streamed = mm[1] * seconds_per_byte(rows_bps, mm[0])
                 costs.times[k.id][i] = m.launch_s + max(streamed, k.flops / m.flops_per_s)
+    apply_load(costs.times, graph, [m.launch_s for m in models], check_load(expert_load))
     n = len(specs)
     costs.latency = [[0.0 if a == b else max(costs.latency[a][b], switch_s) for b in range(n)] for a in range(n)]
     return costs
@@ -143,9 +147,11 @@ class HostRoofline:
     cpu_bps: float | None = None
     cpu_rows_bps: Mapping | str | None = None
     cpu_flops: float | None = None
+    expert_load: Mapping | None = None
 
     def table(self, graph: KernelGraph, devices: Sequence[str]) -> CostTable:
-        return estimate_rates(graph, devices, self.switch_s, self.cpu_bps, self.cpu_rows_bps, self.cpu_flops)
+        return estimate_rates(graph, devices, self.switch_s, self.cpu_bps, self.cpu_rows_bps, self.cpu_flops,
+                              self.expert_load)
 
 
 __all__ = ["CPU_GEMV_BPS", "GATHERS", "HostRoofline", "PCIE_BPS", "SWITCH_S", "estimate_rates", "host_model",

@@ -1,0 +1,99 @@
+"""``tessera serve``'s default CPU deployment (issue #33): the intra-op
+thread count chosen from measured probe times, the line it prints, what
+``engine.stats()`` reports, and explicit device flags left as they are.
+The choice is tested on given times (no timing asserted); the probe itself
+runs once, for its shape only."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tessera_actors.serving.cpu_threads import ThreadTimes, candidates, choose_threads, measure_threads
+from tessera_actors.serving.flags import (add_serve_arguments, chosen_deployment, default_deployment, devices_line,
+                                          engine_kwargs)
+
+
+def _flags(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_candidates_leave_one_core_to_the_serving_loop():
+    assert candidates(1) == (1,)
+    assert candidates(2) == (1,)
+    assert candidates(4) == (3, 2, 1)
+    assert candidates(16) == (15, 8, 1)
+
+
+def test_the_fewest_threads_within_the_margin_of_the_fastest_are_chosen():
+    # one thread faster at batch 1, two barely faster at 16 rows: one
+    close = [ThreadTimes(2, 25.5, 81.2), ThreadTimes(1, 15.5, 88.2)]
+    assert choose_threads(close).threads == 1
+    # two threads faster at both batches by more than the margin: two
+    assert choose_threads([ThreadTimes(2, 10.0, 40.0), ThreadTimes(1, 15.0, 80.0)]).threads == 2
+    # a 16-core machine with 8 physical cores: half the threads within 10% of 15
+    many = [ThreadTimes(15, 10.0, 20.0), ThreadTimes(8, 10.4, 21.0), ThreadTimes(1, 20.0, 200.0)]
+    assert choose_threads(many).threads == 8
+    assert choose_threads(many, margin=0.0).threads == 15
+    choice = choose_threads(close)
+    assert "2: 25.5/81.2, 1: 15.5/88.2" in choice.why and choice.times == tuple(close)
+    with pytest.raises(ValueError, match="no measured"):
+        choose_threads([])
+
+
+def test_two_cores_serve_on_one_thread_without_a_probe():
+    def measure(counts):
+        raise AssertionError("nothing to choose from: no probe")
+    chosen = default_deployment(cores=2, gpus=0, measure=measure)
+    assert chosen.devices == "cpu?threads=1"
+    assert devices_line(chosen) == ("tessera serve: devices cpu?threads=1 (2 CPU cores, no GPU: one device, 1 intra-op "
+                                    "thread (every core but one, left to the serving loop); a CPU split only where "
+                                    "asked for: --devices cpu,cpu)")
+    assert default_deployment(cores=1, gpus=0, measure=measure).devices == "cpu?threads=1"
+
+
+def test_more_cores_serve_at_the_count_the_probe_chose_and_say_why():
+    asked = []
+
+    def measure(counts):
+        asked.append(counts)
+        return [ThreadTimes(3, 30.0, 40.0), ThreadTimes(2, 20.0, 50.0), ThreadTimes(1, 15.5, 120.0)]
+    chosen = default_deployment(cores=4, gpus=0, measure=measure)
+    assert asked == [(3, 2, 1)]
+    assert chosen.devices == "cpu?threads=2"
+    line = devices_line(chosen)
+    assert line.startswith("tessera serve: devices cpu?threads=2 (4 CPU cores, no GPU: one device, 2 intra-op threads;")
+    assert "3: 30.0/40.0, 2: 20.0/50.0, 1: 15.5/120.0" in line and "--devices cpu,cpu" in line and "\n" not in line
+
+
+def test_explicit_devices_and_nodes_are_never_overridden():
+    for argv, key, value in ((["--devices", "cpu"], "devices", "cpu"),
+                             (["--devices", "cpu,cpu?threads=2"], "devices", "cpu,cpu?threads=2"),
+                             (["--nodes", "cpu;cpu?threads=1"], "nodes", ["cpu", "cpu?threads=1"])):
+        a = _flags(*argv)
+        assert chosen_deployment(a) is None
+        kw = engine_kwargs(a)
+        assert kw[key] == value and "devices_chosen" not in kw
+
+
+async def test_the_chosen_deployment_reaches_the_engine_and_its_stats():
+    from tessera_actors import AsyncEngine
+    chosen = default_deployment(cores=2, gpus=0)
+    kw = engine_kwargs(_flags("--size", "tiny"), None, chosen)
+    assert kw["devices"] == "cpu?threads=1" and kw["devices_chosen"] == chosen.why
+    eng = AsyncEngine(**kw)   # not started: stats() reports the configuration
+    assert eng.stats()["devices_chosen"] == chosen.why
+
+
+def test_the_probe_times_every_count_it_is_given():
+    times = measure_threads((2, 1), budget_s=0.0, reps=1)   # one round
+    assert [t.threads for t in times] == [2, 1]
+    assert all(t.batch1_ms > 0 and t.batch16_ms > 0 for t in times)
+
+
+def test_a_machine_with_a_gpu_serves_on_it_by_default():
+    one, two = default_deployment(cores=16, gpus=1), default_deployment(cores=16, gpus=2)
+    assert one.devices == two.devices == "cuda:0"
+    assert "1 GPU seen" in one.why and "cuda:0,cuda:1" in two.why
