@@ -272,6 +272,7 @@ def summarise(result: dict, names: list[str]) -> None:
                                    for m in report.METRIC} for p in pairs}
     result["acceptance"] = report.acceptance(rounds)
     result["load"] = [{n: [b["load_before"], b["load_after"]] for n, b in r["servers"].items()} for r in rounds]
+    print(report.round_table(rounds[-1], len(rounds)), flush=True)
     print(report.server_table(rounds, names), flush=True)
     print(report.acceptance_table(result["acceptance"], len(rounds)), flush=True)
 

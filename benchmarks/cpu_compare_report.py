@@ -118,6 +118,19 @@ def server_table(rounds: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def round_table(r: dict, number: int) -> str:
+    """One round: every metric of every server that ran, in the round's order, and the load averages."""
+    names = [n for n in r["order"] if n in r["servers"]]
+    head = [f"round {number}", *(LABELS[n] for n in names)]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for label, _, _, _ in METRICS:
+        lines.append(" | ".join([label, *(fmt(_value(r["servers"], n, label)) for n in names)]))
+    loads = [r["servers"][n].get("load_before", [None])[0] for n in names]
+    lines.append(" | ".join(["load average 1 min at start", *map(fmt, loads)]))
+    lines.append(" | ".join(["started (UTC)", *(r["servers"][n].get("started_utc", "-") for n in names)]))
+    return "\n".join(lines)
+
+
 def acceptance(rounds: list[dict]) -> list[dict]:
     """Each acceptance row whose servers ran: its value per round, their median, met or not."""
     rows = []
