@@ -48,23 +48,11 @@ from pathlib import Path
 
 import torch
 
-from tessera_actors import AsyncEngine, SamplingParams
+from tessera_actors import AsyncEngine
 from tessera_actors.provenance import git_commit, provenance
 
-
-async def _stream(eng, prompt: list[int], n: int) -> tuple[float, float, int]:
-    t0 = time.perf_counter()
-    first, got = None, 0
-    async for out in eng.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)):
-        if first is None:
-            first = time.perf_counter() - t0
-        got += len(out.token_ids)
-    return first, time.perf_counter() - t0, got
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quant_serve import _pct, _stream  # noqa: E402
 
 
 def _steps(eng) -> dict:

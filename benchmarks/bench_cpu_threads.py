@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -28,9 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quant_serve import KEYS, serve  # noqa: E402
+from bench_quant_serve import KEYS, serve, write_summary  # noqa: E402
 
-from tessera_actors.provenance import provenance  # noqa: E402
 from tessera_actors.serving.flags import add_serve_arguments, chosen_deployment, engine_kwargs  # noqa: E402
 
 
@@ -78,10 +76,7 @@ def main() -> int:
         ratio = {k: statistics.median(rd[i][k] / rd[0][k] for rd in rounds) for k in KEYS}
         summary[name] = {"median": med, "ratio_to_old": ratio}
         print(f"{name:14} " + " ".join(f"{med[k]:12.2f} x{ratio[k]:6.2f}" for k in KEYS))
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"provenance": provenance(), "rounds": rounds, "summary": summary}, indent=1))
-    print(f"wrote {out}")
+    write_summary(a.out, rounds, summary)
     return 0
 
 

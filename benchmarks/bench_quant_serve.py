@@ -98,11 +98,16 @@ def main() -> int:
         ratio = {k: statistics.median(rd[i][k] / rd[dense][k] for rd in rounds) for k in KEYS}
         summary[f"{d} {w}"] = {"median": med, "ratio_to_dense": ratio}
         print(f"{d:14} {w:9} " + " ".join(f"{med[k]:12.2f} x{ratio[k]:6.2f}" for k in KEYS))
-    out = Path(a.out)
+    write_summary(a.out, rounds, summary)
+    return 0
+
+
+def write_summary(path: str, rounds: list, summary: dict) -> None:
+    """The rounds and their summary, with provenance, as JSON at ``path``."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"provenance": provenance(), "rounds": rounds, "summary": summary}, indent=1))
     print(f"wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":
