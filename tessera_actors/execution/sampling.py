@@ -133,7 +133,9 @@ class SampleBatch:
         tops = max((int(r.get("top", 0)) for r in records.values()), default=0)
         pick = (lambda t: t[:self.first, 0]) if self.first else (lambda t: t[self.where[0], self.where[1]])
         if greedy is not None and not shaping and not tops and not len(self.drawn):
-            ids = pick(greedy[0]).clone()   # a copy: the next step's kernels rewrite the step's outputs
+            ids = pick(greedy[0])
+            if self.first:   # a view of the step's output, which the next step's kernels rewrite: a copy
+                ids = ids.clone()
             chosen = pick(logits).gather(1, ids.view(-1, 1)).view(-1).float() - pick(greedy[1])
             return ids, chosen, None
         raw = pick(logits).float()   # [n, V]
