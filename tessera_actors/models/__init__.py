@@ -14,6 +14,9 @@ One contract for every model, so a generic capture can record any of them:
     place (``index_put_`` / ``copy_``); they are never reallocated.
 ``model.reset_state() -> None``
     Zeroes every state buffer in place.
+``model.ROW_STATE``
+    What a state row holds: ``"positions"`` (KV caches) or ``"latest"``
+    (an SSM's recurrent state); see ``common.ReferenceModel``.
 ``model.example_inputs(kind, batch, seq=1, pos=0) -> dict[str, Tensor]``
     Language models (llama, moe, mamba2, smollm2): ``kind`` in
     {"decode", "prefill"}; decode -> ``input_ids`` [B, 1] int64 and
