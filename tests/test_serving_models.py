@@ -44,14 +44,16 @@ async def _generate(eng, prompt, n) -> tuple[list[int], list[float]]:
 async def test_served_greedy_tokens_are_the_models_own_greedy_loops_for_rows_joining_and_leaving(name):
     want = await _eager(name)
     async with AsyncEngine(model=name, devices="cpu,cpu", kv_windows=(32,), **ENGINE) as eng:
+        await eng.wait_placed()   # every bucket, the batched prompt chunks (R x C) too
         got = await asyncio.gather(*(_generate(eng, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)))
-        cfg, stats = eng.cfg, eng.stats()
+        cfg, stats, ran = eng.cfg, eng.stats(), set(eng.step_time)
         with pytest.raises(InvalidRequest, match=r"\[0, 256\)"):   # the model's vocabulary bounds a prompt's ids
             await _generate(eng, [5, 256], 2)
     for (want_toks, want_lps), (toks, lps) in zip(want, got):
         assert toks == want_toks
         assert lps == pytest.approx(want_lps, abs=1e-4)   # a disturbed state row is off by 1e-2 or more
     assert stats["generated_tokens"] == sum(MAX_TOKENS) and stats["slots_in_use"] == 0
+    assert any(b.startswith("prefill:4x") for b in ran), ran   # several prompts' chunks in one step
     # an SSM's row is its latest state: no kept prefix, no attention window; the VLM's KV rows keep both
     assert (cfg.prefix_caching, cfg.kv_windows) == ((False, (128,)) if name == "mamba2" else (True, (32, 128)))
 
