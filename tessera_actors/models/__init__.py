@@ -23,8 +23,8 @@ One contract for every model, so a generic capture can record any of them:
     ``positions`` [B] int64 (position of the new token); prefill ->
     ``input_ids`` [B, seq], ``positions`` [B, seq] = pos..pos+seq-1.
     VLM: "prefill" adds ``pixel_values`` [B, 3, H, W] (image tokens come
-    first, then ``seq`` text tokens; positions cover both) and "decode" is
-    the LM decode. DiT: "denoise" -> ``latents``, ``timestep``, ``labels``.
+    first, then ``seq`` text tokens; positions cover both; ``image=False``:
+    the text tokens alone, as served) and "decode" is the LM decode. DiT: "denoise" -> ``latents``, ``timestep``, ``labels``.
 Other buffers (RoPE tables, positional embeddings) are float32 constants.
 
 Third-party models (transformers' own classes, ``hf:`` specs) are built by
