@@ -25,11 +25,14 @@ serving engine's throw-away position, the last slot of a KV cache - and
 writes its states into the spare row, so a padding row never disturbs a
 sequence (not even the one whose row it reads).  The state of a row is the
 state after its latest token (``ROW_STATE = "latest"``: no per-position
-history, so no prefix of it can be reused and no attention window applies). Prefill (T > 1) computes the same recurrence for all T
-tokens at once in Mamba-2's chunked state-space-dual form (:meth:`Mamba2Mixer.scan`:
-quadratic inside chunks of ``SCAN_CHUNK`` tokens, the state carried from chunk
-to chunk), as real Mamba-2 prefill does: equal to feeding the tokens one by
-one up to float rounding. Output: logits [B, T, vocab].
+history, so no prefix of it can be reused and no attention window applies).
+
+Prefill (T > 1) computes the same recurrence for all T tokens at once in
+Mamba-2's chunked state-space-dual form (:meth:`Mamba2Mixer.scan`: quadratic
+inside chunks of ``SCAN_CHUNK`` tokens, the state carried from chunk to
+chunk), as real Mamba-2 prefill does: equal to feeding the tokens one by one
+up to float rounding; a prompt fed in several calls (the engine's chunks)
+continues each row's state from call to call.  Output: logits [B, T, vocab].
 """
 from __future__ import annotations
 
