@@ -22,8 +22,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     A flag left out keeps ``EngineConfig``'s default, which its help shows."""
     from tessera_actors.serving.config import EngineConfig
     d = EngineConfig()
-    p.add_argument("--model", default="smollm2", help="model: smollm2, llama (random weights) or hf:<dir | "
-                   "config.json | file.gguf>")
+    p.add_argument("--model", default="smollm2", help="model: smollm2, llama, moe, mamba2, vlm (random weights; vlm: "
+                   "text prompts to its decoder) or hf:<dir | config.json | file.gguf>")
     p.add_argument("--size", default=None, help=f"model size, e.g. tiny | real (default: {d.size})")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default=None,
