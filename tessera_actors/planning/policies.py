@@ -37,8 +37,8 @@ from tessera_actors.plan import Plan, PlanError, build_plan
 from tessera_actors.planning.baselines import af_plan, layer_split_plan
 from tessera_actors.planning.bound import placement_bound
 from tessera_actors.planning.costs import CostTable
-from tessera_actors.planning.inflight import fits
-from tessera_actors.planning.pinning import served_assignment, state_homes, weight_homes
+from tessera_actors.planning.inflight import fits, prompt_inflight
+from tessera_actors.planning.pinning import served_plan, state_homes, weight_homes
 from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
 from tessera_actors.planning.reference import Workload, batch_of, decode_buckets, graph_path, load_graph, load_params
 from tessera_actors.planning.simulate import simulate
@@ -128,20 +128,22 @@ def served_prefill(gp: KernelGraph, cp: CostTable, pres: Sequence[Option], g: Ke
     """The prompt's plans ``pres`` (of ``gp`` on ``cp``) as the engine serves
     them beside decode plan ``dec`` (of ``g``): as planned where they keep
     its state and weight homes, else pinned to them
-    (:func:`.pinning.served_assignment`, the scheduler's rule) at the same
-    micro-batches in flight; pinned plans that do not fit are left out."""
+    (:func:`.pinning.served_plan`, the scheduler's rule), each with the
+    prompt-chunk steps in flight the engine keeps on it
+    (:func:`.inflight.prompt_inflight`); pinned plans that do not fit are
+    left out."""
     pins, weights = state_homes(g, dec.plan.assignment), weight_homes(g, dec.plan.assignment)
     out, seen = [], set()
     for o in pres:
-        a = served_assignment(gp, o.plan.assignment, pins, weights)
-        if a is None:
+        plan = served_plan(gp, o.plan, cp.devices, pins, weights)
+        m = prompt_inflight(plan)
+        if plan is o.plan and m == o.inflight:
             out.append(o)
-        elif (tuple(a), o.inflight) not in seen:
-            seen.add((tuple(a), o.inflight))
-            plan = build_plan(gp, cp.devices, a, name=f"{o.plan.name}, state-pinned")
-            if not any(fits(gp, plan, cp, o.inflight)):
-                out.append(Option(simulate(plan, cp, inflight=o.inflight).throughput, _busy(plan, cp), o.inflight,
-                                  f"pinned to decode's homes (planned {o.label})", plan))
+        elif (tuple(plan.assignment), m) not in seen:
+            seen.add((tuple(plan.assignment), m))
+            label = o.label if plan is o.plan else f"pinned to decode's homes (planned {o.label})"
+            if not any(fits(gp, plan, cp, m)):
+                out.append(Option(simulate(plan, cp, inflight=m).throughput, _busy(plan, cp), m, label, plan))
     return out
 
 
