@@ -21,8 +21,9 @@ planner's throughput plan of each graph - one plan per bucket, as the
 engine serves; it falls back to a baseline plan when that is predicted
 faster, and says so; the prompt's plan is served under the decode plan's
 state and weight homes, as the scheduler serves it, pinned when it breaks
-them: a pair that keeps the KV cache or the weights in two places is not
-a Tessera row).  ``bound``: :func:`.bound.placement_bound` over the
+them, with its micro-batches in flight as the engine keeps its prompt
+steps (:func:`.inflight.prompt_inflight`): a pair that keeps the KV cache
+or the weights in two places is not a Tessera row).  ``bound``: :func:`.bound.placement_bound` over the
 same graphs, the best batch's.  DiT: one request is an image of
 ``denoise_steps`` steps at a batch of 16; its tokens are the latent tokens;
 PD and AF do not apply (nor AF to the SSM), as in the paper.
