@@ -309,7 +309,8 @@ def _split_policies(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelG
                 best = (v, d, p)
     if best:
         v, d, p = best
-        keep("Tessera", v, d.inflight * b, f"decode {d.label} x{d.inflight}" + (f"; prefill {p.label} x{p.inflight}" if p else ""))
+        keep("Tessera", v, d.inflight * b,
+             f"decode {d.label} x{d.inflight}" + (f"; prefill {p.label} x{p.inflight}" if p else ""))
 
 
 def _pd(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelGraph, c: CostTable) -> None:
