@@ -181,3 +181,18 @@ async def test_the_engine_keeps_the_prompt_steps_in_flight_that_the_tessera_row_
     (row,) = served_prefill(gp, costs, [planned], g, Option(1.0, (0.0, 0.0), 1, "decode", ref))
     assert row.inflight == prompt_inflight(served) == 2
     assert row.rate == pytest.approx(simulate(served, costs, inflight=2).throughput)
+
+
+def test_the_tessera_rows_decode_micro_batches_are_a_serve_flag():
+    """The row's ``decode ... xN`` is N decode steps in flight: ``tessera
+    serve --mode throughput --groups N`` runs them (N groups of rows)."""
+    import argparse
+    from tessera_actors import AsyncEngine
+    from tessera_actors.serving.flags import add_serve_arguments, engine_kwargs
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    kw = engine_kwargs(p.parse_args(["--devices", "cpu,cpu", "--mode", "throughput", "--groups", "4",
+                                     "--max-seqs", "8", "--size", "tiny"]))
+    assert kw["groups"] == 4
+    eng = AsyncEngine(**kw)   # not started: stats() reports the configuration
+    assert eng.stats()["groups"] == 4 and len(eng.slots.bounds) == 4
