@@ -202,6 +202,8 @@ def test_engine_config_refuses_bad_values():
     with pytest.raises(ValueError, match="mode"):
         EngineConfig(mode="fast")
     assert EngineConfig(max_seqs=6, decode_buckets=(1, 4, 8)).decode_buckets == (1, 4, 6)
+    with pytest.raises(ValueError, match="prompt_steps"):
+        EngineConfig(prompt_steps=0)
 
 
 async def test_an_engine_that_was_not_started_says_so():

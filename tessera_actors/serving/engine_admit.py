@@ -61,7 +61,8 @@ class Admitting:
     def _launch_prefill(self, inflight: dict) -> None:
         """Prompt-chunk steps while fewer are in flight than the plan of the
         next one pipelines (:func:`~tessera_actors.planning.inflight.prompt_inflight`:
-        its micro-batches; 1 for a plan not placed yet), each of requests
+        its micro-batches; 1 for a plan not placed yet; at most
+        ``prompt_steps``), each of requests
         that no prompt step in flight carries: a request's chunks go one
         after another (the next reads the KV rows the one before writes),
         different requests' chunks may overlap (their rows are apart), and
@@ -74,7 +75,8 @@ class Admitting:
             reqs, chunks, bucket = self._prefill_batch(ready)
             placed = self.deployment.placed.get(bucket)
             running = sum(1 for s in inflight.values() if s.key == "prefill")
-            if running >= (prompt_inflight(placed.plan) if placed is not None else 1):
+            most = prompt_inflight(placed.plan) if placed is not None else 1
+            if running >= min(most, self.cfg.prompt_steps or most):
                 return
             b = self.deployment.served.buckets.get(bucket)
             size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0],
