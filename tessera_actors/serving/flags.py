@@ -43,8 +43,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
                              ("--max-model-len", int, "context length (prompt + output tokens)"),
                              ("--max-queue", int, "waiting requests before 429"),
-                             ("--planner", str, "placement planner: contiguous | milp | offload"),
+                             ("--planner", str, "placement planner: contiguous | layers | af | milp | offload"),
                              ("--mode", str, "latency | throughput | auto (plan switching under load)"),
+                             ("--groups", int, "micro-batch groups of the decode rows in throughput mode, each "
+                                               "with a step in flight (tessera advise's decode xN)"),
                              ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
         field = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=None, metavar=field.upper() if kind is str else "N",
@@ -114,7 +116,7 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None, chosen: D
         kw["devices"], kw["devices_chosen"] = chosen.devices, chosen.why
     if trace_dir:
         kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "weights",
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "groups", "dtype", "weights",
                  "lookahead", "prefix_caching", "max_batched_tokens"):
         if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)
