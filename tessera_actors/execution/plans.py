@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from tessera_actors.devices import DeviceSpec
+from tessera_actors.execution.backends.cpu import step_threads
 from tessera_actors.execution.held import storage_bytes
 from tessera_actors.execution.inbox import Inbox
 from tessera_actors.execution.program import AtenProgram, BackendError
@@ -107,6 +108,7 @@ async def install_plan(msg: InstallPlan, spec: DeviceSpec, runner: SegmentRunner
     shares.loaded.update(adopted)
     inst = DevicePlan(graph, plan, d, prog, DeviceStep(msg.plan_id, graph, plan, d, prog, runner, peers),
                       share_keys=keys, home_keys=home_keys)
+    inst.step.threads = step_threads(spec, graph_tokens(graph))
     inst.ring_lock = shares.lock(msg.share, ring) if ring is not None else None
     need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
             and (keys.get(b) or home_keys.get(b)) not in shares.loaded]
@@ -121,6 +123,8 @@ def device_stats(runner: SegmentRunner | None, shares: Shares, plans: dict[str, 
     loop's; ``handoffs``: the co-located hand-off's counts."""
     out = runner.stats() if runner is not None else {"graphs": False}
     out["per_plan"] = {p: dict(c) for p, c in runner.per_plan.items()} if runner is not None else {}
+    # a CPU's intra-op threads per plan where its steps set them (prefill_threads): else absent
+    out["step_threads"] = {p: i.step.threads for p, i in plans.items() if i.step is not None and i.step.threads}
     progs = [i.prog for i in plans.values() if i.prog is not None]
     streaming = [p for p in progs if getattr(p, "streamed", None)]
     out.update({"streamed_copies": sum(p.copies for p in streaming),
@@ -156,3 +160,14 @@ def _held(runner: SegmentRunner | None, shares: Shares, plans: dict[str, DeviceP
 
 
 __all__ = ["DevicePlan", "device_stats", "install_plan"]
+
+
+def graph_tokens(graph: KernelGraph) -> int:
+    """Tokens a step of ``graph`` carries: its ``input_ids``' elements (0 without)."""
+    ids = graph.inputs.get("input_ids")
+    if ids is None:
+        return 0
+    n = 1
+    for d in graph.buffers[ids].shape:
+        n *= d
+    return n
