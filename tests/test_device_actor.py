@@ -195,13 +195,13 @@ async def test_a_device_without_threads_gets_the_process_count_whatever_another_
     """A new thread starts with the intra-op thread count last set anywhere in
     the process: a ``cpu?threads=1`` device must not make a later ``cpu``
     device single-threaded."""
-    from actors.device import _INITIAL_THREADS
+    from tessera_actors.execution.backends.cpu import INITIAL_THREADS
     async with ActorSystem("t") as system:
         await system.spawn(TransferActor(), "transfer")
         one = await system.spawn(DeviceActor(DeviceSpec.parse("cpu?threads=1")), "one")
         every = await system.spawn(DeviceActor(DeviceSpec.parse("cpu")), "every")
         counts = [ref._actor.worker.submit(torch.get_num_threads).result() for ref in (one, every)]
-    assert counts == [1, _INITIAL_THREADS]
+    assert counts == [1, INITIAL_THREADS]
 
 
 async def test_steps_sent_at_once_land_in_order_and_a_step_with_outputs_sees_their_writes(tiny):

@@ -20,7 +20,9 @@ A reordered weight lives beside the original (the arena keeps the bytes
 the graph names: transfers, the embedding of tied weights and loads read
 them), one per weight view per device, made at the node's first run and
 made again when the weight's bytes change (a load bumps the buffer's
-version counter).  ``TESSERA_CPU_VARIANTS=0`` binds the plain ops.
+version counter).  A device with a memory budget (``mem=``: what the
+planner placed is all it may hold) runs the plain ops.
+``TESSERA_CPU_VARIANTS=0`` binds the plain ops everywhere.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def cpu_variant(prog, payload: dict[str, Any], dst: torch.Tensor | None) -> Call
     :class:`~tessera_actors.execution.program.AtenProgram` on a CPU), writing
     ``dst``; None where the node has none (the plain op runs)."""
     op, args = payload["op"], payload["args"]
-    if dst is None or payload["kwargs"] or not enabled():
+    if dst is None or payload["kwargs"] or getattr(prog, "budgeted", False) or not enabled():
         return None
     if op == "aten.mm.default" and len(args) == 2:
         bias, x, w = None, args[0], args[1]
