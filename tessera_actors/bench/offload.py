@@ -61,6 +61,7 @@ import torch
 from tessera_actors.provenance import git_commit
 from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, RowFailed, first_difference, log, serve
 from tessera_actors.bench.offload_measure import measure_rates, measure_switch
+from tessera_actors.bench.offload_probe import row_timeline
 from tessera_actors.devices import DeviceSpec, parse_bytes
 from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal, routed_experts
 from tessera_actors.planning.offload.adapt import busy_factors
@@ -93,6 +94,7 @@ class OffloadConfig:
     reference_capture: str = "auto"   # the GPU-only reference's capture: auto (what a GPU-only user gets) or aten
     expert_parts: int = 4             # moe: each layer's routed experts as this many tensors, placed apart
     warmup_tokens: int = 128          # moe: tokens per row of the 4-row warm-up batch whose routing is the load
+    probe: int = 0                    # > 0: this many decode steps of each batch probed after its timed window
 
     @property
     def build_device(self) -> str:
@@ -225,6 +227,9 @@ def row_info(cfg: OffloadConfig, w: str, got: dict) -> dict:
             "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
     if w == "decode_b1" and "check" in got:
         info.update(got["check"])
+    probed = got.get(w.replace("decode_", "probe_")) if w.startswith("decode_") else None
+    if probed is not None and off:
+        info["timeline"] = row_timeline(probed, plan, Path(cfg.out), f"{got.get('label', 'row')}_{w}")
     return info
 
 
@@ -324,7 +329,8 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, 
     first, head = work[0], ring_row(cfg.rings[0])
     for name, conf in rows:
         try:
-            got = await _engine(cfg, conf, name, check=check)
+            got = await _engine(cfg, conf, name, check=check, probe=cfg.probe)
+            got["label"] = name
         except Exception as e:
             why = str(e) if isinstance(e, RowFailed) else f"{type(e).__name__}: {e}"
             log(f"{name}: FAILED: {why}")
@@ -465,7 +471,8 @@ def main(args) -> int:
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
                         args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
-                        rings_of(args.ring), args.tie_nats, args.reference_capture, args.expert_parts)
+                        rings_of(args.ring), args.tie_nats, args.reference_capture, args.expert_parts,
+                        probe=args.probe)
     run_offload_bench(cfg)
     return 0
 

@@ -276,6 +276,35 @@ class Offload:
         pcie_bytes = sum(self.graph.buffers[b].nbytes for b in p.streamed)
         return StepTime(r.finish[0], tuple(r.busy), pcie_bytes / self.pcie_bps, pcie_bytes, hands, hand, wait)
 
+    def timeline(self, p: Placement) -> list[list]:
+        """The predicted step of placement ``p`` as timeline records (step 0,
+        the model's clock), the resources the executor's probe measures
+        (:mod:`.timeline`): each kernel (with the copies it waits for), each
+        copy (issued when the reader of the bytes it overwrites ended), each
+        hand-off (a ``recv`` on the receiving device), the step."""
+        progs, _ = self._chain(p)
+        r = run([(progs, 1)], [1], record=True)
+        g, gpu, streamed = self.graph, self.gpu, p.streamed
+        idx = {b: i for i, b in enumerate(streamed)}
+        ended = {e.ref: e.end for e in r.events if e.kind == "run"}
+        after = ring_layout([g.buffers[b].nbytes for b in streamed], p.slots, p.slot_bytes, p.ring).after \
+            if streamed else ()
+        freed = [ended[self.readers[streamed[j]][0]] if j >= 0 else None for j in after]
+        out: list[list] = [[gpu, "step", "step 0", 0, 0.0, r.finish[0], {}]]
+        for e in r.events:
+            if e.kind == "run":
+                d = p.assignment[e.ref]
+                u = self.unit_of.get(e.ref) if d == gpu else None
+                waits = [idx[b] for b in self.units[u] if b in idx] if u is not None else []
+                out.append([d, "kernels", f"k{e.ref}", 0, e.start, e.end, {"waits": waits}])
+            elif e.ref < len(after):
+                out.append([gpu, "copy", f"copy {e.ref}", 0, e.start, e.end,
+                            {"copy": e.ref, "bytes": g.buffers[streamed[e.ref]].nbytes,
+                             "issued": freed[e.ref] or 0.0, "freed": freed[e.ref]}])
+            else:
+                out.append([progs.transfers[e.ref][1], "recv", f"hand-off {e.ref}", 0, e.start, e.end, {}])
+        return out
+
     # -- choosing --------------------------------------------------------
     def resident_fill(self, capacity: int, order: Sequence[int] | None = None,
                       limit: int | None = None) -> set[int]:

@@ -110,12 +110,15 @@ def copy_gaps(copies: Sequence[Sequence], lo: float, hi: float) -> dict[str, flo
     return gaps
 
 
-def critical_path(kernels: Sequence[Sequence], copies: dict, gpu: int, lo: float, hi: float) -> dict[str, float]:
-    """(``copies``: (step, copy) -> when it ended.)  The window cut by what the step's chain was doing: a device's kernels
+def critical_path(kernels: Sequence[Sequence], copies: dict, gpu: int, lo: float, hi: float,
+                  recvs: Sequence[Sequence] = ()) -> dict[str, float]:
+    """The window cut by what the step's chain was doing: a device's kernels
     (``cpu`` / ``gpu``; where both ran, ``cpu``), a GPU piece waiting for
     its copies (``copy_wait``: from the kernels before it until its copies
-    ended), a device change (``handoff``: the rest of a gap between kernels
-    of two devices) and the rest (``other``: host work, step start and end)."""
+    ended; ``copies``: (step, copy) -> when it ended), a hand-off (the rest
+    of a gap between kernels of two devices, or one into which bytes
+    arrived: ``recvs``, records) and the rest (``other``: host work, step
+    start and end)."""
     path = dict.fromkeys(("cpu", "gpu", "copy_wait", "handoff", "other"), 0.0)
     cpu_spans = clip(((k[4], k[5]) for k in kernels if k[0] != gpu), lo, hi)
     gpu_spans = clip(((k[4], k[5]) for k in kernels if k[0] == gpu), lo, hi)
@@ -133,7 +136,9 @@ def critical_path(kernels: Sequence[Sequence], copies: dict, gpu: int, lo: float
                            default=end)
                 wait = min(max(done - end, 0.0), gap)
             path["copy_wait"] += wait
-            path["handoff" if dev is not None and dev != k[0] else "other"] += gap - wait
+            moved = (dev is not None and dev != k[0]) or any(
+                r[0] == k[0] and r[4] < start and r[5] > end for r in recvs)
+            path["handoff" if moved else "other"] += gap - wait
         if k[5] > end:
             end, dev = min(k[5], hi), k[0]
     path["other"] += max(hi - end, 0.0)
@@ -163,11 +168,11 @@ def summarize_step(records: Sequence[Sequence], gpu: int, lo: float, hi: float) 
                                "gpu": length(intersect(spans["copy"], spans["gpu"])),
                                "kernels": length(intersect(spans["copy"], both))},
             "copy_idle_s": copy_gaps(copies, lo, hi),
-            "path_s": critical_path(kernels, ends, gpu, lo, hi),
+            "path_s": critical_path(kernels, ends, gpu, lo, hi, [r for r in records if r[1] == "recv"]),
             "copies": len(mine), "copy_bytes": moved, "copy_bps": moved / copy_s if copy_s > 0 else None,
             "issued_after_freed": sum(1 for x in late if x > EPS),
             "issue_lag_s": sum(x for x in late if x > EPS),
-            "handoffs": sum(1 for r in records if r[1] == "wait" and lo <= r[4] < hi),
+            "handoffs": sum(1 for r in records if r[1] == "recv" and lo <= r[4] < hi),
             "recv_s_max": max(recv, default=0.0)}
 
 
