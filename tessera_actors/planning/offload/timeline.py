@@ -145,8 +145,10 @@ def critical_path(kernels: Sequence[Sequence], copies: dict, gpu: int, lo: float
     return path
 
 
-def summarize_step(records: Sequence[Sequence], gpu: int, lo: float, hi: float) -> dict:
-    """One step's summary (module docstring) from its window's records."""
+def summarize_step(records: Sequence[Sequence], gpu: int, lo: float, hi: float, step: int | None = None) -> dict:
+    """One step's summary (module docstring) from its window's records;
+    ``copies``, ``copy_bytes`` and the issue lags count the copies of
+    ``step`` (None: those that started in the window), wherever they ran."""
     kernels = [r for r in records if r[1] == "kernels"]
     copies = [r for r in records if r[1] == "copy"]
     spans = {
@@ -155,7 +157,7 @@ def summarize_step(records: Sequence[Sequence], gpu: int, lo: float, hi: float) 
         "copy": clip(((r[4], r[5]) for r in copies), lo, hi),
         "handoff": clip(((r[4], r[5]) for r in records if r[1] in HANDOFF), lo, hi)}
     both = union(spans["gpu"] + spans["cpu"])
-    mine = [c for c in copies if lo <= c[4] < hi]
+    mine = [c for c in copies if (c[3] == step if step is not None else lo <= c[4] < hi)]
     moved = sum(c[6].get("bytes", 0) for c in mine)
     copy_s = sum(c[5] - c[4] for c in mine)
     late = [c[6]["issued"] - c[6]["freed"] for c in mine
@@ -182,7 +184,8 @@ def summarize(records: Sequence[Sequence], gpu: int) -> list[dict]:
     out = []
     for n, (lo, hi) in windows(records).items():
         inside = [r for r in records if r[5] > lo and r[4] < hi]
-        out.append({"step": n, **summarize_step(inside, gpu, lo, hi)})
+        out.append({"step": n, **summarize_step(inside + [r for r in records if r[3] == n and r[1] == "copy"
+                                                          and not (r[5] > lo and r[4] < hi)], gpu, lo, hi, n)})
     return out
 
 
