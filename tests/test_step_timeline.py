@@ -45,13 +45,16 @@ def test_copy_engine_gaps_are_named_by_what_held_the_next_copy_back():
 
 
 def test_the_critical_path_adds_up_to_the_step_and_names_copy_waits_and_hand_offs():
-    """GPU 0-1, hand-off, CPU 2-5, GPU piece that waited for copy 0 (ended at
-    7) running 8-9, host tail to 10: every second of the step is named once."""
+    """GPU 0-1, the hand-off to the CPU (its bytes leave 1-1.5, it waits to
+    2), CPU 2-5, the GPU's worker has the bytes back at 5.5, its piece
+    waited for copy 0 (ended at 7) and started at 8 after 1 s of host work,
+    ran to 9, host tail to 10: every second of the step is named once."""
     recs = [rec(GPU, "step", 0, 10), rec(GPU, "kernels", 0, 1), rec(CPU, "kernels", 2, 5),
-            rec(GPU, "copy", 0, 7, copy=0, bytes=1, issued=0.0, freed=None),
-            rec(GPU, "kernels", 8, 9, waits=[0]), rec(GPU, "wait", 1, 8, tag=1, src=CPU)]
+            rec(GPU, "copy", 0, 7, copy=0, bytes=1, issued=0.0, freed=None), rec(GPU, "send", 1, 1.5),
+            rec(CPU, "wait", 0, 2, tag=0, src=GPU), rec(GPU, "kernels", 8, 9, waits=[0]),
+            rec(GPU, "wait", 1.5, 5.5, tag=1, src=CPU)]
     path = summarize_step(recs, GPU, 0, 10)["path_s"]
-    assert path == {"cpu": 3, "gpu": 2, "copy_wait": 2, "handoff": 2, "other": 1}
+    assert path == {"cpu": 3, "gpu": 2, "copy_wait": 1.5, "handoff": 1.5, "other": 2}
     assert sum(path.values()) == 10
 
 
@@ -80,12 +83,41 @@ def test_the_step_models_timeline_has_the_terms_of_its_prediction():
     terms, tl = off["terms"], off["timeline"]
     assert set(off["choices"]) == {"R", "S", "C"}
     assert tl["step_s"] == pytest.approx(terms["step_s"])
-    assert tl["path_s"]["gpu"] == pytest.approx(terms["gpu_kernels_s"])
+    assert tl["busy_s"]["gpu"] == pytest.approx(terms["gpu_kernels_s"])
     assert tl["path_s"]["cpu"] == pytest.approx(terms["cpu_kernels_s"])
+    assert tl["path_s"]["gpu"] == pytest.approx(terms["gpu_kernels_s"] - terms["kernel_overlap_s"])
     assert tl["path_s"]["copy_wait"] == pytest.approx(terms["copy_wait_s"], abs=1e-12)
     assert tl["path_s"]["handoff"] + tl["path_s"]["other"] == pytest.approx(terms["handoff_s"])
     assert tl["busy_s"]["copy"] == pytest.approx(terms["copy_engine_s"])
     assert tl["copies"] == len(off["streamed"]) and tl["copy_bytes"] == terms["pcie_bytes"]
+
+
+def test_the_step_model_overlaps_the_cpu_with_a_streamed_piece_when_bytes_leave_early():
+    """A plan sends the CPU its bytes right after the kernel that made them
+    (``breaks``) when a streamed piece would otherwise run first; the model
+    has the CPU compute meanwhile: a shorter step than the same placement
+    sending after the piece, the overlap among its terms."""
+    import dataclasses
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0, max_seq=64)
+    g = capture_module(m, m.example_inputs("decode", batch=1)).graph
+    from tessera_actors.planning.offload import Offload
+    devices = [f"cpu?threads=1&mem={budget()}", "cpu"]
+    o = Offload(g, devices, estimate_rates(g, devices, switch_s=1e-5, cpu_bps=1e8), pcie_bps=1e8)
+    plan = OffloadPlanner(costs=o.costs, pcie_bps=1e8).plan(g, devices)
+    off = plan.meta["offload"]
+    assert off["breaks"] and all(plan.assignment[b] == plan.assignment[b - 1] for b in off["breaks"])
+    # a segment starts at every break: the send after the kernel before it
+    starts = {s.kernels[0] for s in plan.segments}
+    assert set(off["breaks"]) <= starts
+    choice = {u: c for u, c in zip(sorted(o.units), off["choices"])}
+    early = o.placement(choice, off["slots"], off["slot_bytes"])
+    assert early.breaks == off["breaks"]
+    late = dataclasses.replace(early, breaks=[])
+    fast, slow = o.simulate(early), o.simulate(late)
+    assert fast.step_s < slow.step_s and fast.overlap_s > 0 and slow.overlap_s == pytest.approx(0, abs=1e-12)
+    t = fast.terms(o.gpu)
+    assert t["gpu_kernels_s"] + t["cpu_kernels_s"] - t["kernel_overlap_s"] + t["handoff_s"] + t["copy_wait_s"] \
+        == pytest.approx(t["step_s"])
 
 
 async def _decode(eng, n):
@@ -128,6 +160,14 @@ async def test_a_probed_served_step_records_its_resources_and_copies_go_out_when
     for k in runs:
         for i in k[6]["waits"]:
             assert k[4] >= ended[(k[3], i)]
+    # the bytes the CPU needs leave the budgeted device before it runs a streamed piece that precedes
+    # their reader in program order (the plan's breaks): the CPU computes while that piece waits for its copy
+    assert off["breaks"]
+    mine = sorted((r for r in records if r[0] == GPU and r[3] == steps[1] and r[1] in ("kernels", "send")),
+                  key=lambda r: r[4])
+    for b in off["breaks"]:
+        i = next(j for j, r in enumerate(mine) if r[1] == "kernels" and r[2].startswith(f"k{b}-"))
+        assert mine[i - 1][1] == "send", mine[i - 1]
     summary = summarize(records, GPU)
     first = summary[1]   # the middle step: its first copies were queued by the step before
     assert first["copies"] == len(off["streamed"]) and first["copy_bytes"] > 0

@@ -111,36 +111,64 @@ def copy_gaps(copies: Sequence[Sequence], lo: float, hi: float) -> dict[str, flo
 
 
 def critical_path(kernels: Sequence[Sequence], copies: dict, gpu: int, lo: float, hi: float,
-                  recvs: Sequence[Sequence] = ()) -> dict[str, float]:
-    """The window cut by what the step's chain was doing: a device's kernels
-    (``cpu`` / ``gpu``; where both ran, ``cpu``), a GPU piece waiting for
-    its copies (``copy_wait``: from the kernels before it until its copies
-    ended; ``copies``: (step, copy) -> when it ended), a hand-off (the rest
-    of a gap between kernels of two devices, or one into which bytes
-    arrived: ``recvs``, records) and the rest (``other``: host work, step
-    start and end)."""
+                  handoffs: Sequence[Sequence] = ()) -> dict[str, float]:
+    """The window cut by what the step's chain was doing (:func:`path_of`)
+    from records: ``copies``: (step, copy) -> when it ended; a gap's
+    hand-off into a device is that device's ``wait`` and ``recv`` records
+    and the other device's ``send``."""
+    runs = []
+    for k in kernels:
+        done = max((copies[(k[3], i)] for i in k[6].get("waits", ()) if (k[3], i) in copies), default=None) \
+            if k[0] == gpu else None
+        runs.append((k[4], k[5], k[0], done))
+    into = {d: union((r[4], r[5]) for r in handoffs
+                     if (r[0] == d and r[1] in ("wait", "recv")) or (r[0] != d and r[1] == "send"))
+            for d in {k[0] for k in kernels}}
+    return path_of(sorted(runs), gpu, into, lo, hi)
+
+
+def _covered(a: float, b: float, spans: Sequence[tuple[float, float]], at: list) -> float:
+    """Seconds of ``[a, b]`` inside ``spans`` (sorted, disjoint); ``at[0]``:
+    where to start looking, moved on (calls come in increasing ``a``)."""
+    i = at[0]
+    while i < len(spans) and spans[i][1] <= a:
+        i += 1
+    at[0] = i
+    got = 0.0
+    while i < len(spans) and spans[i][0] < b:
+        got += min(b, spans[i][1]) - max(a, spans[i][0])
+        i += 1
+    return got
+
+
+def path_of(runs: Sequence[tuple], gpu: int, into: dict, lo: float, hi: float) -> dict[str, float]:
+    """The window ``[lo, hi]`` cut by what the step's chain was doing:
+    ``runs``: (start, end, device, when its copies ended or None) by start;
+    a device's kernels (``cpu`` / ``gpu``; where both ran, ``cpu``); in a
+    gap before a run, a hand-off into its device (``handoff``: ``into[d]``,
+    sorted disjoint spans), then a GPU run waiting for its copies
+    (``copy_wait``) and the rest (``other``: host work, step start and end)."""
     path = dict.fromkeys(("cpu", "gpu", "copy_wait", "handoff", "other"), 0.0)
-    cpu_spans = clip(((k[4], k[5]) for k in kernels if k[0] != gpu), lo, hi)
-    gpu_spans = clip(((k[4], k[5]) for k in kernels if k[0] == gpu), lo, hi)
+    cpu_spans = clip(((s, e) for s, e, d, _ in runs if d != gpu), lo, hi)
+    gpu_spans = clip(((s, e) for s, e, d, _ in runs if d == gpu), lo, hi)
     path["cpu"] = length(cpu_spans)
     path["gpu"] = length(gpu_spans) - length(intersect(cpu_spans, gpu_spans))
-    ks = sorted((k for k in kernels if k[5] > lo and k[4] < hi), key=lambda k: k[4])
-    end, dev = lo, None
-    for k in ks:
-        start = max(k[4], lo)
-        gap = start - end
-        if gap > 0:
-            wait = 0.0
-            if k[0] == gpu:
-                done = max((copies[(k[3], i)] for i in k[6].get("waits", ()) if (k[3], i) in copies),
-                           default=end)
-                wait = min(max(done - end, 0.0), gap)
-            path["copy_wait"] += wait
-            moved = (dev is not None and dev != k[0]) or any(
-                r[0] == k[0] and r[4] < start and r[5] > end for r in recvs)
-            path["handoff" if moved else "other"] += gap - wait
-        if k[5] > end:
-            end, dev = min(k[5], hi), k[0]
+    at = {d: [0] for d in into}
+    end = lo
+    for s, e, d, done in runs:
+        if e <= lo or s >= hi:
+            continue
+        start = max(s, lo)
+        if start > end:
+            h = _covered(end, start, into[d], at[d]) if d in into else 0.0
+            w = 0.0
+            if done is not None and done > end:
+                top = min(done, start)
+                w = top - end - (_covered(end, top, into[d], [at[d][0]]) if d in into else 0.0)
+            path["handoff"] += h
+            path["copy_wait"] += w
+            path["other"] += start - end - h - w
+        end = max(end, min(e, hi))
     path["other"] += max(hi - end, 0.0)
     return path
 
@@ -170,7 +198,7 @@ def summarize_step(records: Sequence[Sequence], gpu: int, lo: float, hi: float, 
                                "gpu": length(intersect(spans["copy"], spans["gpu"])),
                                "kernels": length(intersect(spans["copy"], both))},
             "copy_idle_s": copy_gaps(copies, lo, hi),
-            "path_s": critical_path(kernels, ends, gpu, lo, hi, [r for r in records if r[1] == "recv"]),
+            "path_s": critical_path(kernels, ends, gpu, lo, hi, [r for r in records if r[1] in HANDOFF]),
             "copies": len(mine), "copy_bytes": moved, "copy_bps": moved / copy_s if copy_s > 0 else None,
             "issued_after_freed": sum(1 for x in late if x > EPS),
             "issue_lag_s": sum(x for x in late if x > EPS),
@@ -222,5 +250,5 @@ def compare(predicted: dict, measured: dict) -> dict:
     return out
 
 
-__all__ = ["compare", "copy_gaps", "critical_path", "intersect", "length", "median_summary", "summarize",
+__all__ = ["compare", "copy_gaps", "critical_path", "path_of", "intersect", "length", "median_summary", "summarize",
            "summarize_step", "union", "windows"]
