@@ -19,7 +19,12 @@ to the first token of a ``--prefill``-token prompt.  Also reported: the GPU
 allocator's peak, the bytes the engine streamed over PCIe per step (its
 ``pcie_bytes``), each device's busy fraction, the step model's prediction
 with its terms (GPU and CPU kernels, hand-offs, copy waits, the copy
-engine) and the ideal bound from the same rates.
+engine) and the ideal bound from the same rates.  ``--probe N``: after
+each decode batch's timed window, N more steps are probed - each
+resource's intervals, the copy engine's gaps by cause, the step along its
+critical path - beside the planner's step model in the same terms (row
+``timeline``, :mod:`~tessera_actors.bench.offload_probe`; a trace file per
+row and workload in ``--out``).
 
 Correctness at batch 1, from the engines' outputs: a reference engine on the
 GPU alone without a budget (same weights) gives greedy tokens and their top
