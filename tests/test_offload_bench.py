@@ -63,7 +63,7 @@ def test_offload_bench_cpu_smoke(tmp_path):
         assert tl["steps"] and (out / tl["trace"]).stat().st_size > 0
         m, p = tl["measured"], tl["predicted"]
         assert m["copies"] == p["copies"] > 0 and m["copy_bytes"] == p["copy_bytes"]
-        assert sum(m["path_s"].values()) == pytest.approx(m["step_s"])
+        assert all(sum(st["path_s"].values()) == pytest.approx(st["step_s"]) for st in tl["steps"])
         assert tl["compare"]["step_s"][:2] == [p["step_s"], m["step_s"]]
     assert "timeline" not in doc["prefill"]["policies"]["streaming"]
 
@@ -114,7 +114,8 @@ def test_offload_bench_on_a_gpu_with_two_real_size_layers(tmp_path):
         assert st["streamed_copies_ahead_used"] > 0, st
     # the probe on the GPU: copies and pieces between CUDA events, on the host's clock
     m = t["timeline"]["measured"]
-    assert m["path_s"]["gpu"] > 0 and sum(m["path_s"].values()) == pytest.approx(m["step_s"])
+    assert m["path_s"]["gpu"] > 0
+    assert all(sum(st["path_s"].values()) == pytest.approx(st["step_s"]) for st in t["timeline"]["steps"])
     if t["pcie_bytes_per_token"] > 0:
         assert m["copies"] == t["timeline"]["predicted"]["copies"] and 1e9 < m["copy_bps"] < 1e11, m
         assert m["busy_s"]["copy"] <= m["step_s"] * 1.01
