@@ -25,18 +25,19 @@ WARM = 3   # tokens every row has before the probe starts: all rows decode toget
 
 async def probe_decode(eng: AsyncEngine, batch: int, steps: int) -> list:
     """``batch`` concurrent greedy requests; once each has :data:`WARM`
-    tokens the next ``steps + 1`` decode steps are probed (the last one's
-    copies queued for the step after it never land in an answer: it is
-    dropped from the summaries).  Returns the records."""
+    tokens the next ``steps + 2`` decode steps are probed: the first one's
+    first copies were queued by an unprobed step and the last one's copies
+    queued for the step after it never land in an answer, so both are left
+    out of the summaries (:func:`row_timeline`).  Returns the records."""
     got = [0] * batch
     records: list = []
 
     async def one(r: int) -> None:
-        params = SamplingParams(max_tokens=WARM + steps + 3, ignore_eos=True)
+        params = SamplingParams(max_tokens=WARM + steps + 4, ignore_eos=True)
         async for out in eng.generate([1 + r, 2 + r, 3 + r], params):
             got[r] += len(out.token_ids)
             if not records and min(got) >= WARM and not eng.deployment.probe_left:
-                records.append(eng.deployment.probe_steps(steps + 1))
+                records.append(eng.deployment.probe_steps(steps + 2))
     await asyncio.gather(*(one(r) for r in range(batch)))
     eng.deployment.probe_left = 0
     return records[0] if records else []
@@ -64,8 +65,7 @@ def row_timeline(records: list, plan, out: Path, label: str) -> dict:
     off = plan.meta.get("offload") or {}
     gpu = int(off.get("device", 0))
     steps = summarize(records, gpu)
-    last = max((s["step"] for s in steps), default=None)
-    steps = [s for s in steps if s["step"] != last] or steps
+    steps = steps[1:-1] or steps   # the first and the last probed step miss copies (probe_decode)
     measured = median_summary(steps)
     predicted = off.get("timeline") or {}
     path = write_trace(out / f"probe_{label}.json", records, list(plan.devices)) if records else None
