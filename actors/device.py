@@ -51,6 +51,7 @@ import logging
 import torch
 
 from tessera_actors.devices import DeviceSpec
+from tessera_actors.execution.backends.cpu import device_threads
 from tessera_actors.execution.allow import warm_meta
 from tessera_actors.execution.driver import Driver
 from tessera_actors.execution.handoff import Handoff, hub_for
@@ -67,7 +68,6 @@ log = logging.getLogger("tessera_actors.device")
 SPIN_S = 0.05   # a worker's longest wait for a co-located peer's transfer (it stops early for other work)
 
 
-_INITIAL_THREADS = torch.get_num_threads()
 
 
 class DeviceActor(Actor):
@@ -88,9 +88,7 @@ class DeviceActor(Actor):
         self.driver: Driver | None = None
 
     async def on_start(self) -> None:
-        # a thread starts with the intra-op thread count last set in the process: a device without
-        # threads= gets the process's initial count, whatever a cpu?threads=1 device set before it
-        threads = self.spec.threads or _INITIAL_THREADS
+        threads = device_threads(self.spec)
 
         def init() -> None:
             torch.get_num_threads()          # this thread's lazy intra-op init first (it would reset the count

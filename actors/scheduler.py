@@ -50,8 +50,8 @@ from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Placed, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
                                      LoadValues, Ok, Place, Readmit, Register, Registered, ReportLost, Routes,
                                      Stats, Uninstall)
-from tessera_actors.plan import Plan, Planner, PlanError, build_plan, plan_to_dict
-from tessera_actors.planning.pinning import served_assignment
+from tessera_actors.plan import Plan, Planner, PlanError, plan_to_dict
+from tessera_actors.planning.pinning import served_plan
 
 log = logging.getLogger("tessera_actors.scheduler")
 
@@ -319,9 +319,7 @@ class SchedulerActor(Actor):
         pins = {name: where[tuple(r)] for name, r in msg.pins.items() if tuple(r) in where}
         weights = {name: {where[tuple(r)] for r in rs if tuple(r) in where} for name, rs in msg.weights.items()}
         weights = {name: ds for name, ds in weights.items() if ds}
-        assignment = served_assignment(graph, plan.assignment, pins, weights)
-        if assignment is not None:
-            plan = build_plan(graph, specs, assignment, name=f"{plan.name}, state-pinned", mode=msg.mode)
+        plan = served_plan(graph, plan, specs, pins, weights, msg.mode)
         placed = await self._deploy(msg.plan_id, graph, plan, live, graph_bytes, placing, msg.graph, msg.share)
         return Placed(placed.plan_id, placed.routes, plan) if msg.objects else placed
 

@@ -1,4 +1,5 @@
-"""Device specifications: ``cpu``, ``cpu?threads=1``, ``cuda:0``,
+"""Device specifications: ``cpu``, ``cpu?threads=1``,
+``cpu?threads=1&prefill_threads=2``, ``cuda:0``,
 ``cuda:1?sms=32&mem=24GiB&price=1.2&label=H200-32``.
 
 Pure Python. A spec names a device and its limits; the device backends
@@ -11,7 +12,7 @@ from urllib.parse import parse_qsl
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_KEYS = {"sms", "threads", "mem", "price", "label", "slow"}
+_KEYS = {"sms", "threads", "mem", "price", "label", "slow", "prefill_threads"}
 
 
 class DeviceSpecError(ValueError):
@@ -36,6 +37,7 @@ class DeviceSpec:
     price: float = 1.0         # $/hour, for cost efficiency
     label: str = ""
     slow: float = 1.0          # throttle: every run takes this many times as long (load-aware planning tests)
+    prefill_threads: int | None = None   # intra-op threads of steps of PREFILL_TOKENS+ tokens (cpu only)
 
     @classmethod
     def parse(cls, text: str) -> "DeviceSpec":
@@ -51,6 +53,7 @@ class DeviceSpec:
         try:
             sms = int(opts["sms"]) if "sms" in opts else None
             threads = int(opts["threads"]) if "threads" in opts else None
+            prefill_threads = int(opts["prefill_threads"]) if "prefill_threads" in opts else None
             price = float(opts.get("price", 1.0))
             slow = float(opts.get("slow", 1.0))
         except ValueError as e:
@@ -59,10 +62,12 @@ class DeviceSpec:
             raise DeviceSpecError(f"device {text!r}: sms= needs a cuda device and a positive count")
         if threads is not None and (kind != "cpu" or threads <= 0):
             raise DeviceSpecError(f"device {text!r}: threads= needs a cpu device and a positive count")
+        if prefill_threads is not None and (kind != "cpu" or prefill_threads <= 0):
+            raise DeviceSpecError(f"device {text!r}: prefill_threads= needs a cpu device and a positive count")
         if slow < 1.0:
             raise DeviceSpecError(f"device {text!r}: slow= must be >= 1")
         mem = parse_bytes(opts["mem"]) if "mem" in opts else None
-        return cls(kind, index, sms, threads, mem, price, opts.get("label", ""), slow)
+        return cls(kind, index, sms, threads, mem, price, opts.get("label", ""), slow, prefill_threads)
 
     @property
     def name(self) -> str:
@@ -73,6 +78,8 @@ class DeviceSpec:
             opts.append(f"sms={self.sms}")
         if self.threads is not None:
             opts.append(f"threads={self.threads}")
+        if self.prefill_threads is not None:
+            opts.append(f"prefill_threads={self.prefill_threads}")
         if self.mem is not None:
             opts.append(f"mem={self.mem}")
         if self.price != 1.0:

@@ -143,3 +143,56 @@ def test_unit_s_is_the_step_time_models_makespan_of_prefill_and_decode_sharing_g
         parts = [(Option(100.0, tuple(0.010 if d == pre_dev else 0.0 for d in range(2)), 1, ""), 4),
                  (Option(1000.0, tuple(0.001 if d == dec_dev else 0.0 for d in range(2)), 1, ""), 16)]
         assert max(r.finish) == pytest.approx(unit_s(parts))
+
+
+async def test_the_engine_keeps_the_prompt_steps_in_flight_that_the_tessera_row_predicts():
+    """A prompt plan pipelined over two CPU devices (the layers planner, 2
+    micro-batches): the engine keeps two prompt-chunk steps of different
+    requests in flight, with the tokens of one device, and the Tessera row
+    predicts that same plan with the same steps in flight, at its simulated
+    rate (``prompt_inflight`` is the one rule of both)."""
+    import asyncio
+    from tessera_actors import AsyncEngine, SamplingParams
+    from tessera_actors.planning.costs import Roofline
+    from tessera_actors.planning.inflight import prompt_inflight
+    from tessera_actors.planning.policies import Option, _planned, served_prefill
+    from tessera_actors.planning.simulate import simulate
+    cfg = dict(model="smollm2", size="tiny", max_model_len=512, max_seqs=8, decode_buckets=(1, 2, 4, 8),
+               prefill_buckets=(16, 64), prefill_rows=(1,), prefix_caching=False)
+    prompts = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(8)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+
+    async def tokens(eng, prompt):
+        return [t async for out in eng.generate(prompt, greedy) for t in out.token_ids]
+    async with AsyncEngine(devices="cpu", **cfg) as one:
+        want = [await tokens(one, p) for p in prompts]
+    async with AsyncEngine(devices="cpu,cpu", planner="layers", **cfg) as eng:
+        await eng.wait_placed()
+        got = await asyncio.gather(*(tokens(eng, p) for p in prompts))
+        stats, placed = eng.stats(), eng.deployment.placed
+        served = placed["prefill:16"].plan
+        ref = placed[eng.deployment.reference_bucket()].plan
+        gp, g = eng.served.graphs["prefill:16"], eng.served.graphs[eng.deployment.reference_bucket()]
+    assert got == want
+    assert prompt_inflight(served) == 2 and stats["pipelined_prompt_steps"] > 0
+    costs = Roofline().table(gp, served.devices)
+    planned = _planned(gp, costs, "layers")
+    assert planned.plan.assignment == served.assignment
+    (row,) = served_prefill(gp, costs, [planned], g, Option(1.0, (0.0, 0.0), 1, "decode", ref))
+    assert row.inflight == prompt_inflight(served) == 2
+    assert row.rate == pytest.approx(simulate(served, costs, inflight=2).throughput)
+
+
+def test_the_tessera_rows_decode_micro_batches_are_a_serve_flag():
+    """The row's ``decode ... xN`` is N decode steps in flight: ``tessera
+    serve --mode throughput --groups N`` runs them (N groups of rows)."""
+    import argparse
+    from tessera_actors import AsyncEngine
+    from tessera_actors.serving.flags import add_serve_arguments, engine_kwargs
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    kw = engine_kwargs(p.parse_args(["--devices", "cpu,cpu", "--mode", "throughput", "--groups", "4",
+                                     "--max-seqs", "8", "--size", "tiny"]))
+    assert kw["groups"] == 4
+    eng = AsyncEngine(**kw)   # not started: stats() reports the configuration
+    assert eng.stats()["groups"] == 4 and len(eng.slots.bounds) == 4

@@ -9,6 +9,7 @@ import argparse
 
 import pytest
 
+from tessera_actors.devices import DeviceSpecError
 from tessera_actors.serving.cpu_threads import ThreadTimes, candidates, choose_threads, measure_threads
 from tessera_actors.serving.flags import (add_serve_arguments, chosen_deployment, default_deployment, devices_line,
                                           engine_kwargs)
@@ -97,3 +98,44 @@ def test_a_machine_with_a_gpu_serves_on_it_by_default():
     one, two = default_deployment(cores=16, gpus=1), default_deployment(cores=16, gpus=2)
     assert one.devices == two.devices == "cuda:0"
     assert "1 GPU seen" in one.why and "cuda:0,cuda:1" in two.why
+
+
+def test_prompt_chunks_run_at_prefill_threads_and_decode_steps_at_threads():
+    from tessera_actors.devices import DeviceSpec
+    from tessera_actors.execution.backends.cpu import INITIAL_THREADS, PREFILL_TOKENS, step_threads
+    spec = DeviceSpec.parse("cpu?threads=1&prefill_threads=2")
+    assert spec.name == "cpu?threads=1&prefill_threads=2" and DeviceSpec.parse(spec.name) == spec
+    assert step_threads(spec, PREFILL_TOKENS) == 2 and step_threads(spec, 16) == 1
+    assert step_threads(DeviceSpec.parse("cpu?prefill_threads=3"), 1) == INITIAL_THREADS
+    assert step_threads(DeviceSpec.parse("cpu?threads=2"), 512) is None       # no per-step change asked
+    for bad in ("cuda:0?prefill_threads=2", "cpu?prefill_threads=0"):
+        with pytest.raises(DeviceSpecError, match="prefill_threads"):
+            DeviceSpec.parse(bad)
+
+
+async def test_a_device_with_prefill_threads_serves_the_same_tokens_and_says_its_counts():
+    from tessera_actors import AsyncEngine, SamplingParams
+    from tessera_actors.runtime.messages import GetStats
+    cfg = dict(model="llama", size="tiny", max_seqs=4, max_model_len=96, decode_buckets=(1, 4),
+               prefill_buckets=(8, 32), kv_windows=(), embeddings=False)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 70)]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    async def run(eng):
+        out = []
+        for p in prompts:
+            toks = []
+            async for o in eng.generate(p, greedy):
+                toks += o.token_ids
+            out.append(toks)
+        return out
+    async with AsyncEngine(devices="cpu?threads=1", **cfg) as plain:
+        want = await run(plain)
+    async with AsyncEngine(devices="cpu?threads=1&prefill_threads=2", **cfg) as eng:
+        await eng.wait_placed()
+        got = await run(eng)
+        stats = (await eng.deployment.system.ref("device0").ask(GetStats())).values
+    assert got == want
+    threads = {p.partition(":")[2]: t for p, t in stats["step_threads"].items()}   # plan "g0:<bucket>"
+    assert {t for b, t in threads.items() if b.startswith("prefill:32")} == {2}
+    assert {t for b, t in threads.items() if b.startswith(("decode", "prefill:8"))} == {1}

@@ -28,9 +28,9 @@ def test_default_transformers_model_captures_and_splits_bitwise(arch):
     report = tessera_actors.check(loaded.model, user_inputs(loaded), devices=["cpu", "cpu"], orders=50,
                                   splits=3, planner="contiguous", verbose=False)
     assert report.ok, report.table()
-    rows = {r["case"]: r for r in report.rows}
-    assert rows["random orders (50)"]["mismatches"] == 0
-    assert rows["random splits (3)"]["bitwise"] and rows["contiguous split"]["bitwise"]
+    rows = {(r["case"], r["reference"]): r for r in report.rows}
+    assert rows["random orders (50)", "single-device"]["mismatches"] == 0
+    assert rows["random splits (3)", "single-device"]["bitwise"] and rows["contiguous split", "single-device"]["bitwise"]
     if loaded.kind == "causal-lm":
         assert report.info["output_names"][0] == "logits" and len(report.info["output_names"]) > 1  # + the cache
     else:

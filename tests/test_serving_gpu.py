@@ -48,3 +48,22 @@ async def test_a_gpu_deployment_serves_inductor_captures_replayed_as_cuda_graphs
     ran = {name: s for name, s in stats.items() if s.get("replays", 0) + s.get("eager_runs", 0)}
     assert ran and all(s["capture"] == "inductor" for s in stats.values()), stats
     assert any(s["replays"] > 0 for s in ran.values()) and all(s["capture_failures"] == 0 for s in ran.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_prompt_chunks_pipelined_over_a_layer_split_give_the_single_gpu_tokens():
+    """The layers planner pipelines the prompt plan over two partitions: the
+    engine keeps its micro-batches of prompt-chunk steps in flight (each
+    another request's), as ``tessera advise`` predicts, with one GPU's tokens."""
+    from tessera_actors.planning.inflight import prompt_inflight
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    cfg = {**CFG, "prefill_rows": (1,), "prefix_caching": False}
+    async with AsyncEngine(devices="cuda:0", **cfg) as one:
+        ref = await _run(one, greedy)
+    async with AsyncEngine(devices="cuda:0,cuda:0?sms=32", planner="layers", **cfg) as two:
+        await two.wait_placed()
+        got = await _run(two, greedy)
+        pipelined = two.stats()["pipelined_prompt_steps"]
+        plan = two.deployment.placed["prefill:4"].plan
+    assert got == ref
+    assert prompt_inflight(plan) >= 2 and pipelined > 0

@@ -169,6 +169,22 @@ def test_state_pinning_keeps_every_state_on_its_home():
     assert not respects(g, [0, 0, 0, 1, 1], {"kv0": 1})
 
 
+def test_a_plan_served_under_other_homes_keeps_its_micro_batches_in_flight():
+    """The scheduler's rule (``served_plan``): a plan that keeps the homes is
+    served as it is; one that breaks them is pinned, at the planned
+    micro-batches (the engine keeps that many prompt steps in flight)."""
+    from tessera_actors.plan import build_plan
+    from tessera_actors.planning.inflight import prompt_inflight
+    from tessera_actors.planning.pinning import served_plan
+    g = _graph()
+    devs = ["cpu", "cpu"]
+    planned = build_plan(g, devs, [0, 0, 0, 1, 1], name="split", microbatches=3)
+    assert served_plan(g, planned, devs, {"kv0": 0, "kv1": 1}) is planned
+    pinned = served_plan(g, planned, devs, {"kv0": 1, "kv1": 0})
+    assert pinned.assignment == [1, 1, 1, 0, 0] and pinned.name == "split, state-pinned"
+    assert prompt_inflight(pinned) == prompt_inflight(planned) == 3
+
+
 def test_weights_held_on_one_device_pin_their_readers_there():
     bufs = {0: Buffer(0, 64, "input", "x"), 1: Buffer(1, 64, "weight", "w1"), 2: Buffer(2, 64, "weight", "w2"),
             3: Buffer(3, 64, "temp"), 4: Buffer(4, 64, "output", "y")}
@@ -186,6 +202,8 @@ def test_engine_config_refuses_bad_values():
     with pytest.raises(ValueError, match="mode"):
         EngineConfig(mode="fast")
     assert EngineConfig(max_seqs=6, decode_buckets=(1, 4, 8)).decode_buckets == (1, 4, 6)
+    with pytest.raises(ValueError, match="prompt_steps"):
+        EngineConfig(prompt_steps=0)
 
 
 async def test_an_engine_that_was_not_started_says_so():

@@ -21,8 +21,14 @@ KV cache) and prefill (one ``--prompt``-token chunk) - three numbers:
 
 Ratios: ``tessera / compile`` (what the product costs over compiling the
 model yourself) and ``floor / tessera`` (fraction of the physical limit).
-Models the engine cannot serve (the SSM without per-row state, the
-diffusion transformer without tokens) are rows that say so.  Runs split by
+Every language model is served: Llama, the MoE, Mamba-2 (its SSM state
+addressed by the engine's rows, ``models.mamba2``) and the VLM's Llama
+decoder.  The VLM's prefill case is **text only** for both columns (``prefill
+1x{prompt} (text)``): the engine's prompt chunks are token ids, it takes no
+image, so the compiled baseline gets the same ``prompt`` text tokens (no
+``pixel_values``, no ViT) - an image prefix through the engine is not
+measured here.  The diffusion transformer is a row that says why it is not
+served: it has no tokens to prompt or decode.  Runs split by
 ``--models`` (GPU time limits) into one ``--out`` folder of the same commit
 add up to one ``roofline.json``.  Each row carries the served bucket's
 capture kind and its CUDA-graph replays, eager runs and capture failures.
@@ -105,13 +111,12 @@ def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tu
             label = f"decode b{batch}"  # an SSM state, no KV cache
         pos = cfg.cache - 2 if case == "decode" else 0
         kind = case
-        if name == "vlm":
-            kw = dict(vis_layers=cfg.layers, text=LlamaConfig.llama_2_7b(n_layers=cfg.layers, max_batch=batch,
-                                                                         max_seq=cfg.cache + 1024))
-        elif name == "mamba2":
-            kw = dict(n_layers=cfg.layers, max_batch=batch)
-        else:
-            kw = dict(n_layers=cfg.layers, max_batch=batch, max_seq=max(cfg.cache, seq))
+        # the served engine's sizes: max_batch rows of max_seq = the cache (an SSM: positions below it)
+        kw = dict(n_layers=cfg.layers, max_batch=batch, max_seq=max(cfg.cache, seq))
+        if name == "vlm":   # the decoder as served; the ViT as deep (it runs in neither column: text prompts)
+            kw = dict(vis_layers=cfg.layers, text=LlamaConfig.llama_2_7b(**kw))
+            label += " (text)" if case == "prefill" else ""
+    extra = {"image": False} if name == "vlm" and case == "prefill" else {}
 
     def make():
         from tessera_actors.models.attention import CachedAttention
@@ -119,7 +124,7 @@ def build(name: str, case: str, cfg: RooflineConfig, device: torch.device) -> tu
         for mod in model.modules():
             if isinstance(mod, CachedAttention):
                 mod.gqa = cfg.gqa
-        inputs = model.example_inputs(kind, batch=batch, seq=seq, pos=pos)
+        inputs = model.example_inputs(kind, batch=batch, seq=seq, pos=pos, **extra)
         return model, {k: v.to(device) for k, v in inputs.items()}
     return make, label
 
@@ -198,7 +203,10 @@ def compiled_baseline(model, inputs, steps: int = 20) -> float | None:
     return (time.perf_counter() - t0) / steps
 
 
-SERVED = ("llama", "moe")   # models with the engine's contract (forward(input_ids, positions, rows, last))
+# the models the engine does not serve, and why (the others take the engine's forward(input_ids, positions,
+# rows, last) with per-row state: a KV cache, an SSM's state)
+NOT_SERVED = {"dit": "not served by the engine: a diffusion transformer denoises latents, it has no tokens to "
+                     "prompt or decode"}
 
 
 def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: float) -> dict[str, Any]:
@@ -206,16 +214,15 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
     from tessera_actors.bench.served import ServedCase, served_decode, served_prefill
     device = torch.device(cfg.device)
     make, label = build(name, case, cfg, device)
-    if name not in SERVED:
-        return {"model": name, "case": label, "error": "not served by the engine (it takes no token prompt with "
-                "per-row KV state: " + ("an SSM's state rows" if name == "mamba2" else "no text decoding") + ")"}
+    if name in NOT_SERVED:
+        return {"model": name, "case": label, "error": NOT_SERVED[name]}
     model, inputs = make()
     flops = step_flops(model, inputs)
     del model
     gc.collect()
     torch.cuda.empty_cache()
     sc = ServedCase(name, "real", cfg.layers, cfg.dtype, cfg.device, cfg.batch, cfg.cache, cfg.prompt,
-                    cfg.regions, cfg.gqa)
+                    cfg.regions, cfg.gqa, overrides={"vis_layers": cfg.layers} if name == "vlm" else {})
     served = asyncio.run(served_decode(sc) if case == "decode" else served_prefill(sc))
     graph = served.pop("graph")
     nbytes = step_bytes(graph)
@@ -238,20 +245,20 @@ def run_case(name: str, case: str, cfg: RooflineConfig, bandwidth: float, gemm: 
            "ran": f"AsyncEngine {served['bucket']} ({served['capture']})", **served}
     host = served.get("host_s", {})   # decode: the host's CPU per step, event loop thread and workers
     busy = f"host {(host['loop_thread'] + host['worker']) * 1e6:6.0f} us  " if "loop_thread" in host else ""
-    print(f"  {name:<7} {label:<20} tessera {row['tessera_us']:9.0f} us  compile {row['compile_us']:9.0f} us  "
+    print(f"  {name:<7} {label:<22} tessera {row['tessera_us']:9.0f} us  compile {row['compile_us']:9.0f} us  "
           f"floor {row['floor_us']:9.0f} us  {busy}[{row['ran']}; {served['bucket_stats']}]", flush=True)
     return row
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':<7} {'case':<20} {'tessera us':>11} {'compile us':>11} {'floor us':>9} "
+    head = (f"{'model':<7} {'case':<22} {'tessera us':>11} {'compile us':>11} {'floor us':>9} "
             f"{'GB':>7} {'TFLOP':>7} {'t/compile':>9} {'floor/t':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['model']:<7} {r['case']:<20} error: {r['error'][:80]}")
+            lines.append(f"{r['model']:<7} {r['case']:<22} error: {r['error'][:80]}")
             continue
-        lines.append(f"{r['model']:<7} {r['case']:<20} {r['tessera_us']:>11.0f} {r['compile_us']:>11.0f} "
+        lines.append(f"{r['model']:<7} {r['case']:<22} {r['tessera_us']:>11.0f} {r['compile_us']:>11.0f} "
                      f"{r['floor_us']:>9.0f} {r['bytes'] / 1e9:>7.2f} {r['flops'] / 1e12:>7.2f} "
                      f"{r['tessera_over_compile']:>9.3f} {r['floor_fraction']:>8.3f}")
     return "\n".join(lines)

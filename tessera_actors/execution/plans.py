@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 
 from tessera_actors.devices import DeviceSpec
+from tessera_actors.execution.backends.cpu import step_threads
 from tessera_actors.execution.held import storage_bytes
 from tessera_actors.execution.inbox import Inbox
 from tessera_actors.execution.program import AtenProgram, BackendError
@@ -31,6 +32,7 @@ from tessera_actors.execution.sharing import Shares, scratch_layout
 from tessera_actors.execution.step import DeviceStep
 from tessera_actors.execution.streaming import program_for, staging_of, streamed_buffers
 from tessera_actors.execution.worker import Worker
+from tessera_actors.execution.variants import packed_bytes
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.runtime.messages import Installed, InstallPlan
@@ -106,6 +108,7 @@ async def install_plan(msg: InstallPlan, spec: DeviceSpec, runner: SegmentRunner
     shares.loaded.update(adopted)
     inst = DevicePlan(graph, plan, d, prog, DeviceStep(msg.plan_id, graph, plan, d, prog, runner, peers),
                       share_keys=keys, home_keys=home_keys)
+    inst.step.threads = step_threads(spec, graph_tokens(graph))
     inst.ring_lock = shares.lock(msg.share, ring) if ring is not None else None
     need = [b for b in plan.resident[d] if graph.buffers[b].role in ("weight", "state")
             and (keys.get(b) or home_keys.get(b)) not in shares.loaded]
@@ -120,6 +123,8 @@ def device_stats(runner: SegmentRunner | None, shares: Shares, plans: dict[str, 
     loop's; ``handoffs``: the co-located hand-off's counts."""
     out = runner.stats() if runner is not None else {"graphs": False}
     out["per_plan"] = {p: dict(c) for p, c in runner.per_plan.items()} if runner is not None else {}
+    # a CPU's intra-op threads per plan where its steps set them (prefill_threads): else absent
+    out["step_threads"] = {p: i.step.threads for p, i in plans.items() if i.step is not None and i.step.threads}
     progs = [i.prog for i in plans.values() if i.prog is not None]
     streaming = [p for p in progs if getattr(p, "streamed", None)]
     out.update({"streamed_copies": sum(p.copies for p in streaming),
@@ -127,7 +132,10 @@ def device_stats(runner: SegmentRunner | None, shares: Shares, plans: dict[str, 
                 "streamed_bytes": sum(p.copied_bytes for p in streaming), **handoffs,
                 "shared_bytes": shares.device_bytes() - shares.staging_bytes() - shares.scratch_bytes(),
                 "staging_bytes": shares.staging_bytes(), "home_bytes": sum(t.numel() for t in shares.homes.values()),
-                "scratch_bytes": shares.scratch_bytes(), "plan_bytes": sum(p.nbytes for p in progs)})
+                "scratch_bytes": shares.scratch_bytes(), "plan_bytes": sum(p.nbytes for p in progs),
+                # a CPU's weights reordered for its own kernels (execution/variants.py), beside the weights
+                "variant_bytes": packed_bytes({id(t): t for t in [*shares.shared.values(),
+                                                                 *(t for p in progs for t in p.arena.values())]}.values())})
     out.update(_held(runner, shares, plans, out.get("capture_pool_bytes", 0)))
     return out
 
@@ -152,3 +160,14 @@ def _held(runner: SegmentRunner | None, shares: Shares, plans: dict[str, DeviceP
 
 
 __all__ = ["DevicePlan", "device_stats", "install_plan"]
+
+
+def graph_tokens(graph: KernelGraph) -> int:
+    """Tokens a step of ``graph`` carries: its ``input_ids``' elements (0 without)."""
+    ids = graph.inputs.get("input_ids")
+    if ids is None:
+        return 0
+    n = 1
+    for d in graph.buffers[ids].shape:
+        n *= d
+    return n

@@ -20,6 +20,7 @@ from tessera_actors.graph import KernelGraph
 
 from tessera_actors.devices import other_device_op
 from tessera_actors.execution.allow import KernelRefused, check_allocation, default_cap, resolve_allowed, signature
+from tessera_actors.execution.variants import cpu_variant
 
 
 class BackendError(RuntimeError):
@@ -98,6 +99,7 @@ class AtenProgram:
             self.arena[b] = torch.zeros(max(graph.buffers[b].nbytes, 1), dtype=torch.uint8, device=device)
         self.nbytes = need
         self._bound: dict[int, Callable[[], None]] = {}
+        self.variants = 0   # kernels bound to the device's own variant of their op (execution/variants.py)
         # a tensor reference's view, made once for every kernel that names it (the kernels of one
         # bucket name the same few hundred references thousands of times); in-place ops get their own
         self._views: dict[tuple, torch.Tensor] = {}
@@ -265,6 +267,10 @@ class AtenProgram:
             return functools.partial(call, *args, **kwargs)
         if len(p["outs"]) == 1:
             dst = copies[0][1]
+            variant = cpu_variant(self, p, dst) if self.device.type == "cpu" else None
+            if variant is not None:
+                self.variants += 1
+                return variant
 
             def run_one() -> None:
                 dst.copy_(call(*args, **kwargs))

@@ -117,6 +117,7 @@ class DeviceStep:
         if not self.holds_logits or any(ref[0] not in here for ref in self.greedy_refs):
             self.greedy_refs = []
         self.greedy_views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.threads: int | None = None   # the intra-op threads of this plan's steps (None: as they are)
         self.probe: Probe | None = None   # made at the first probed step (``RunStep.probe``), kept after
 
     def probe_for(self, msg) -> Probe | None:
@@ -201,6 +202,8 @@ class StepRun:
         c0, k0 = time.thread_time(), self.kernel_cpu
         waited = 0.0
         ship: list = []
+        if st.threads is not None and torch.get_num_threads() != st.threads:
+            torch.set_num_threads(st.threads)   # on a CPU: a prompt chunk's count, or a decode step's
         probe = self.probe
         if self.began is None:
             self.began = t0

@@ -14,14 +14,17 @@ One contract for every model, so a generic capture can record any of them:
     place (``index_put_`` / ``copy_``); they are never reallocated.
 ``model.reset_state() -> None``
     Zeroes every state buffer in place.
+``model.ROW_STATE``
+    What a state row holds: ``"positions"`` (KV caches) or ``"latest"``
+    (an SSM's recurrent state); see ``common.ReferenceModel``.
 ``model.example_inputs(kind, batch, seq=1, pos=0) -> dict[str, Tensor]``
     Language models (llama, moe, mamba2, smollm2): ``kind`` in
     {"decode", "prefill"}; decode -> ``input_ids`` [B, 1] int64 and
     ``positions`` [B] int64 (position of the new token); prefill ->
     ``input_ids`` [B, seq], ``positions`` [B, seq] = pos..pos+seq-1.
     VLM: "prefill" adds ``pixel_values`` [B, 3, H, W] (image tokens come
-    first, then ``seq`` text tokens; positions cover both) and "decode" is
-    the LM decode. DiT: "denoise" -> ``latents``, ``timestep``, ``labels``.
+    first, then ``seq`` text tokens; positions cover both; ``image=False``:
+    the text tokens alone, as served) and "decode" is the LM decode. DiT: "denoise" -> ``latents``, ``timestep``, ``labels``.
 Other buffers (RoPE tables, positional embeddings) are float32 constants.
 
 Third-party models (transformers' own classes, ``hf:`` specs) are built by

@@ -57,7 +57,17 @@ def register_state(module: nn.Module, name: str, tensor: Tensor) -> None:
 
 
 class ReferenceModel(nn.Module):
-    """Base class of the reference models: the state half of the contract."""
+    """Base class of the reference models: the state half of the contract.
+
+    ``ROW_STATE`` says what one row (sequence) of the state holds:
+    ``"positions"`` (a KV cache: each position's keys and values, so the
+    first ``n`` positions of a row are the state of its first ``n`` tokens
+    - a kept prefix can be reused, attention can read a window of them) or
+    ``"latest"`` (a recurrent state, an SSM's: the state after the row's
+    latest token only - nothing of it serves another prompt, no window
+    applies).  The serving engine reads it (``serving.deploy.fitted``)."""
+
+    ROW_STATE = "positions"
 
     def state_names(self) -> list[str]:
         """Fully qualified names (as in ``named_buffers()``) of the state buffers."""

@@ -1,21 +1,38 @@
 """Mamba-2 selective state-space LM in decode-step form, own code.
 
-Each layer keeps two state buffers (rows = sequences, first ``B`` rows used):
-  ``layers.{i}.mixer.conv_state`` [max_batch, conv_dim, d_conv] - the last
+Each layer keeps two state buffers, one row per sequence, plus a spare row
+(index ``max_batch``) that padding rows write and no sequence reads:
+  ``layers.{i}.mixer.conv_state`` [max_batch + 1, conv_dim, d_conv] - the last
       ``d_conv`` inputs of the depthwise causal conv (x, B, C channels);
-  ``layers.{i}.mixer.ssm_state``  [max_batch, n_heads, head_dim, d_state].
+  ``layers.{i}.mixer.ssm_state``  [max_batch + 1, n_heads, head_dim, d_state].
 One step per token: ``conv_state`` shifts in the new input, the SSM update is
 ``h = exp(dt * A) * h + dt * x B^T`` and ``y = h C + D x``, gated by
-``silu(z)`` through a gated RMSNorm. Both states are written with ``copy_``.
+``silu(z)`` through a gated RMSNorm.  A step reads its rows' states with
+``index_select`` and writes them back with ``index_put_`` (in place, only
+those rows: never a copy of the whole state).
 
 Inputs: ``input_ids`` [B, T] and ``positions`` [B] or [B, T]. A row whose
 position is 0 starts a fresh sequence: its state is zeroed by multiplying with
 ``positions != 0`` (tensor ops, no branching), so one program serves new and
-continuing sequences. Prefill (T > 1) computes the same recurrence for all T
-tokens at once in Mamba-2's chunked state-space-dual form (:meth:`Mamba2Mixer.scan`:
-quadratic inside chunks of ``SCAN_CHUNK`` tokens, the state carried from chunk
-to chunk), as real Mamba-2 prefill does: equal to feeding the tokens one by
-one up to float rounding. Output: logits [B, T, vocab].
+continuing sequences.  Serving inputs (optional, as ``Llama.forward``):
+``rows`` int64 [B], the state row of each batch row (default: rows
+``row_base`` .. ``row_base + B - 1``), and ``last`` int64 [B], the index of
+each row's last real token: the tokens after it are padding and leave the
+state as it is (their ``dt`` is 0), and only that token's logits are
+computed (output [B, 1, vocab]).  Positions stay below ``max_seq - 1``: a
+row whose (last real) token is at ``max_seq - 1`` is a padding row - the
+serving engine's throw-away position, the last slot of a KV cache - and
+writes its states into the spare row, so a padding row never disturbs a
+sequence (not even the one whose row it reads).  The state of a row is the
+state after its latest token (``ROW_STATE = "latest"``: no per-position
+history, so no prefix of it can be reused and no attention window applies).
+
+Prefill (T > 1) computes the same recurrence for all T tokens at once in
+Mamba-2's chunked state-space-dual form (:meth:`Mamba2Mixer.scan`: quadratic
+inside chunks of ``SCAN_CHUNK`` tokens, the state carried from chunk to
+chunk), as real Mamba-2 prefill does: equal to feeding the tokens one by one
+up to float rounding; a prompt fed in several calls (the engine's chunks)
+continues each row's state from call to call.  Output: logits [B, T, vocab].
 """
 from __future__ import annotations
 
@@ -43,13 +60,15 @@ class Mamba2Config:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     max_batch: int = 4
+    max_seq: int = 2048   # positions stay below max_seq - 1 (that one marks a padding row: module docstring)
 
     def __post_init__(self):
         if (self.expand * self.dim) % self.head_dim:
             raise ValueError(f"d_inner={self.expand * self.dim} must be a multiple of head_dim={self.head_dim}")
         if self.n_heads % self.n_groups:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_groups={self.n_groups}")
-        if min(self.vocab_size, self.dim, self.n_layers, self.d_state, self.d_conv, self.max_batch) <= 0:
+        if min(self.vocab_size, self.dim, self.n_layers, self.d_state, self.d_conv, self.max_batch) <= 0 \
+                or self.max_seq < 2:
             raise ValueError("Mamba2Config sizes must be positive")
 
     @property
@@ -94,8 +113,9 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(H))
         self.norm = RMSNorm(cfg.d_inner, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.d_inner, cfg.dim, bias=False)
-        register_state(self, "conv_state", torch.zeros(cfg.max_batch, cfg.conv_dim, cfg.d_conv))
-        register_state(self, "ssm_state", torch.zeros(cfg.max_batch, H, cfg.head_dim, cfg.d_state))
+        # one row per sequence and the spare row (index max_batch) that padding rows write
+        register_state(self, "conv_state", torch.zeros(cfg.max_batch + 1, cfg.conv_dim, cfg.d_conv))
+        register_state(self, "ssm_state", torch.zeros(cfg.max_batch + 1, H, cfg.head_dim, cfg.d_state))
 
     @torch.no_grad()
     def init_special(self, gen: torch.Generator) -> None:
@@ -108,18 +128,29 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.D.fill_(1.0)
 
-    def step(self, x: Tensor, keep: Tensor) -> Tensor:
+    def _rows(self, B: int, rows: Tensor | None, write: Tensor | None, device) -> tuple[Tensor, Tensor]:
+        """(the state rows a step of ``B`` rows reads, those it writes):
+        the first ``B`` rows when not given."""
+        if rows is None:
+            if B > self.cfg.max_batch:
+                raise ValueError(f"batch {B} exceeds max_batch {self.cfg.max_batch}")
+            rows = torch.arange(B, device=device)
+        return rows, rows if write is None else write
+
+    def step(self, x: Tensor, keep: Tensor, rows: Tensor | None = None, write: Tensor | None = None) -> Tensor:
+        """One token of each row: ``x`` [B, D], ``keep`` [B] (False: the token
+        starts a fresh sequence); the states of ``rows`` read, written to
+        ``write`` (the spare row for a padding row)."""
         cfg = self.cfg
         B = x.shape[0]
         H, P, N, G = cfg.n_heads, cfg.head_dim, cfg.d_state, cfg.n_groups
-        if B > self.conv_state.shape[0]:
-            raise ValueError(f"batch {B} exceeds max_batch {self.conv_state.shape[0]}")
+        rows, write = self._rows(B, rows, write, x.device)
         z, xbc, dt = torch.split(self.in_proj(x), [cfg.d_inner, cfg.conv_dim, H], dim=-1)
 
-        conv_state, ssm_state = self.conv_state[:B], self.ssm_state[:B]
+        conv_state, ssm_state = self.conv_state.index_select(0, rows), self.ssm_state.index_select(0, rows)
         keep = keep.to(x.dtype)
         window = torch.cat([conv_state[:, :, 1:] * keep[:, None, None], xbc[:, :, None]], dim=-1)
-        conv_state.copy_(window)
+        self.conv_state.index_put_((write,), window.to(self.conv_state.dtype))
         xbc = F.silu((window * self.conv_weight).sum(-1) + self.conv_bias)
         xs, b, c = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
 
@@ -130,16 +161,20 @@ class Mamba2Mixer(nn.Module):
         c = c.view(B, G, 1, N).expand(B, G, H // G, N).reshape(B, H, N).float()
         update = (dt[:, :, None] * xs)[:, :, :, None] * b[:, :, None, :]  # [B, H, P, N]
         state = ssm_state.float() * (decay * keep.float()[:, None])[:, :, None, None] + update
-        ssm_state.copy_(state)
+        self.ssm_state.index_put_((write,), state.to(self.ssm_state.dtype))
         y = torch.matmul(state, c[:, :, :, None]).squeeze(-1) + self.D.float()[:, None] * xs
         y = y.reshape(B, cfg.d_inner).to(x.dtype)
         return self.out_proj(self.norm(y * F.silu(z)))
 
 
-    def scan(self, x: Tensor, keep: Tensor) -> Tensor:
+    def scan(self, x: Tensor, keep: Tensor, rows: Tensor | None = None, write: Tensor | None = None,
+             last: Tensor | None = None) -> Tensor:
         """``T`` tokens at once: ``x`` [B, T, D], ``keep`` [B, T] (False: the
         token starts a fresh sequence) -> [B, T, D]; the states end as after
-        ``T`` calls of :meth:`step`.  The SSM runs in the chunked dual form:
+        ``T`` calls of :meth:`step` (``rows``/``write`` as there), or with
+        ``last`` [B] after token ``last`` of each row (those after it are
+        padding: their ``dt`` is 0, the state passes them unchanged).  The SSM
+        runs in the chunked dual form:
         inside a chunk of ``SCAN_CHUNK`` tokens, ``y_t = sum_s M[t, s] (C_t.B_s)
         dt_s x_s`` with ``M[t, s] = exp(L_t - L_s)`` for ``s <= t`` in the same
         sequence (``L``: the cumulative log decay), plus the state entering
@@ -147,10 +182,12 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, P, N, G, K = cfg.n_heads, cfg.head_dim, cfg.d_state, cfg.n_groups, cfg.d_conv
-        if B > self.conv_state.shape[0]:
-            raise ValueError(f"batch {B} exceeds max_batch {self.conv_state.shape[0]}")
+        rows, write = self._rows(B, rows, write, x.device)
         z, xbc, dt = torch.split(self.in_proj(x), [cfg.d_inner, cfg.conv_dim, H], dim=-1)
-        conv_state, ssm_state = self.conv_state[:B], self.ssm_state[:B]
+        conv_state, ssm_state = self.conv_state.index_select(0, rows), self.ssm_state.index_select(0, rows)
+        real = None if last is None else torch.arange(T, device=x.device)[None, :] <= last[:, None]   # [B, T]
+        if real is not None:
+            keep = keep | ~real   # (a padding token starts nothing)
         # a token's sequence: the resets up to it (a reset token starts the next one); before the chunk: 0
         seg = torch.cumsum((~keep).to(torch.int64), dim=1)                                  # [B, T]
         # causal depthwise conv: the window of token t holds the inputs t-K+1..t of its own sequence
@@ -159,11 +196,16 @@ class Mamba2Mixer(nn.Module):
         seg_in = torch.cat([torch.zeros(B, K - 1, dtype=seg.dtype, device=seg.device), seg], dim=1)
         same = (seg_in.unfold(1, K, 1) == seg[:, :, None]).to(x.dtype)                      # [B, T, K]
         windows = windows * same[:, None]
-        conv_state.copy_(windows[:, :, -1])
+        C = windows.shape[1]
+        final = (windows[:, :, -1] if last is None
+                 else windows.gather(2, last.view(B, 1, 1, 1).expand(B, C, 1, K))[:, :, 0])   # [B, C, K]
+        self.conv_state.index_put_((write,), final.to(self.conv_state.dtype))
         xbc = F.silu((windows * self.conv_weight[:, None]).sum(-1) + self.conv_bias[:, None]).transpose(1, 2)
         xs, b, c = torch.split(xbc, [cfg.d_inner, G * N, G * N], dim=-1)
 
         dt = F.softplus(dt.float() + self.dt_bias.float())                                  # [B, T, H]
+        if real is not None:
+            dt = dt * real[..., None].to(dt.dtype)   # padding: no decay, no input
         log_decay = dt * -torch.exp(self.A_log.float())                                     # [B, T, H]
         xs = xs.reshape(B, T, H, P).float()
         b = b.reshape(B, T, G, 1, N).expand(B, T, G, H // G, N).reshape(B, T, H, N).float()
@@ -187,13 +229,13 @@ class Mamba2Mixer(nn.Module):
             into = torch.exp(L) * carried                                                   # [B, H, Q]
             y = y + into[..., None] * torch.matmul(cq, state.transpose(-1, -2))
             # the state after the chunk: its last token's sequence, decayed from each token on
-            last = sq[:, -1:]
-            tail = torch.exp(L[:, :, -1:] - L) * (sq == last).to(torch.float32)[:, None]    # [B, H, Q]
-            state = (state * (into[:, :, -1] * (last == prev).to(torch.float32))[:, :, None, None]
+            end = sq[:, -1:]
+            tail = torch.exp(L[:, :, -1:] - L) * (sq == end).to(torch.float32)[:, None]     # [B, H, Q]
+            state = (state * (into[:, :, -1] * (end == prev).to(torch.float32))[:, :, None, None]
                      + torch.matmul((uq * tail[..., None]).transpose(-1, -2), bq))
-            prev = last
+            prev = end
             ys.append(y.transpose(1, 2))                                                    # [B, Q, H, P]
-        ssm_state.copy_(state)
+        self.ssm_state.index_put_((write,), state.to(self.ssm_state.dtype))
         y = torch.cat(ys, dim=1) + self.D.float()[:, None] * xs
         y = y.reshape(B, T, cfg.d_inner).to(x.dtype)
         return self.out_proj(self.norm(y * F.silu(z)))
@@ -205,37 +247,52 @@ class Mamba2Block(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mixer = Mamba2Mixer(cfg)
 
-    def step(self, x: Tensor, keep: Tensor) -> Tensor:
-        return x + self.mixer.step(self.norm(x), keep)
-
-    def scan(self, x: Tensor, keep: Tensor) -> Tensor:
-        return x + self.mixer.scan(self.norm(x), keep)
+    def forward(self, h: Tensor, keep: Tensor, rows: Tensor, write: Tensor, last: Tensor | None) -> Tensor:
+        """``h`` [B, T, D]: one recurrence step when ``T == 1`` (decode),
+        else the chunked scan (prefill); the mixer's inputs as there."""
+        if h.shape[1] == 1:
+            return h + self.mixer.step(self.norm(h[:, 0]), keep[:, 0], rows, write)[:, None]
+        return h + self.mixer.scan(self.norm(h), keep, rows, write, last)
 
 
 class Mamba2(ReferenceModel):
     """Mamba-2 LM; see the module docstring for inputs and state."""
 
+    ROW_STATE = "latest"   # a state row is the state after the row's latest token (ReferenceModel.ROW_STATE)
+
     def __init__(self, cfg: Mamba2Config):
         super().__init__()
         self.cfg = cfg
+        self.row_base = 0   # without ``rows``: the batch uses state rows row_base .. row_base+B-1 (a decode bucket's)
         add_lm_stack(self, cfg, lambda: Mamba2Block(cfg))
 
     def _init_special(self, gen: torch.Generator) -> None:
         for layer in self.layers:
             layer.mixer.init_special(gen)
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+    def state_rows(self, positions: Tensor, rows: Tensor | None, last: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(the state rows the batch rows read, those they write): a padding
+        row - its last real token at ``max_seq - 1`` - writes the spare row."""
+        B = positions.shape[0]
+        spare = self.cfg.max_batch
+        if rows is None:
+            if self.row_base + B > spare:
+                raise ValueError(f"rows {self.row_base}..{self.row_base + B - 1} exceed max_batch {spare}")
+            rows = torch.arange(B, device=positions.device) + self.row_base
+        at = positions[:, -1] if last is None else positions.gather(1, last.view(B, 1))[:, 0]
+        return rows, torch.where(at < self.cfg.max_seq - 1, rows, torch.full_like(rows, spare))
+
+    def forward(self, input_ids: Tensor, positions: Tensor, rows: Tensor | None = None,
+                last: Tensor | None = None) -> Tensor:
         B, T = input_ids.shape
         positions = normalize_positions(positions, B, T)
-        h = self.embed(input_ids)
+        read, write = self.state_rows(positions, rows, last)
         keep = positions != 0
-        if T == 1:   # decode: one recurrence step
-            x = h[:, 0]
-            for layer in self.layers:
-                x = layer.step(x, keep[:, 0])
-            return self.lm_head(self.norm(x[:, None]))
-        for layer in self.layers:   # prefill: all tokens at once (chunked scan)
-            h = layer.scan(h, keep)
+        h = self.embed(input_ids)
+        for layer in self.layers:   # decode: one recurrence step; prefill: all tokens at once (chunked scan)
+            h = layer(h, keep, read, write, last)
+        if last is not None:
+            h = h.gather(1, last.view(B, 1, 1).expand(B, 1, h.shape[-1]))
         return self.lm_head(self.norm(h))
 
     def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:

@@ -15,6 +15,7 @@ tokens of the last layer (class token dropped) are projected.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -44,25 +45,38 @@ class VLMConfig:
     def n_image_tokens(self) -> int:
         return (self.image_size // self.patch) ** 2
 
+    @property
+    def vocab_size(self) -> int:
+        """The text decoder's vocabulary (what the serving engine samples from)."""
+        return self.text.vocab_size
+
     @classmethod
     def tiny(cls, **overrides) -> "VLMConfig":
-        """Tiny ViT + tiny Llama; ``max_batch``/``max_seq`` go to the decoder."""
-        text = overrides.pop("text", None) or LlamaConfig.tiny(**_text_overrides(overrides))
-        return cls(text=text, **overrides)
+        """Tiny ViT + tiny Llama; the decoder's fields (``max_batch``,
+        ``max_seq``, ``n_layers``, ...) go to the decoder."""
+        return cls(text=_text(LlamaConfig.tiny, overrides), **overrides)
 
     @classmethod
     def llava_1_5_7b(cls, **overrides) -> "VLMConfig":
         """CLIP ViT-L/14 at 336 px (576 image tokens) + Llama-2-7B (Vicuna)
-        decoder; ``max_batch``/``max_seq`` go to the decoder."""
-        text = overrides.pop("text", None) or LlamaConfig.llama_2_7b(**_text_overrides(overrides))
+        decoder; the decoder's fields (``max_batch``, ``max_seq``,
+        ``n_layers``, ...) go to the decoder."""
+        text = _text(LlamaConfig.llama_2_7b, overrides)
         cfg = dict(image_size=336, patch=14, vis_dim=1024, vis_layers=24, vis_heads=16, vis_mlp=4096)
         cfg.update(overrides)
         return cls(text=text, **cfg)
 
 
-def _text_overrides(overrides: dict) -> dict:
-    """Pop the KV-cache sizing fields meant for the text decoder."""
-    return {k: overrides.pop(k) for k in ("max_batch", "max_seq") if k in overrides}
+def _text(make, overrides: dict) -> LlamaConfig:
+    """The text decoder's config: ``overrides["text"]`` or ``make()``, with
+    the fields of ``overrides`` that are the decoder's (not the VLM's own)
+    popped and applied - so the engine's ``max_batch``/``max_seq`` and a
+    user's ``n_layers`` size the decoder."""
+    own = {f.name for f in dataclasses.fields(VLMConfig)}
+    mine = {k: overrides.pop(k) for k in list(overrides)
+            if k not in own and k in {f.name for f in dataclasses.fields(LlamaConfig)}}
+    text = overrides.pop("text", None)
+    return dataclasses.replace(text, **mine) if text is not None else make(**mine)
 
 
 class VitBlock(nn.Module):
@@ -136,14 +150,18 @@ class VLM(ReferenceModel):
         B, T = h.shape[:2]
         return self.decoder(h, normalize_positions(positions, B, T), rows, last)
 
-    def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0) -> dict[str, Tensor]:
+    def example_inputs(self, kind: str, batch: int, seq: int = 1, pos: int = 0,
+                       image: bool = True) -> dict[str, Tensor]:
         """``prefill``: pixel_values + ``seq`` text tokens, positions over
-        n_image_tokens + seq from ``pos``; ``decode``: as Llama."""
+        n_image_tokens + seq from ``pos`` (``image=False``: the ``seq`` text
+        tokens alone, as the serving engine's prompt chunks); ``decode``: as
+        Llama."""
         device = self.decoder.embed.weight.device
         vocab = self.cfg.text.vocab_size
-        if kind == "decode":
-            return {"input_ids": example_ids(vocab, (batch, 1), device),
-                    "positions": lm_positions("decode", batch, 1, pos, device)}
+        if kind == "decode" or (kind == "prefill" and not image):
+            tokens = 1 if kind == "decode" else seq
+            return {"input_ids": example_ids(vocab, (batch, tokens), device),
+                    "positions": lm_positions(kind, batch, seq, pos, device)}
         if kind != "prefill":
             raise ValueError(f"unknown input kind {kind!r} (expected 'decode' or 'prefill')")
         total = self.cfg.n_image_tokens + seq

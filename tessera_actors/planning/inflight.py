@@ -5,7 +5,9 @@ Contract: with ``m`` micro-batches in flight every device holds its
 weights once and one copy of everything else it touches (state,
 temporaries, inputs, outputs) per micro-batch (:func:`fits`);
 :func:`choose_inflight` picks ``m`` by simulation, :func:`annotate`
-records a prediction on a plan.  Pure Python.
+records a prediction on a plan, and :func:`prompt_inflight` is how many
+prompt-chunk steps the serving engine keeps in flight on a plan (what
+``tessera advise`` predicts it with).  Pure Python.
 """
 from __future__ import annotations
 
@@ -19,6 +21,14 @@ def default_inflight(ndev: int) -> int:
     """Micro-batches in flight the planner allows by default: enough for a
     pipeline through every device twice, at least 8, at most 32."""
     return min(max(8, 2 * ndev), 32)
+
+
+def prompt_inflight(plan: Plan) -> int:
+    """Prompt-chunk steps the serving engine keeps in flight on ``plan``,
+    and ``tessera advise`` predicts it with: the plan's micro-batches (at
+    least 1), each a chunk of a different request, pipelined over the
+    plan's devices (``AsyncEngine``'s prompt steps)."""
+    return max(1, plan.microbatches)
 
 
 def choose_inflight(plan: Plan, costs: CostTable, max_inflight: int, tol: float = 0.01) -> Prediction:

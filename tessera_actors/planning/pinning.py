@@ -13,8 +13,8 @@ bucket must run the kernels touching a state buffer where that buffer lives.
 * :func:`respects` says whether a plan already keeps the homes (the
   planner's own choice is used then);
 * :func:`served_assignment` is that rule whole: what the scheduler serves a
-  bucket with beside a reference placement (``tessera advise`` predicts
-  the same).
+  bucket with beside a reference placement, and :func:`served_plan` the
+  plan it serves (``tessera advise`` predicts the same).
 
 Pure functions over the graph model (no torch).
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from tessera_actors.graph import KernelGraph
-from tessera_actors.plan import PlanError
+from tessera_actors.plan import Plan, PlanError, build_plan
 
 
 def _state_names(graph: KernelGraph, kernel) -> set[str]:
@@ -109,3 +109,17 @@ def served_assignment(graph: KernelGraph, assignment: Sequence[int], pins: Mappi
     if not (pins or weights) or respects(graph, assignment, pins, weights):
         return None
     return pinned_assignment(graph, pins, weights)
+
+
+def served_plan(graph: KernelGraph, plan: Plan, devices: Sequence[str], pins: Mapping[str, int],
+                weights: Mapping[str, Sequence[int]] | None = None, mode: str | None = None) -> Plan:
+    """The plan a bucket planned as ``plan`` is served with under ``pins``
+    and ``weights`` (:func:`served_assignment`): ``plan`` itself when it
+    keeps them, else the pinned assignment at the planned micro-batches in
+    flight (only the homes change: the engine pipelines its prompt chunks
+    as planned, :func:`.inflight.prompt_inflight`)."""
+    a = served_assignment(graph, plan.assignment, pins, weights)
+    if a is None:
+        return plan
+    return build_plan(graph, devices, a, name=f"{plan.name}, state-pinned", mode=mode or plan.mode,
+                      microbatches=plan.microbatches)

@@ -21,8 +21,9 @@ planner's throughput plan of each graph - one plan per bucket, as the
 engine serves; it falls back to a baseline plan when that is predicted
 faster, and says so; the prompt's plan is served under the decode plan's
 state and weight homes, as the scheduler serves it, pinned when it breaks
-them: a pair that keeps the KV cache or the weights in two places is not
-a Tessera row).  ``bound``: :func:`.bound.placement_bound` over the
+them, with its micro-batches in flight as the engine keeps its prompt
+steps (:func:`.inflight.prompt_inflight`): a pair that keeps the KV cache
+or the weights in two places is not a Tessera row).  ``bound``: :func:`.bound.placement_bound` over the
 same graphs, the best batch's.  DiT: one request is an image of
 ``denoise_steps`` steps at a batch of 16; its tokens are the latent tokens;
 PD and AF do not apply (nor AF to the SSM), as in the paper.
@@ -37,8 +38,8 @@ from tessera_actors.plan import Plan, PlanError, build_plan
 from tessera_actors.planning.baselines import af_plan, layer_split_plan
 from tessera_actors.planning.bound import placement_bound
 from tessera_actors.planning.costs import CostTable
-from tessera_actors.planning.inflight import fits
-from tessera_actors.planning.pinning import served_assignment, state_homes, weight_homes
+from tessera_actors.planning.inflight import fits, prompt_inflight
+from tessera_actors.planning.pinning import served_plan, state_homes, weight_homes
 from tessera_actors.planning.planner import MilpPlanner, PlannerConfig
 from tessera_actors.planning.reference import Workload, batch_of, decode_buckets, graph_path, load_graph, load_params
 from tessera_actors.planning.simulate import simulate
@@ -128,20 +129,22 @@ def served_prefill(gp: KernelGraph, cp: CostTable, pres: Sequence[Option], g: Ke
     """The prompt's plans ``pres`` (of ``gp`` on ``cp``) as the engine serves
     them beside decode plan ``dec`` (of ``g``): as planned where they keep
     its state and weight homes, else pinned to them
-    (:func:`.pinning.served_assignment`, the scheduler's rule) at the same
-    micro-batches in flight; pinned plans that do not fit are left out."""
+    (:func:`.pinning.served_plan`, the scheduler's rule), each with the
+    prompt-chunk steps in flight the engine keeps on it
+    (:func:`.inflight.prompt_inflight`); pinned plans that do not fit are
+    left out."""
     pins, weights = state_homes(g, dec.plan.assignment), weight_homes(g, dec.plan.assignment)
     out, seen = [], set()
     for o in pres:
-        a = served_assignment(gp, o.plan.assignment, pins, weights)
-        if a is None:
+        plan = served_plan(gp, o.plan, cp.devices, pins, weights)
+        m = prompt_inflight(plan)
+        if plan is o.plan and m == o.inflight:
             out.append(o)
-        elif (tuple(a), o.inflight) not in seen:
-            seen.add((tuple(a), o.inflight))
-            plan = build_plan(gp, cp.devices, a, name=f"{o.plan.name}, state-pinned")
-            if not any(fits(gp, plan, cp, o.inflight)):
-                out.append(Option(simulate(plan, cp, inflight=o.inflight).throughput, _busy(plan, cp), o.inflight,
-                                  f"pinned to decode's homes (planned {o.label})", plan))
+        elif (tuple(plan.assignment), m) not in seen:
+            seen.add((tuple(plan.assignment), m))
+            label = o.label if plan is o.plan else f"pinned to decode's homes (planned {o.label})"
+            if not any(fits(gp, plan, cp, m)):
+                out.append(Option(simulate(plan, cp, inflight=m).throughput, _busy(plan, cp), m, label, plan))
     return out
 
 
@@ -306,7 +309,8 @@ def _split_policies(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelG
                 best = (v, d, p)
     if best:
         v, d, p = best
-        keep("Tessera", v, d.inflight * b, f"decode {d.label} x{d.inflight}" + (f"; prefill {p.label}" if p else ""))
+        keep("Tessera", v, d.inflight * b,
+             f"decode {d.label} x{d.inflight}" + (f"; prefill {p.label} x{p.inflight}" if p else ""))
 
 
 def _pd(cell: _Cell, keep, pre: dict, homo: list, b: int, g: KernelGraph, c: CostTable) -> None:

@@ -35,7 +35,10 @@ class EngineConfig:
     requests waiting for a KV slot; beyond it ``EngineBusy``.  ``lookahead``
     (0 or 1): decode steps a group sends ahead of the tokens they take,
     which the device feeds from the previous step (1: the host turnaround
-    between steps overlaps the devices' work).  Faults: a node
+    between steps overlaps the devices' work).  ``prompt_steps``: the most
+    prompt-chunk steps in flight (None: as many as the prompt plan's
+    micro-batches, what ``tessera advise`` predicts; 1: one at a time).
+    Faults: a node
     that misses pings for ``lost_after_s`` is suspected (lost); the deployment is
     re-placed on the survivors and requests continue there; once it answers
     again it is re-admitted and placed on again.  With no node left the
@@ -88,6 +91,7 @@ class EngineConfig:
     mode: str = "auto"
     groups: int = 2
     lookahead: int = 1
+    prompt_steps: int | None = None   # prompt-chunk steps in flight at most (None: the prompt plan's micro-batches)
     monitor_window_s: float = 0.3
     monitor_beta: float = 1.5
     step_timeout: float = 60.0
@@ -146,6 +150,8 @@ class EngineConfig:
         self.groups = min(self.groups, self.max_seqs)   # a group needs at least one row
         if self.lookahead not in (0, 1):
             raise bad(f"lookahead must be 0 or 1, got {self.lookahead}")
+        if self.prompt_steps is not None and self.prompt_steps < 1:
+            raise bad(f"prompt_steps must be >= 1 or None, got {self.prompt_steps}")
         for name in ("step_timeout", "heartbeat_s", "lost_after_s", "rejoin_wait_s", "monitor_window_s",
                      "monitor_beta"):
             if getattr(self, name) <= 0:

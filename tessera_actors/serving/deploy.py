@@ -11,18 +11,22 @@ cache starts as zeros and is never shipped.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import logging
 import threading
 
 import torch
 
 from tessera_actors.capture.aten import storage_bytes
 from tessera_actors.graph import KernelGraph
-from tessera_actors.serving.buckets import Bucket, buckets_for, capture_aten, core_buckets
+from tessera_actors.serving.buckets import Bucket, buckets_for, capture_aten, core_buckets, windowed
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.memory import fit_kv_cache, state_bytes
 from tessera_actors.serving.params import EngineError
+
+log = logging.getLogger("tessera_actors.serving")
 
 
 class ServedModel:
@@ -161,8 +165,30 @@ def fitted(cfg: EngineConfig) -> tuple[EngineConfig, torch.nn.Module]:
     if cfg.model.startswith("hf:"):
         cfg.kv_windows = (cfg.max_model_len,)   # a transformers model's attention reads the whole cache
     meta = _meta_model(cfg, dtype)
+    cfg = served_form(cfg, meta)
     fit = fit_kv_cache(cfg, state_bytes(meta) // cfg.max_seqs)
     return (fit, _meta_model(fit, dtype)) if fit is not cfg else (cfg, meta)
+
+
+def served_form(cfg: EngineConfig, model: torch.nn.Module) -> EngineConfig:
+    """``cfg`` as the model's state rows allow (``ReferenceModel.ROW_STATE``):
+    a recurrent state (``"latest"``, an SSM's) holds no per-position history,
+    so no kept prompt prefix can be reused (prefix caching off) and no
+    attention window applies (one bucket per shape, ``kv_windows=()``);
+    padding rows are the model's to keep away from the sequences' states
+    (``models.mamba2``: its spare row).  ``cfg`` itself when nothing changes."""
+    if getattr(model, "ROW_STATE", "positions") != "latest":
+        return cfg
+    changed = {}
+    if cfg.prefix_caching:
+        changed["prefix_caching"] = False
+    if windowed(cfg):
+        changed["kv_windows"] = ()
+    if not changed:
+        return cfg
+    log.info("model %s keeps a recurrent state per sequence (no per-position KV cache): serving it with %s",
+             cfg.model, ", ".join(f"{k}={v!r}" for k, v in changed.items()))
+    return dataclasses.replace(cfg, **changed)
 
 
 def _models(cfg: EngineConfig, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:

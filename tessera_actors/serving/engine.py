@@ -6,8 +6,11 @@ Embed it in an asyncio program::
         async for out in eng.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
             print(out.text, end="")
 
-How prefill and decode share steps: one engine loop keeps at most one
-prompt-chunk step and one decode step per micro-batch group in flight.  A
+How prefill and decode share steps: one engine loop keeps prompt-chunk
+steps and one decode step per micro-batch group in flight - one prompt
+step, or as many as the micro-batches of the prompt plan it runs when the
+planner pipelines that plan over several devices (each step then carries
+other requests' chunks).  A
 request waits (bounded queue) for a free KV slot; its prompt is then fed
 chunk by chunk (``prefill_buckets``), never token by token, the last chunk
 sampling its first token; from then on it joins its group's decode steps,
@@ -43,7 +46,7 @@ from typing import AsyncIterator, Callable
 
 from tessera_actors.launch import launcher_for
 from tessera_actors.planning.monitor import Monitor
-from tessera_actors.serving.batch import Sequence, SlotAllocator, chunk_rows, prefill_chunk, smallest_bucket
+from tessera_actors.serving.batch import Sequence, SlotAllocator, smallest_bucket
 from tessera_actors.serving.config import EngineConfig
 from tessera_actors.serving.buckets import bucket_name, decode_sizes, window_for
 from tessera_actors.serving.deploy import capture_kind, load_served_model
@@ -90,7 +93,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         self._order = itertools.count()   # launch order of steps: they land in it
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
                          "decode_steps": 0, "prefill_steps": 0, "recoveries": 0, "readmissions": 0,
-                         "plan_switches": 0, "lookahead_steps": 0, "discarded_tokens": 0,
+                         "plan_switches": 0, "lookahead_steps": 0, "pipelined_prompt_steps": 0, "discarded_tokens": 0,
                          "prefix_hits": 0, "prefix_tokens": 0}   # prompts (tokens) found in a kept KV row
         self.groups = 1 if config.mode != "throughput" else config.groups
         self.monitor = Monitor(config.monitor_window_s, config.monitor_beta,
@@ -347,18 +350,7 @@ class AsyncEngine(Admitting, Streaming, Reporting, Replacing):
         return rows
 
     def _launch(self, inflight: dict[asyncio.Future, _Step]) -> None:
-        loop = asyncio.get_running_loop()
-        if self._prefill and not any(s.key == "prefill" for s in inflight.values()):
-            reqs, chunks, bucket = self._prefill_batch()
-            b = self.deployment.served.buckets.get(bucket)
-            size, rows = (b.size, b.rows) if b is not None else (prefill_chunk(reqs[0].seq, self.cfg.prefill_buckets)[0],
-                                                                 1)
-            chunk, sample = chunk_rows([r.seq for r in reqs], chunks, size, rows, self.max_model_len)
-            task = loop.create_task(self.deployment.step(bucket, {}, sample, [r.seq.rid for r in reqs], chunk=chunk))
-            task.add_done_callback(self._stepped)
-            for r in reqs:
-                r.in_step += 1
-            inflight[task] = _Step("prefill", reqs, chunks, bucket, self.deployment.generation, next(self._order))
+        self._launch_prefill(inflight)
         if self._catchup:
             return
         for g, rows in enumerate(self._group_rows()):

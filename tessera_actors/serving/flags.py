@@ -22,8 +22,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     A flag left out keeps ``EngineConfig``'s default, which its help shows."""
     from tessera_actors.serving.config import EngineConfig
     d = EngineConfig()
-    p.add_argument("--model", default="smollm2", help="model: smollm2, llama (random weights) or hf:<dir | "
-                   "config.json | file.gguf>")
+    p.add_argument("--model", default="smollm2", help="model: smollm2, llama, moe, mamba2, vlm (random weights; vlm: "
+                   "text prompts to its decoder) or hf:<dir | config.json | file.gguf>")
     p.add_argument("--size", default=None, help=f"model size, e.g. tiny | real (default: {d.size})")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--devices", default=None,
@@ -43,8 +43,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, seed_flag: str = "--seed") 
     for flag, kind, what in (("--max-seqs", int, "KV slots (concurrent sequences)"),
                              ("--max-model-len", int, "context length (prompt + output tokens)"),
                              ("--max-queue", int, "waiting requests before 429"),
-                             ("--planner", str, "placement planner: contiguous | milp | offload"),
+                             ("--planner", str, "placement planner: contiguous | layers | af | milp | offload"),
                              ("--mode", str, "latency | throughput | auto (plan switching under load)"),
+                             ("--groups", int, "micro-batch groups of the decode rows in throughput mode, each "
+                                               "with a step in flight (tessera advise's decode xN)"),
                              ("--lookahead", int, "decode steps sent ahead of their input tokens: 0 | 1")):
         field = flag[2:].replace("-", "_")
         p.add_argument(flag, type=kind, default=None, metavar=field.upper() if kind is str else "N",
@@ -114,7 +116,7 @@ def engine_kwargs(a: argparse.Namespace, trace_dir: str | None = None, chosen: D
         kw["devices"], kw["devices_chosen"] = chosen.devices, chosen.why
     if trace_dir:
         kw["trace_dir"] = trace_dir
-    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "dtype", "weights",
+    for name in ("size", "max_seqs", "max_model_len", "max_queue", "planner", "mode", "groups", "dtype", "weights",
                  "lookahead", "prefix_caching", "max_batched_tokens"):
         if getattr(a, name, None) is not None:
             kw[name] = getattr(a, name)

@@ -12,6 +12,29 @@ import torch
 from tessera_actors.devices import DeviceSpec
 
 
+# torch's intra-op thread count at start-up: a thread begins with the count last set in the process,
+# so a device without threads= is given this one (not whatever a cpu?threads=1 device set before it)
+INITIAL_THREADS = torch.get_num_threads()
+PREFILL_TOKENS = 32   # a step of this many tokens or more (a prompt chunk) runs at a CPU's prefill_threads
+
+
+def device_threads(spec: DeviceSpec) -> int:
+    """The intra-op threads a CPU device's worker starts with."""
+    return spec.threads or INITIAL_THREADS
+
+
+def step_threads(spec: DeviceSpec, tokens: int) -> int | None:
+    """The intra-op threads a step of ``tokens`` tokens runs at on ``spec``:
+    with ``prefill_threads`` (``cpu?threads=1&prefill_threads=2``) a prompt
+    chunk's long matrix products take every core given while a decode
+    step's hundreds of short kernels, each an OpenMP fork and barrier, stay
+    on ``threads`` (beside the serving loop's thread); None: the worker's
+    count as it started (no per-step change)."""
+    if spec.kind != "cpu" or spec.prefill_threads is None:
+        return None
+    return spec.prefill_threads if tokens >= PREFILL_TOKENS else device_threads(spec)
+
+
 class _CpuStream:
     __slots__ = ("priority",)
 
