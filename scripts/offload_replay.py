@@ -65,7 +65,8 @@ def replay(doc: dict, over: dict) -> None:
             plan = plans[bucket_of(cfg, w)]
             off = plan.meta["offload"]
             st = what_if.offload(graphs[bucket_of(cfg, w)], devices).simulate(Placement(
-                list(plan.assignment), list(off["streamed"]), off["slots"], off["slot_bytes"], ring=off["ring"]))
+                list(plan.assignment), list(off["streamed"]), off["slots"], off["slot_bytes"], ring=off["ring"],
+                breaks=list(off.get("breaks", ()))))
             t = st.terms()
             same = "" if off["choices"] == got["choices"] else "  (replayed plan differs from the run's)"
             print(f"{row:22s} {w:10s} measured {got['step_s'] * 1e3:7.1f} ms  model {st.step_s * 1e3:7.1f} "

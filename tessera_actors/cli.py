@@ -271,6 +271,10 @@ def offload_flags(b: argparse.ArgumentParser) -> None:
     b.add_argument("--expert-parts", type=int, default=4,
                    help="moe: each layer's routed experts as this many stacked tensors, each placed on its own "
                         "(resident, streamed or on the CPU); 1: one tensor a layer")
+    b.add_argument("--probe", type=int, default=0,
+                   help="after each decode batch's timed window, probe this many steps: per step the busy time "
+                        "of each resource, copy/CPU overlap, copy-engine gaps by cause (row JSON 'timeline', "
+                        "beside the planner's prediction in the same terms) and a trace file in --out")
     b.add_argument("--out", default="benchmarks/results/offload", help="result folder")
 
 

@@ -16,7 +16,7 @@ def test_offload_bench_cpu_smoke(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "tessera_actors.cli", "bench", "offload", "--model", "llama", "--size", "tiny",
            "--gpu-budget", "0.6", "--batch", "1,2", "--prefill", "8", "--steps", "3", "--prefill-steps", "1",
-           "--dtype", "float32", "--ring", "bytes,slots", "--out", str(out)]
+           "--dtype", "float32", "--ring", "bytes,slots", "--probe", "2", "--out", str(out)]
     env = {"TESSERA_GIT_COMMIT": "abc123"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -34,8 +34,8 @@ def test_offload_bench_cpu_smoke(tmp_path):
             assert 0 <= pol["gpu_allocated_bytes"] <= row["gpu_budget_bytes"]
             assert pol["plan"].startswith("offload-") and "mem=" in pol["devices"].split(",")[0]
             terms = pol["predicted_terms"]   # the planner's own, for the plan the row ran
-            assert abs(terms["gpu_kernels_s"] + terms["cpu_kernels_s"] + terms["handoff_s"] + terms["copy_wait_s"]
-                       - pol["predicted_step_s"]) < 1e-9
+            assert abs(terms["gpu_kernels_s"] + terms["cpu_kernels_s"] - terms["kernel_overlap_s"] + terms["handoff_s"]
+                       + terms["copy_wait_s"] - pol["predicted_step_s"]) < 1e-9
             assert terms["step_s"] == pytest.approx(pol["predicted_step_s"])
             assert (terms["cpu_kernels_s"] > 0) == (pol["kernels_on_cpu"] > 0)
     assert doc["decode_b1"]["policies"]["tessera_bytes_ring"]["ring"] == "bytes"
@@ -56,6 +56,16 @@ def test_offload_bench_cpu_smoke(tmp_path):
     assert streaming["pcie_bytes_per_token"] == pytest.approx(streaming["planned_pcie_bytes_per_token"], rel=0.05)
     assert streaming["pcie_bytes_per_token"] > 0
     assert (out / "offload.png").stat().st_size > 0
+    # --probe: each decode row's probed steps beside the planner's prediction in the same terms, and a trace
+    for w in ("decode_b1", "decode_b2"):
+        tl = streaming if w == "decode_b1" else doc[w]["policies"]["streaming"]
+        tl = tl["timeline"]
+        assert len(tl["steps"]) == 2 and (out / tl["trace"]).stat().st_size > 0
+        m, p = tl["measured"], tl["predicted"]
+        assert m["copies"] == p["copies"] > 0 and m["copy_bytes"] == p["copy_bytes"]
+        assert all(sum(st["path_s"].values()) == pytest.approx(st["step_s"]) for st in tl["steps"])
+        assert tl["compare"]["step_s"][:2] == [p["step_s"], m["step_s"]]
+    assert "timeline" not in doc["prefill"]["policies"]["streaming"]
 
 
 async def test_a_failed_row_keeps_nothing_of_its_engine():
@@ -85,7 +95,7 @@ def test_offload_bench_on_a_gpu_with_two_real_size_layers(tmp_path):
     out = tmp_path / "gpu"
     cmd = [sys.executable, "-m", "tessera_actors.cli", "bench", "offload", "--model", "llama", "--size", "real",
            "--layers", "2", "--gpu-budget", "2GiB", "--batch", "1", "--prefill", "0", "--steps", "8",
-           "--devices", "cuda:0,cpu?threads=12", "--out", str(out)]
+           "--devices", "cuda:0,cpu?threads=12", "--probe", "3", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     row = json.loads((out / "offload.json").read_text())["decode_b1"]
@@ -102,6 +112,14 @@ def test_offload_bench_on_a_gpu_with_two_real_size_layers(tmp_path):
         st = t["gpu_stats"]
         assert st["replays"] > 0 and st["capture_failures"] == 0, st
         assert st["streamed_copies_ahead_used"] > 0, st
+    # the probe on the GPU: copies and pieces between CUDA events, on the host's clock
+    m = t["timeline"]["measured"]
+    assert m["path_s"]["gpu"] > 0
+    assert all(sum(st["path_s"].values()) == pytest.approx(st["step_s"]) for st in t["timeline"]["steps"])
+    if t["pcie_bytes_per_token"] > 0:
+        assert m["copies"] == t["timeline"]["predicted"]["copies"] and 1e9 < m["copy_bps"] < 1e11, m
+        assert m["busy_s"]["copy"] <= m["step_s"] * 1.01
+    assert (out / t["timeline"]["trace"]).stat().st_size > 0
 
 
 @pytest.mark.gpu

@@ -19,7 +19,12 @@ to the first token of a ``--prefill``-token prompt.  Also reported: the GPU
 allocator's peak, the bytes the engine streamed over PCIe per step (its
 ``pcie_bytes``), each device's busy fraction, the step model's prediction
 with its terms (GPU and CPU kernels, hand-offs, copy waits, the copy
-engine) and the ideal bound from the same rates.
+engine) and the ideal bound from the same rates.  ``--probe N``: after
+each decode batch's timed window, N more steps are probed - each
+resource's intervals, the copy engine's gaps by cause, the step along its
+critical path - beside the planner's step model in the same terms (row
+``timeline``, :mod:`~tessera_actors.bench.offload_probe`; a trace file per
+row and workload in ``--out``).
 
 Correctness at batch 1, from the engines' outputs: a reference engine on the
 GPU alone without a budget (same weights) gives greedy tokens and their top
@@ -61,6 +66,7 @@ import torch
 from tessera_actors.provenance import git_commit
 from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, RowFailed, first_difference, log, serve
 from tessera_actors.bench.offload_measure import measure_rates, measure_switch
+from tessera_actors.bench.offload_probe import row_timeline
 from tessera_actors.devices import DeviceSpec, parse_bytes
 from tessera_actors.planning.offload import Offload, estimate_rates, gpu_only, ideal, routed_experts
 from tessera_actors.planning.offload.adapt import busy_factors
@@ -93,6 +99,7 @@ class OffloadConfig:
     reference_capture: str = "auto"   # the GPU-only reference's capture: auto (what a GPU-only user gets) or aten
     expert_parts: int = 4             # moe: each layer's routed experts as this many tensors, placed apart
     warmup_tokens: int = 128          # moe: tokens per row of the 4-row warm-up batch whose routing is the load
+    probe: int = 0                    # > 0: this many decode steps of each batch probed after its timed window
 
     @property
     def build_device(self) -> str:
@@ -225,6 +232,9 @@ def row_info(cfg: OffloadConfig, w: str, got: dict) -> dict:
             "kernels_on_cpu": plan.assignment.count(1) if len(plan.devices) > 1 else 0}
     if w == "decode_b1" and "check" in got:
         info.update(got["check"])
+    probed = got.get(w.replace("decode_", "probe_")) if w.startswith("decode_") else None
+    if probed is not None and off:
+        info["timeline"] = row_timeline(probed, plan, Path(cfg.out), f"{got.get('label', 'row')}_{w}")
     return info
 
 
@@ -324,7 +334,8 @@ async def run_rows(cfg: OffloadConfig, rows: list, results: dict, rated: tuple, 
     first, head = work[0], ring_row(cfg.rings[0])
     for name, conf in rows:
         try:
-            got = await _engine(cfg, conf, name, check=check)
+            got = await _engine(cfg, conf, name, check=check, probe=cfg.probe)
+            got["label"] = name
         except Exception as e:
             why = str(e) if isinstance(e, RowFailed) else f"{type(e).__name__}: {e}"
             log(f"{name}: FAILED: {why}")
@@ -465,7 +476,8 @@ def main(args) -> int:
     cfg = OffloadConfig(args.model, args.size, args.gpu_budget, tuple(sorted(int(x) for x in args.batch.split(",") if x)),
                         args.prefill, args.devices, args.steps, args.prefill_steps, args.dtype, 0, args.out,
                         args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
-                        rings_of(args.ring), args.tie_nats, args.reference_capture, args.expert_parts)
+                        rings_of(args.ring), args.tie_nats, args.reference_capture, args.expert_parts,
+                        probe=args.probe)
     run_offload_bench(cfg)
     return 0
 

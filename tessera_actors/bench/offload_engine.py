@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from tessera_actors.bench.offload_probe import probe_decode
 from tessera_actors.devices import DeviceSpec
 from tessera_actors.runtime.messages import GetStats
 from tessera_actors.serving import AsyncEngine, SamplingParams
@@ -158,13 +159,16 @@ def compare(tokens: list[int], tops: list[dict], ref_tokens: list[int], ref_tops
 
 # -- one engine --------------------------------------------------------------------
 async def serve(conf: EngineConfig, batches, steps: int, prefill: int, prefill_steps: int, label: str,
-                check: tuple | None = None, score: int = 0) -> dict:
+                check: tuple | None = None, score: int = 0, probe: int = 0) -> dict:
     """One engine (``conf``): every workload through ``AsyncEngine.generate``,
     then (``check``: prompt, reference tokens, their top log probabilities
     and the tie in nats) the teacher-forced comparison, or (``score``) that
     many greedy tokens after :data:`PROMPT` with their top log
     probabilities (a reference's); the GPU allocator's peak, the plans,
-    the budgeted device's counters."""
+    the budgeted device's counters; ``probe``: after each decode batch's
+    timed window, that many of its steps probed
+    (:func:`~tessera_actors.bench.offload_probe.probe_decode`: the records
+    in ``probe_b<batch>``)."""
     gpu = DeviceSpec.parse(conf.devices.split(",")[0])
     cuda = gpu.kind == "cuda"
     before = await settle_gpu(gpu, label)
@@ -174,7 +178,7 @@ async def serve(conf: EngineConfig, batches, steps: int, prefill: int, prefill_s
     out: dict = {"gpu_bytes_before": before}
     failed = ""
     try:
-        await _run(conf, batches, steps, prefill, prefill_steps, label, check, score, out, t0)
+        await _run(conf, batches, steps, prefill, prefill_steps, label, check, score, out, t0, probe)
     except Exception as e:
         # the error's traceback holds the failed step's frames and through them its plan's device memory:
         # only its text leaves here, so that memory goes with the engine before the next one starts
@@ -191,7 +195,7 @@ class RowFailed(RuntimeError):
 
 
 async def _run(conf: EngineConfig, batches, steps: int, prefill: int, prefill_steps: int, label: str,
-               check: tuple | None, score: int, out: dict, t0: float) -> None:
+               check: tuple | None, score: int, out: dict, t0: float, probe: int = 0) -> None:
     gpu = DeviceSpec.parse(conf.devices.split(",")[0])
     cuda = gpu.kind == "cuda"
     async with AsyncEngine(config=conf) as eng:
@@ -203,6 +207,8 @@ async def _run(conf: EngineConfig, batches, steps: int, prefill: int, prefill_st
         try:
             for b in batches:
                 out[f"decode_b{b}"] = await time_decode(eng, b, steps)
+                if probe:
+                    out[f"probe_b{b}"] = await probe_decode(eng, b, probe)
             if prefill:
                 out["prefill"] = await time_prefill(eng, prefill, prefill_steps, eng.served.vocab_size)
             if check is not None:

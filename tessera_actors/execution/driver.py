@@ -134,6 +134,8 @@ class Driver:
                                      f"{self.recv_timeout:g} s") from None
             run.stage(t.buffer, t.ranges, data)
             waited = time.perf_counter() - w0
+            if run.probe is not None:
+                run.probe.add("wait", f"wait {t.tag}", w0, w0 + waited, tag=t.tag, src=t.src, on="loop")
         else:
             async def write(offset, data, t=t):   # one span: the stream bytes from offset on
                 # written by the worker call that runs the kernels after it (one thread hop per
@@ -173,7 +175,8 @@ class Driver:
         fut.set_result(StepDone(msg.plan_id, msg.step, run.step.device, out.outputs, out.data, run.busy,
                                 run.waited, out.tokens, out.logprobs, out.spans, **run.counts,
                                 top_logprobs=out.top_logprobs, streamed_bytes=moved,
-                                kernel_s=run.kernel_s, host_s=run.host_s))
+                                kernel_s=run.kernel_s, host_s=run.host_s,
+                                timeline=run.probe.take() if run.probe is not None else []))
 
 
 __all__ = ["Driver"]

@@ -92,21 +92,30 @@ class SegmentRunner:
         self.pool = be.capture_pool() if graphs else None   # every capture's transient results, all plans'
         self.pool_bytes = 0   # device bytes of that pool, as of the last capture or forget
 
-    def run(self, key: tuple, prog: AtenProgram, kernels: Sequence[int]) -> None:
+    def run(self, key: tuple, prog: AtenProgram, kernels: Sequence[int], probe: Any = None) -> None:
         """Queue segment ``key`` (``kernels`` of ``prog``; ``key[0]`` is the
         plan) on the compute stream: eagerly the first time, captured and
         replayed from the second on.  A program that streams weights splits
         the segment into pieces ending at streamed readers
         (``prog.pieces``), each its own unit of this one cache, so its
-        copies and events stay between graphs."""
+        copies and events stay between graphs.  ``probe``
+        (:class:`~.probe.Probe`): each unit recorded between two stamps of
+        the compute stream, with the streamed copies it waited for."""
         pieces = getattr(prog, "pieces", None)
         if pieces is None:
+            s0 = probe.mark(self.compute) if probe is not None else None
             self._unit(key, prog, kernels)
+            if probe is not None:
+                probe.add("kernels", f"k{kernels[0]}-k{kernels[-1]}", s0, probe.mark(self.compute))
             return
         parts = pieces(kernels)
         for piece in parts:
             try:
+                s0 = probe.mark(self.compute) if probe is not None else None
                 self._unit((key[0], "piece", piece[0], len(piece)), prog, piece)
+                if probe is not None:
+                    probe.add("kernels", f"k{piece[0]}-k{piece[-1]}", s0, probe.mark(self.compute),
+                              waits=list(prog.index.get(piece[-1], ())))
             except BaseException as e:
                 parts.throw(e)
 

@@ -40,6 +40,7 @@ import torch
 from tessera_actors.execution.held import kept_tensors
 from tessera_actors.execution.hostbuf import Landings, Uploads
 from tessera_actors.execution.inputs import chunk_inputs, write_inputs
+from tessera_actors.execution.probe import Probe
 from tessera_actors.execution.program import AtenProgram
 from tessera_actors.execution.rows import PlanRows
 from tessera_actors.execution.sampling import SampleBatch, as_sample_row
@@ -117,6 +118,16 @@ class DeviceStep:
             self.greedy_refs = []
         self.greedy_views: tuple[torch.Tensor, torch.Tensor] | None = None
         self.threads: int | None = None   # the intra-op threads of this plan's steps (None: as they are)
+        self.probe: Probe | None = None   # made at the first probed step (``RunStep.probe``), kept after
+
+    def probe_for(self, msg) -> Probe | None:
+        """The device's probe when ``msg`` is probed (numbered for its step), else None."""
+        if not getattr(msg, "probe", False):
+            return None
+        if self.probe is None:
+            self.probe = Probe(self.runner.backend, self.device)
+        self.probe.step = msg.step
+        return self.probe
 
     def local(self, msg) -> bool:
         """Whether a step may be launched ahead: this device's program runs
@@ -170,6 +181,8 @@ class StepRun:
         self.kernel_cpu = 0.0         # the worker thread's CPU seconds in them
         self.host_s = 0.0             # its CPU seconds on the step outside them: the step path's own work
         self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
+        self.probe = step.probe_for(msg)
+        self.began: float | None = None   # probed: when the first call started
 
     def stage(self, buffer: int, ranges: list, data: Any) -> None:
         """Received bytes (a whole transfer, or one span of it) the next
@@ -191,12 +204,16 @@ class StepRun:
         ship: list = []
         if st.threads is not None and torch.get_num_threads() != st.threads:
             torch.set_num_threads(st.threads)   # on a CPU: a prompt chunk's count, or a decode step's
+        probe = self.probe
+        if self.began is None:
+            self.began = t0
+            if hasattr(st.prog, "probe"):   # a streaming program records its copies in this step's probe
+                st.prog.probe = probe
         if self.prelude is not None:
             self.prelude()
             self.prelude = None
-        for buffer, ranges, data in self.staged:
-            st.prog.write(buffer, ranges, data)
-        self.staged = []
+        if self.staged:
+            self._write_staged()
         program, key = st.program, (st.plan_id, msg.step)
         before = [st.runner.counts[k] for k in self.counts]
         while self.i < len(program):
@@ -208,9 +225,8 @@ class StepRun:
                 w0 = time.perf_counter()
                 data = self.handoff.take((*key, t.tag), self.spin, self.busy_elsewhere)
                 waited += time.perf_counter() - w0
-                if data is None:
+                if not self._took(t, data, w0):
                     break   # the peer is slow: wait on the loop, the worker stays free meanwhile
-                st.writers[t.tag](data)
                 self.i += 1
                 continue
             self._block(ship)
@@ -224,22 +240,53 @@ class StepRun:
             return Progress(False, st.transfers[program[self.i].ref], ship, busy, waited)
         t1 = time.perf_counter()
         self._finish()
+        if probe is not None:
+            probe.add("step", f"step {msg.step}", self.began, probe.mark(st.runner.compute))
         busy += time.perf_counter() - t1
         self.busy += time.perf_counter() - t1
         self.host_s += time.thread_time() - c0 - (self.kernel_cpu - k0)
         return Progress(True, None, ship, busy, waited)
 
+    def _took(self, t, data, w0: float) -> bool:
+        """Write the bytes of hand-off ``t`` taken on the worker (``data``;
+        None: not there, False); probed, the wait since ``w0`` and the write
+        are recorded."""
+        st, probe = self.step, self.probe
+        if probe is not None:
+            probe.add("wait", f"wait {t.tag}", w0, time.perf_counter(), tag=t.tag, src=t.src, on="worker",
+                      got=data is not None)
+        if data is None:
+            return False
+        s0 = probe.mark(st.runner.compute) if probe is not None else None
+        st.writers[t.tag](data)
+        if probe is not None:
+            probe.add("recv", f"recv {t.tag}", s0, probe.mark(st.runner.compute), tag=t.tag, bytes=t.nbytes)
+        return True
+
+    def _write_staged(self) -> None:
+        """Write the bytes received on the loop (probed: each between two stamps)."""
+        st, probe = self.step, self.probe
+        for buffer, ranges, data in self.staged:
+            s0 = probe.mark(st.runner.compute) if probe is not None else None
+            st.prog.write(buffer, ranges, data)
+            if probe is not None:
+                probe.add("recv", f"recv b{buffer}", s0, probe.mark(st.runner.compute), buffer=buffer)
+        self.staged = []
+
     def _block(self, ship: list) -> None:
         """Program step ``i`` (a run): its block of kernels, then its sends."""
-        st = self.step
+        st, probe = self.step, self.probe
         b0 = time.time()
         j, kernels, sends = st.blocks[self.i]
         if kernels:
             k0, c0 = time.perf_counter(), time.thread_time()
-            st.runner.run((st.plan_id, self.i), st.prog, kernels)
+            st.runner.run((st.plan_id, self.i), st.prog, kernels, probe)
             self.kernel_s += time.perf_counter() - k0
             self.kernel_cpu += time.thread_time() - c0
+        r0 = time.perf_counter() if probe is not None else 0.0
         out = st.runner.read([st.readers[tag] for tag in sends]) if sends else []   # settled: peers may read them
+        if probe is not None and sends:
+            probe.add("send", f"send {','.join(map(str, sends))}", r0, time.perf_counter(), tags=list(sends))
         for tag, data in zip(sends, out):
             peer = st.peers.get(st.transfers[tag].dst)
             if peer is not None:

@@ -153,6 +153,8 @@ class StreamingProgram(AtenProgram):
         self.copied_bytes = 0
         self.ahead: dict[int, Any] = {}   # copy index -> (event,): next step's copies queued by this step
         self.ahead_used = 0               # copies a step found queued by the step before it
+        self.probe: Any = None            # the step probe of a probed step (``execution/probe.py``), else None
+        self.read_mark: dict[int, Any] = {}   # probed: copy index -> the stamp behind its reader
 
     def load(self, values: dict[int, torch.Tensor]) -> None:
         # copies queued ahead hold the old values, whichever program of the share group (they share homes)
@@ -193,6 +195,8 @@ class StreamingProgram(AtenProgram):
         or another program's may have read any of its bytes)."""
         ahead = self.ahead if self.ring.ahead is self else {}
         self.ahead, self.ring.ahead = {}, None   # this step takes the ring over
+        if self.probe is None and self.read_mark:
+            self.read_mark = {}   # a probed step's stamps, stale now
         self.copied = [None] * len(self.streamed)
         self.queued = self.queued_ahead = 0
         after = self.layout.after
@@ -202,18 +206,25 @@ class StreamingProgram(AtenProgram):
                 self.copied[i] = ahead[i]
                 self.ahead_used += 1
             else:
-                self._issue(i, self.ring.last_read, compute)
+                self._issue(i, self.ring.last_read, compute, self.read_mark.get("last"))
             self.queued += 1
 
-    def _issue(self, i: int, wait: Any, compute) -> tuple:
+    def _issue(self, i: int, wait: Any, compute, freed: Any = None, ahead: bool = False) -> tuple:
         """Queue copy ``i`` on the copy stream behind ``wait`` ((event,) or
         None); the worker's current stream, ``compute``, is made current
-        again after.  Returns the copy's (event,)."""
-        be = self.backend
+        again after.  Returns the copy's (event,).  Probed: the copy is
+        recorded with the stamp of the read that freed its bytes
+        (``freed``) and, ``ahead``, as the next step's."""
+        be, probe = self.backend, self.probe
         if wait is not None:
             be.wait(self.copy_stream, wait[0])
         dst, src = self.views[i]
+        if probe is not None:
+            issued, s0 = probe.now(), probe.mark(self.copy_stream)
         be.copy(self.copy_stream, dst, src, compute)
+        if probe is not None:
+            probe.add("copy", f"copy {i}", s0, probe.mark(self.copy_stream), probe.step + ahead, copy=i,
+                      bytes=dst.numel(), issued=issued, freed=freed)
         # copy i's event, recorded again: the reader of the copy it last marked queued its wait already
         self.copy_ev[i] = (be.record(self.copy_stream, self.copy_ev[i][0] if self.copy_ev[i] else None),)
         self.copied[i] = self.copy_ev[i]
@@ -225,15 +236,17 @@ class StreamingProgram(AtenProgram):
         """Copy ``i``'s reader is queued: record the event behind it, queue
         every copy of this step whose bytes only it held until now, and the
         next step's first copies that overwrite no byte still to be read."""
-        be, lay = self.backend, self.layout
+        be, lay, marks = self.backend, self.layout, self.read_mark
         self.read_ev[i] = (be.record(compute, self.read_ev[i][0] if self.read_ev[i] else None),)
         self.ring.last_read = self.read_ev[i]
+        if self.probe is not None:
+            marks[i] = marks["last"] = self.probe.mark(compute)
         while self.queued < len(lay.after) and lay.after[self.queued] <= i:
-            self._issue(self.queued, self.read_ev[lay.after[self.queued]], compute)
+            self._issue(self.queued, self.read_ev[lay.after[self.queued]], compute, marks.get(lay.after[self.queued]))
             self.queued += 1
         while self.queued_ahead < len(lay.wrap) and lay.wrap[self.queued_ahead] <= i:
             j = self.queued_ahead
-            self.ahead[j] = self._issue(j, self.read_ev[lay.wrap[j]], compute)
+            self.ahead[j] = self._issue(j, self.read_ev[lay.wrap[j]], compute, marks.get(lay.wrap[j]), True)
             self.ring.ahead = self
             self.queued_ahead += 1
 

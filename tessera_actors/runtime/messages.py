@@ -253,7 +253,9 @@ class RunStep:
     step): its rows as :class:`ChunkRows` instead of the token inputs.
     ``outputs=False``: no output bytes in the reply (the engine needs only
     the tokens).  ``trace``: answer with ``StepDone.spans`` (what the
-    device did when, for a trace file)."""
+    device did when, for a trace file).  ``probe``: answer with
+    ``StepDone.timeline`` (the step's intervals by resource: kernels,
+    copies, hand-offs; the step runs as unprobed ones do)."""
     plan_id: str
     step: int
     inputs: dict = dataclasses.field(default_factory=dict)
@@ -262,6 +264,7 @@ class RunStep:
     trace: bool = False
     rows: StepRows | None = None
     chunk: ChunkRows | None = None
+    probe: bool = False
 
 
 @message
@@ -282,7 +285,9 @@ class StepDone:
     ``kernel_s``: of ``busy_s``, the seconds inside runs of kernels (a CPU
     computes there; a GPU queues or replays them); ``host_s``: the worker
     thread's CPU seconds on the step outside them (the step path's own host
-    work: inputs, sampling, copies)."""
+    work: inputs, sampling, copies).  ``timeline`` (a probed step): the
+    records of :mod:`tessera_actors.planning.offload.timeline` this device
+    resolved since its last probed answer (host ``perf_counter`` seconds)."""
     plan_id: str
     step: int
     device: int
@@ -300,6 +305,7 @@ class StepDone:
     streamed_bytes: int = 0
     kernel_s: float = 0.0
     host_s: float = 0.0
+    timeline: list = dataclasses.field(default_factory=list)
 
 
 @message

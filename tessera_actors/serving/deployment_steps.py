@@ -23,6 +23,16 @@ RUN_COUNTS = ("replays", "eager_runs", "capture_failures", "streamed_bytes")
 class Stepping:
     """Steps (mixed into ``Deployment``)."""
 
+    probe_left = 0             # decode steps still to probe (``RunStep.probe``)
+    timeline: list | None = None   # the probed steps' records (``StepDone.timeline``), all devices
+
+    def probe_steps(self, steps: int) -> list:
+        """Probe the next ``steps`` decode steps: each device answers with its
+        timeline records (:mod:`tessera_actors.planning.offload.timeline`),
+        gathered into the list returned (``self.timeline``, new)."""
+        self.probe_left, self.timeline = steps, []
+        return self.timeline
+
     def reserve(self, bucket: str) -> int | None:
         """The number of the next step of ``bucket`` (None: not placed yet),
         taken now: pass it to :meth:`step` as ``number``."""
@@ -126,8 +136,10 @@ class Stepping:
               chunk: ChunkRows | None = None) -> list:
         """One ``RunStep`` per plan device, sent (inputs only to the devices that read them)."""
         traced, timeout = self.trace is not None, self.cfg.step_timeout
+        probe = decode is not None and self.probe_left > 0
+        self.probe_left -= probe
         return [ref.ask_soon(RunStep(p.plan_id, step, inputs if p.plan.inputs[d] else {}, sample, outputs, traced,
-                                     decode, chunk if p.plan.inputs[d] else None), timeout)
+                                     decode, chunk if p.plan.inputs[d] else None, probe), timeout)
                 for d, ref in enumerate(p.refs)]
 
     def _result(self, p, bucket: str, step: int, results: list, rows: Sequence[str], want: int, t0: float,
@@ -142,6 +154,8 @@ class Stepping:
         if self.trace is not None:
             self.trace.step(bucket, rows, wall, time.time(), [f"{d}: {spec}" for d, spec in enumerate(p.plan.devices)],
                             [r.spans for r in results])
+        if self.timeline is not None:
+            self.timeline.extend(rec for r in results for rec in r.timeline)
         counts = self.bucket_counts.get(bucket)
         if counts is None:
             counts = self.bucket_counts[bucket] = dict.fromkeys(RUN_COUNTS, 0)

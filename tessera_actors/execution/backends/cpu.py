@@ -64,6 +64,13 @@ class CpuBackend:
     def host_wait(self, event: None) -> None:
         return None
 
+    def stamp(self, stream: _CpuStream) -> float:
+        """The host time now: what was queued on ``stream`` has run."""
+        return time.perf_counter()
+
+    def stamp_s(self, stamp: float) -> float:
+        return stamp
+
     def replayable(self, fn: Callable[[], None], stream: _CpuStream, pool=None,
                    warmup: bool = True, current: bool = False) -> Callable[[], None]:
         return fn

@@ -8,6 +8,12 @@ process on that GPU (``set_per_process_memory_fraction``), so allocations
 beyond the budget fail there, as they would on a smaller GPU.
 
 Nothing here blocks the host except ``synchronize`` and ``time_kernel``.
+
+Stamps (the step probe's clock): a timing event on the stream, measured
+from an *anchor*: an event recorded on a stream of its own that runs
+nothing else, so it completes as it is queued (a few us after the host
+time taken beside it); a new anchor every ``ANCHOR_S`` seconds keeps the
+two clocks' drift out of the numbers.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import contextlib
 import contextvars
 import logging
 import threading
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -23,6 +30,7 @@ from tessera_actors.devices import DeviceSpec
 
 log = logging.getLogger("tessera_actors.cuda")
 _CAPTURE_LOCK = threading.Lock()
+ANCHOR_S = 0.05
 
 _GREEN: contextvars.ContextVar = contextvars.ContextVar("tessera_green_context", default=None)
 _GREEN_CONTEXTS: dict[tuple[int, int], object] = {}
@@ -74,6 +82,8 @@ class CudaBackend:
                 raise ValueError(f"{spec.name}: budget {spec.mem} bytes exceeds the GPU's {props.total_memory}")
             torch.cuda.set_per_process_memory_fraction(frac, self.device)
         self._streams: list[torch.cuda.Stream] = []
+        self._anchor: tuple | None = None   # (host time, its event) that stamps are measured from
+        self._anchor_stream: torch.cuda.Stream | None = None
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
@@ -119,6 +129,25 @@ class CudaBackend:
     def host_wait(self, event: torch.cuda.Event) -> None:
         """Block the calling thread until ``event`` completed (and nothing else)."""
         event.synchronize()
+
+    def stamp(self, stream: torch.cuda.Stream) -> tuple:
+        """A timing event behind what is queued on ``stream``, with its anchor."""
+        now = time.perf_counter()
+        if self._anchor is None or now - self._anchor[0] > ANCHOR_S:
+            if self._anchor_stream is None:
+                self._anchor_stream = self.stream()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self._anchor_stream)
+            self._anchor = (time.perf_counter(), ev)
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return self._anchor, ev
+
+    def stamp_s(self, stamp: tuple) -> float | None:
+        (t, anchor), ev = stamp
+        if not (ev.query() and anchor.query()):
+            return None
+        return t + anchor.elapsed_time(ev) / 1e3
 
     # -- work -------------------------------------------------------------
     def replayable(self, fn: Callable[[], None], stream: torch.cuda.Stream, pool=None,

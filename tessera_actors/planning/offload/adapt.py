@@ -16,7 +16,7 @@ def predicted_busy(o: Offload, plan: Plan) -> list[float]:
     ``o``'s graph) on the step model."""
     off = plan.meta.get("offload") or {}
     p = Placement(list(plan.assignment), list(off.get("streamed", ())), int(off.get("slots", 0)),
-                  int(off.get("slot_bytes", 0)), ring=str(off.get("ring", "slots")))
+                  int(off.get("slot_bytes", 0)), ring=str(off.get("ring", "slots")), breaks=list(off.get("breaks", ())))
     return list(o.simulate(p).busy_s)
 
 

@@ -19,6 +19,7 @@ from tessera_actors.planning.offload.model import Offload, Placement, StepTime, 
 from tessera_actors.planning.offload.load import check_load
 from tessera_actors.planning.offload.rates import PCIE_BPS, SWITCH_S, HostRoofline, rows_rates
 from tessera_actors.planning.offload.staging import RING_MODES
+from tessera_actors.planning.offload.timeline import summarize_step
 
 
 def _pattern(o: Offload, rest: Sequence[int], frac: float, run: int, limit: int) -> dict[int, str]:
@@ -226,13 +227,15 @@ def to_plan(o: Offload, p: Placement, name: str, st: StepTime | None = None) -> 
     step model's terms of it (``terms``: :meth:`~.model.StepTime.terms`) and
     each device's busy seconds (``busy_s``): what the planner predicted, for
     whoever compares a run with it (the offload bench, a re-plan)."""
-    plan = build_plan(o.graph, o.devices, p.assignment, name=name)
+    plan = build_plan(o.graph, o.devices, p.assignment, name=name, breaks=p.breaks)
     plan.predicted_step_s = st.step_s if st else None
     plan.meta["offload"] = {"device": o.gpu, "streamed": list(p.streamed), "slots": p.slots,
-                            "slot_bytes": p.slot_bytes, "ring": p.ring, "gpu_bytes": o.gpu_bytes(p), "budget": o.budget,
+                            "slot_bytes": p.slot_bytes, "ring": p.ring, "breaks": list(p.breaks),
+                            "gpu_bytes": o.gpu_bytes(p), "budget": o.budget,
                             "choices": "".join(p.choice[u] for u in sorted(p.choice))}
     if st is not None:   # the prediction's terms and each device's busy seconds, on the graph this plan runs
-        plan.meta["offload"].update(terms=st.terms(o.gpu), busy_s=list(st.busy_s))
+        plan.meta["offload"].update(terms=st.terms(o.gpu), busy_s=list(st.busy_s),
+                                    timeline=summarize_step(o.timeline(p), o.gpu, 0.0, st.step_s))
     return plan
 
 

@@ -38,6 +38,7 @@ from tessera_actors.plan import PlanError
 from tessera_actors.planning.costs import CostTable
 from tessera_actors.planning.offload.rates import PCIE_BPS
 from tessera_actors.planning.offload.staging import RING_MODES, ring_layout, slot_pitch
+from tessera_actors.planning.offload.timeline import path_of, union
 from tessera_actors.planning.timing import Programs, run
 
 
@@ -52,17 +53,20 @@ class Placement:
     slot_bytes: int
     choice: dict[int, str] = field(default_factory=dict)
     ring: str = "slots"   # how copies fill the staging ring (``staging.ring_layout``)
+    breaks: list[int] = field(default_factory=list)   # kernels that start a segment (``Offload.send_breaks``)
 
 
 @dataclass(frozen=True)
 class StepTime:
-    """One step on the model, and its terms: ``step_s`` is the chain's end,
-    the sum of every kernel's time on its device (``busy_s``: the GPU's and
-    the CPU's kernels), ``handoff_s`` over ``handoffs`` device changes
-    (latency plus activation bytes over the link) and ``copy_wait_s``, the
-    time kernels waited for their streamed weight's copy beyond the chain;
-    the copy engine ran ``pcie_s`` (``pcie_bytes`` at the PCIe rate),
-    overlapped with the kernels except for those waits."""
+    """One step on the model, and its terms: ``step_s`` is the step's end;
+    ``busy_s`` every kernel's time on its device (the GPU's and the CPU's
+    kernels), ``overlap_s`` of it the time both devices computed at once
+    (bytes sent as soon as they were made: :meth:`Offload.send_breaks`);
+    along the step's critical path, ``handoff_s`` over ``handoffs``
+    hand-offs (latency plus activation bytes over the link, and host time
+    between kernels) and ``copy_wait_s``, the time kernels waited for their
+    streamed weight's copy; the copy engine ran ``pcie_s`` (``pcie_bytes``
+    at the PCIe rate), overlapped with the kernels except for those waits."""
     step_s: float
     busy_s: tuple[float, ...]     # per device
     pcie_s: float
@@ -70,13 +74,14 @@ class StepTime:
     handoffs: int = 0
     handoff_s: float = 0.0
     copy_wait_s: float = 0.0
+    overlap_s: float = 0.0
 
     def terms(self, gpu: int = 0) -> dict:
         """The step's terms by name (``gpu``: the budgeted device's index);
-        the kernels, hand-offs and copy waits add up to ``step_s``."""
+        the kernels less their overlap, hand-offs and copy waits add up to ``step_s``."""
         return {"gpu_kernels_s": self.busy_s[gpu], "cpu_kernels_s": self.busy_s[1 - gpu], "handoff_s": self.handoff_s,
-                "handoffs": self.handoffs, "copy_wait_s": self.copy_wait_s, "copy_engine_s": self.pcie_s,
-                "pcie_bytes": self.pcie_bytes, "step_s": self.step_s}
+                "handoffs": self.handoffs, "copy_wait_s": self.copy_wait_s, "kernel_overlap_s": self.overlap_s,
+                "copy_engine_s": self.pcie_s, "pcie_bytes": self.pcie_bytes, "step_s": self.step_s}
 
 
 class Offload:
@@ -180,8 +185,9 @@ class Offload:
                           key=lambda b: self.readers[b][0])
         biggest = max((self.graph.buffers[b].nbytes for b in streamed), default=0)
         slot_bytes = slot_bytes if self.ring == "bytes" and slot_bytes else biggest
-        return Placement(self.assignment(choice), streamed, slots if streamed else 0, slot_bytes, dict(choice),
-                         self.ring)
+        a = self.assignment(choice)
+        return Placement(a, streamed, slots if streamed else 0, slot_bytes, dict(choice), self.ring,
+                         self.send_breaks(a, streamed))
 
     def gpu_bytes(self, p: Placement) -> int:
         """Bytes the GPU device allocates for placement ``p`` (as the streaming
@@ -196,85 +202,147 @@ class Offload:
         return sum(g.buffers[b].nbytes for b in held) + p.slots * slot_pitch(p.slot_bytes) + self.reserve
 
     # -- the step model --------------------------------------------------
-    def _chain(self, p: Placement) -> tuple[Programs, list[float | None]]:
-        """(placement ``p`` as the step-time model's programs, the hand-off
-        each kernel waits for): the kernels in
-        program order as one chain (a kernel starts when the one before it
-        ended, plus a link's latency and the bytes of its inputs when the
-        device changes or bytes arrive from the other device), the streamed
-        weights as copies on the GPU's copy engine, in order, each sent once
-        the reader of the bytes it overwrites has run (the ring layout of
-        :mod:`.staging`) and received by its own reader."""
-        g, costs, gpu = self.graph, self.costs, self.gpu
-        a, streamed = p.assignment, p.streamed
+    def send_breaks(self, assignment: Sequence[int], streamed: Sequence[int]) -> list[int]:
+        """Kernels that start a new segment (``build_plan``'s ``breaks``) so
+        that bytes for the other device leave right after the kernel that
+        made them: the kernel after such a producer, when the producer's
+        device would otherwise first run a streamed weight's reader before
+        the bytes' reader needs them (the other device would wait for that
+        copy too)."""
+        a, g = assignment, self.graph
+        reads = {self.readers[b][0] for b in streamed}
+        out: set[int] = set()
+        for e in g.edges:
+            nxt = e.src + 1
+            if e.kind != "RAW" or a[e.src] == a[e.dst] or nxt >= e.dst or a[nxt] != a[e.src] or nxt in out:
+                continue
+            if any(a[k] == a[e.src] and k in reads for k in range(nxt, e.dst)):
+                out.add(nxt)
+        return sorted(out)
+
+    def _segments(self, p: Placement) -> list[tuple[int, list[int]]]:
+        """(device, kernels) of each segment, as ``build_plan`` cuts them."""
+        segs: list[tuple[int, list[int]]] = []
+        cut = set(p.breaks)
+        for k, d in enumerate(p.assignment):
+            if not segs or segs[-1][0] != d or k in cut:
+                segs.append((d, []))
+            segs[-1][1].append(k)
+        return segs
+
+    def programs(self, p: Placement) -> Programs:
+        """Placement ``p`` as the step-time model's programs, the plan's own:
+        each device runs its segments in order; the bytes a segment needs
+        from the other device arrive as one hand-off (a link's latency and
+        the bytes, sent once the last segment making them ended: the plan
+        sends after a segment); a streamed weight is a copy on the GPU's
+        copy engine, in order, each sent once the reader of the bytes it
+        overwrites has run (the ring layout of :mod:`.staging`) and received
+        by its own reader."""
+        g, costs, gpu, a = self.graph, self.costs, self.gpu, p.assignment
+        streamed = p.streamed
         idx = {b: i for i, b in enumerate(streamed)}
         nbytes = [g.buffers[b].nbytes for b in streamed]
         after = ring_layout(nbytes, p.slots, p.slot_bytes, p.ring).after if streamed else ()
-        progs: list[list[tuple[str, int]]] = [[], []]
-        xfer = {i: ("copy", gpu, nbytes[i] / self.pcie_bps) for i in range(len(after))}
-        issued = [0]
-
-        def issue(upto: int) -> None:
-            while issued[0] < len(after) and after[issued[0]] <= upto:
-                progs[gpu].append(("send", issued[0]))
-                issued[0] += 1
-        issue(-1)
-        arrived: set = set()
-        prev = None
-        links: list[float | None] = []   # per kernel: the hand-off it waits for
+        segs = self._segments(p)
+        seg_of = {k: i for i, (_, ks) in enumerate(segs) for k in ks}
+        need: dict[int, list] = {}   # receiving segment -> [last sending segment, bytes, keys seen]
         for k in g.kernels:
-            d = a[k.id]
-            moved = 0
             for e in self.in_edges[k.id]:
-                if a[e.src] != d and (e.src, d, e.buffer) not in arrived:
-                    arrived.add((e.src, d, e.buffer))
-                    moved += e.nbytes
-            if (moved or (prev is not None and prev != d)) and prev is not None:
-                tag = len(xfer)
-                xfer[tag] = ((1 - d, d), d, costs.comm_s(1 - d, d, moved))
-                progs[prev].append(("send", tag))
-                progs[d].append(("recv", tag))
-                links.append(xfer[tag][2])
-            else:
-                links.append(None)
-            u = self.unit_of.get(k.id) if d == gpu else None
-            mine = [idx[b] for b in self.units[u] if b in idx] if u is not None else ()
-            progs[d] += [("recv", i) for i in mine]
-            progs[d].append(("run", k.id))
-            for i in mine:
-                issue(i)
-            prev = d
+                if a[e.src] != a[k.id]:
+                    n = need.setdefault(seg_of[k.id], [0, 0, set()])
+                    key = (e.src, e.buffer)
+                    n[0] = max(n[0], seg_of[e.src])
+                    if key not in n[2]:
+                        n[2].add(key)
+                        n[1] += e.nbytes
+        xfer = {i: ("copy", gpu, nbytes[i] / self.pcie_bps) for i in range(len(after))}
+        sends: dict[int, list[int]] = {}
+        recvs: dict[int, int] = {}
+        for ds, (ss, moved, _) in sorted(need.items()):
+            tag = recvs[ds] = len(xfer)
+            src, dst = segs[ss][0], segs[ds][0]
+            xfer[tag] = ((src, dst), dst, costs.comm_s(src, dst, moved))
+            sends.setdefault(ss, []).append(tag)
+        issued = sum(1 for j in after if j < 0)   # the first copies go at the step's start
+        progs: list[list[tuple[str, int]]] = [[], []]
+        progs[gpu] += [("send", i) for i in range(issued)]
+        for s, (d, ks) in enumerate(segs):
+            if s in recvs:
+                progs[d].append(("recv", recvs[s]))
+            for k in ks:
+                u = self.unit_of.get(k) if d == gpu else None
+                mine = [idx[b] for b in self.units[u] if b in idx] if u is not None else ()
+                progs[d] += [("recv", i) for i in mine]
+                progs[d].append(("run", k))
+                while issued < len(after) and after[issued] <= max(mine, default=-1):
+                    progs[gpu].append(("send", issued))
+                    issued += 1
+            progs[d] += [("send", t) for t in sends.get(s, ())]
         names = {i: name for i, name in enumerate(self.devices)}
         names.update({(0, 1): f"{self.devices[0]}->{self.devices[1]}", (1, 0): f"{self.devices[1]}->{self.devices[0]}",
                       "copy": f"{self.devices[gpu]} copy engine"})
         seconds = [costs.times[k.id][a[k.id]] for k in g.kernels]
-        return Programs(progs, seconds, xfer, names), links
-
-    def programs(self, p: Placement) -> Programs:
-        """Placement ``p`` as the step-time model's programs (:meth:`_chain`)."""
-        return self._chain(p)[0]
+        return Programs(progs, seconds, xfer, names)
 
     def simulate(self, p: Placement) -> StepTime:
         """The step time of placement ``p`` (:meth:`programs`, one step) and
-        its terms: the hand-offs in the chain, and how long kernels waited
-        for their streamed weight's copy beyond the chain."""
+        its terms: the step cut along its critical path
+        (:func:`~.timeline.critical_path`: the kernels of each device, the
+        waits for streamed copies, the hand-offs) and the overlap of the two
+        devices' kernels."""
         if len(p.assignment) != len(self.graph.kernels):
             raise PlanError(f"a placement of {len(p.assignment)} kernels scored on a graph of "
                             f"{len(self.graph.kernels)}: another capture of the model")
-        progs, links = self._chain(p)
+        progs = self.programs(p)
         r = run([(progs, 1)], [1], record=True)
-        start = {e.ref: (e.start, e.end) for e in r.events if e.kind == "run"}
-        hand, hands, wait, end = 0.0, 0, 0.0, 0.0
-        for k, link in zip(self.graph.kernels, links):
-            t = end
-            if link is not None:
-                t += link
-                hand += link
-                hands += 1
-            began, end = start[k.id]
-            wait += max(began - t, 0.0)
+        gpu, n = self.gpu, len(p.streamed)
+        copy_end = {e.ref: e.end for e in r.events if e.kind == "xfer" and e.ref < n and e.resource == progs.names["copy"]}
+        idx = {b: i for i, b in enumerate(p.streamed)}
+        runs, into = [], {0: [], 1: []}
+        for e in r.events:
+            if e.kind == "run":
+                d = p.assignment[e.ref]
+                u = self.unit_of.get(e.ref) if d == gpu else None
+                done = max((copy_end[idx[b]] for b in self.units[u] if b in idx), default=None) if u is not None else None
+                runs.append((e.start, e.end, d, done))
+            elif e.resource != progs.names["copy"]:
+                into[progs.transfers[e.ref][1]].append((e.start, e.end))
+        path = path_of(sorted(runs), gpu, {d: union(v) for d, v in into.items()}, 0.0, r.finish[0])
         pcie_bytes = sum(self.graph.buffers[b].nbytes for b in p.streamed)
-        return StepTime(r.finish[0], tuple(r.busy), pcie_bytes / self.pcie_bps, pcie_bytes, hands, hand, wait)
+        overlap = r.busy[gpu] + r.busy[self.cpu] - path["gpu"] - path["cpu"]
+        handoffs = sum(1 for e in r.events if e.kind == "xfer" and e.resource != progs.names["copy"])
+        return StepTime(r.finish[0], tuple(r.busy), pcie_bytes / self.pcie_bps, pcie_bytes, handoffs,
+                        path["handoff"] + path["other"], path["copy_wait"], max(overlap, 0.0))
+
+    def timeline(self, p: Placement) -> list[list]:
+        """The predicted step of placement ``p`` as timeline records (step 0,
+        the model's clock), the resources the executor's probe measures
+        (:mod:`.timeline`): each kernel (with the copies it waits for), each
+        copy (issued when the reader of the bytes it overwrites ended), each
+        hand-off (a ``recv`` on the receiving device), the step."""
+        progs = self.programs(p)
+        r = run([(progs, 1)], [1], record=True)
+        g, gpu, streamed = self.graph, self.gpu, p.streamed
+        idx = {b: i for i, b in enumerate(streamed)}
+        ended = {e.ref: e.end for e in r.events if e.kind == "run"}
+        after = ring_layout([g.buffers[b].nbytes for b in streamed], p.slots, p.slot_bytes, p.ring).after \
+            if streamed else ()
+        freed = [ended[self.readers[streamed[j]][0]] if j >= 0 else None for j in after]
+        out: list[list] = [[gpu, "step", "step 0", 0, 0.0, r.finish[0], {}]]
+        for e in r.events:
+            if e.kind == "run":
+                d = p.assignment[e.ref]
+                u = self.unit_of.get(e.ref) if d == gpu else None
+                waits = [idx[b] for b in self.units[u] if b in idx] if u is not None else []
+                out.append([d, "kernels", f"k{e.ref}", 0, e.start, e.end, {"waits": waits}])
+            elif e.ref < len(after):
+                out.append([gpu, "copy", f"copy {e.ref}", 0, e.start, e.end,
+                            {"copy": e.ref, "bytes": g.buffers[streamed[e.ref]].nbytes,
+                             "issued": freed[e.ref] or 0.0, "freed": freed[e.ref]}])
+            else:
+                out.append([progs.transfers[e.ref][1], "recv", f"hand-off {e.ref}", 0, e.start, e.end, {}])
+        return out
 
     # -- choosing --------------------------------------------------------
     def resident_fill(self, capacity: int, order: Sequence[int] | None = None,
