@@ -44,15 +44,15 @@ def test_the_fewest_threads_within_the_margin_of_the_fastest_are_chosen():
         choose_threads([])
 
 
-def test_two_cores_serve_on_one_thread_without_a_probe():
+def test_two_cores_decode_on_one_thread_and_prefill_on_both_without_a_probe():
     def measure(counts):
         raise AssertionError("nothing to choose from: no probe")
     chosen = default_deployment(cores=2, gpus=0, measure=measure)
-    assert chosen.devices == "cpu?threads=1"
-    assert devices_line(chosen) == ("tessera serve: devices cpu?threads=1 (2 CPU cores, no GPU: one device, 1 intra-op "
-                                    "thread (every core but one, left to the serving loop); a CPU split only where "
-                                    "asked for: --devices cpu,cpu)")
-    assert default_deployment(cores=1, gpus=0, measure=measure).devices == "cpu?threads=1"
+    assert chosen.devices == "cpu?threads=1&prefill_threads=2"
+    assert devices_line(chosen) == ("tessera serve: devices cpu?threads=1&prefill_threads=2 (2 CPU cores, no GPU: one "
+                                    "device, 1 intra-op thread (every core but one, left to the serving loop), prompt "
+                                    "chunks on all 2; a CPU split only where asked for: --devices cpu,cpu)")
+    assert default_deployment(cores=1, gpus=0, measure=measure).devices == "cpu?threads=1"   # nothing more to give
 
 
 def test_more_cores_serve_at_the_count_the_probe_chose_and_say_why():
@@ -63,9 +63,10 @@ def test_more_cores_serve_at_the_count_the_probe_chose_and_say_why():
         return [ThreadTimes(3, 30.0, 40.0), ThreadTimes(2, 20.0, 50.0), ThreadTimes(1, 15.5, 120.0)]
     chosen = default_deployment(cores=4, gpus=0, measure=measure)
     assert asked == [(3, 2, 1)]
-    assert chosen.devices == "cpu?threads=2"
+    assert chosen.devices == "cpu?threads=2&prefill_threads=4"
     line = devices_line(chosen)
-    assert line.startswith("tessera serve: devices cpu?threads=2 (4 CPU cores, no GPU: one device, 2 intra-op threads;")
+    assert line.startswith("tessera serve: devices cpu?threads=2&prefill_threads=4 (4 CPU cores, no GPU: one device, "
+                           "2 intra-op threads, prompt chunks on all 4;")
     assert "3: 30.0/40.0, 2: 20.0/50.0, 1: 15.5/120.0" in line and "--devices cpu,cpu" in line and "\n" not in line
 
 
@@ -83,7 +84,7 @@ async def test_the_chosen_deployment_reaches_the_engine_and_its_stats():
     from tessera_actors import AsyncEngine
     chosen = default_deployment(cores=2, gpus=0)
     kw = engine_kwargs(_flags("--size", "tiny"), None, chosen)
-    assert kw["devices"] == "cpu?threads=1" and kw["devices_chosen"] == chosen.why
+    assert kw["devices"] == "cpu?threads=1&prefill_threads=2" and kw["devices_chosen"] == chosen.why
     eng = AsyncEngine(**kw)   # not started: stats() reports the configuration
     assert eng.stats()["devices_chosen"] == chosen.why
 
