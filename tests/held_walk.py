@@ -39,9 +39,7 @@ def reachable_storages(actor: Actor) -> dict[int, int]:
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
-            if o.is_mkldnn:   # an opaque tensor (a CPU variant's reordered weight): no storage to name
-                found[-id(o)] = o.numel() * o.element_size()
-            elif o.device.type != "meta":
+            if o.device.type != "meta":
                 s = o.untyped_storage()
                 found[s.data_ptr()] = s.nbytes()
             continue

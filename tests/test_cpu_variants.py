@@ -1,6 +1,7 @@
-"""A CPU runs a linear layer's node as oneDNN's kernel on its weight reordered
-once (execution/variants.py): the same outputs as torch's plain kernel (to
-rounding), new weights seen, the plain op where the switch is off."""
+"""A CPU runs a linear layer's node as oneDNN's kernel (execution/variants.py):
+the same outputs as torch's plain kernel (to rounding), new weights seen at
+once, a budgeted device running the same kernels as an unbudgeted one, the
+plain op where the switch is off."""
 import pytest
 import torch
 
@@ -65,17 +66,14 @@ def test_switched_off_the_plain_ops_run_bitwise_as_eager(monkeypatch):
     assert runner.progs[0].variants == 0 and torch.equal(got, want)
 
 
-def test_programs_sharing_a_weight_share_its_reordered_copy():
+def test_a_budgeted_device_runs_the_variant_too_with_no_bytes_beyond_its_buffers():
     torch.manual_seed(0)
-    model, x = Mlp(torch.float32).eval(), torch.randn(2, 48)
-    res, runner, first = _run(model, x)
-    prog = runner.progs[0]
-    shared = {b: t for b, t in prog.arena.items() if res.graph.buffers[b].role == "weight"}
-    held = variants.packed_bytes(shared.values())
-    assert held >= (48 * 96 + 96 * 40) * 4
+    model, x = Mlp(torch.float32).eval(), torch.randn(6, 48)
+    res, runner, want = _run(model, x)
     plan = single_device_plan(res.graph, "cpu")
+    need = sum(res.graph.buffers[b].nbytes for b in plan.resident[0])
+    budgeted = AtenProgram(res.graph, torch.device("cpu"), plan.resident[0], memory_limit=need)
+    budgeted.load(res.values)
     other = PlanRunner(res.graph, plan, res.values)
-    other.progs = [AtenProgram(res.graph, torch.device("cpu"), plan.resident[0], shared=shared)]
-    other.progs[0].load({b: v for b, v in res.values.items() if b not in shared})
-    assert torch.equal(other.step({"x": x})[0], first)
-    assert variants.packed_bytes(shared.values()) == held
+    other.progs = [budgeted]
+    assert torch.equal(other.step({"x": x})[0], want) and budgeted.variants == 2

@@ -311,9 +311,11 @@ def test_kernels_captured_on_one_gpu_replay_bitwise_on_another(cuda_llama):
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, res.outputs))
 
 
-def test_gpu_check_helpers_run_on_cpu_with_an_aten_graph():
+def test_gpu_check_helpers_run_on_cpu_with_an_aten_graph(monkeypatch):
     """The helpers the GPU scripts use (replay in orders, compare, greedy tokens)
-    run the same on a CPU aten capture, where TritonProgram takes the aten path."""
+    run the same on a CPU aten capture, where TritonProgram takes the aten path
+    (with eager's kernels: program order bit for bit)."""
+    monkeypatch.setenv("TESSERA_CPU_VARIANTS", "0")
     from tessera_actors import models
     from tessera_actors.capture import capture_module
     from tessera_actors.check.inductor import greedy_tokens, soundness

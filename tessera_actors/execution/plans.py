@@ -32,7 +32,6 @@ from tessera_actors.execution.sharing import Shares, scratch_layout
 from tessera_actors.execution.step import DeviceStep
 from tessera_actors.execution.streaming import program_for, staging_of, streamed_buffers
 from tessera_actors.execution.worker import Worker
-from tessera_actors.execution.variants import packed_bytes
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.plan import Plan, plan_from_dict
 from tessera_actors.runtime.messages import Installed, InstallPlan
@@ -132,10 +131,7 @@ def device_stats(runner: SegmentRunner | None, shares: Shares, plans: dict[str, 
                 "streamed_bytes": sum(p.copied_bytes for p in streaming), **handoffs,
                 "shared_bytes": shares.device_bytes() - shares.staging_bytes() - shares.scratch_bytes(),
                 "staging_bytes": shares.staging_bytes(), "home_bytes": sum(t.numel() for t in shares.homes.values()),
-                "scratch_bytes": shares.scratch_bytes(), "plan_bytes": sum(p.nbytes for p in progs),
-                # a CPU's weights reordered for its own kernels (execution/variants.py), beside the weights
-                "variant_bytes": packed_bytes({id(t): t for t in [*shares.shared.values(),
-                                                                 *(t for p in progs for t in p.arena.values())]}.values())})
+                "scratch_bytes": shares.scratch_bytes(), "plan_bytes": sum(p.nbytes for p in progs)})
     out.update(_held(runner, shares, plans, out.get("capture_pool_bytes", 0)))
     return out
 

@@ -100,7 +100,6 @@ class AtenProgram:
         self.nbytes = need
         self._bound: dict[int, Callable[[], None]] = {}
         self.variants = 0   # kernels bound to the device's own variant of their op (execution/variants.py)
-        self.budgeted = memory_limit is not None   # a device with a memory budget (mem=) holds no more than planned
         # a tensor reference's view, made once for every kernel that names it (the kernels of one
         # bucket name the same few hundred references thousands of times); in-place ops get their own
         self._views: dict[tuple, torch.Tensor] = {}

@@ -8,21 +8,18 @@ on a CPU).  The table today:
 
 * **a linear layer on a CPU**: ``aten.mm(x, W.t())`` and
   ``aten.addmm(bias, x, W.t())`` where ``W`` is a weight buffer (a float32
-  or bfloat16 ``[out, in]`` matrix) run as oneDNN's inner product on
-  ``W`` reordered once into oneDNN's blocked layout
-  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``,
-  what inductor's CPU backend emits for a frozen linear).  torch's ``mm``
-  goes to MKL, which on AMD CPUs takes a generic code path: on the 2-core
-  EPYC box the packed kernel runs SmolLM2's 16-row LM head 2.4-2.9x and
-  its layers' matrices 1.2-1.4x faster, one thread, same shapes.
+  or bfloat16 ``[out, in]`` matrix) run as oneDNN's inner product
+  (``torch.ops.mkldnn._linear_pointwise``, the op inductor's CPU backend
+  emits for a linear) on ``W`` as the arena holds it.  torch's ``mm`` goes
+  to MKL, which on AMD CPUs takes a generic code path.  Served on the
+  2-core EPYC box (SmolLM2 dense float32, prompt chunks on 2 threads):
+  batch-1 14.5 tok/s, 16 streams 70.7; oneDNN's reordered (blocked) copy
+  of every weight (``_reorder_linear_weight``) gave 15.6 and 76.5 for a
+  second copy of the weights, so the weight is used as it is: no memory
+  beyond the graph's, the same kernel on every CPU device (budgeted or
+  not), so a split stays bitwise equal to one device.
 
-A reordered weight lives beside the original (the arena keeps the bytes
-the graph names: transfers, the embedding of tied weights and loads read
-them), one per weight view per device, made at the node's first run and
-made again when the weight's bytes change (a load bumps the buffer's
-version counter).  A device with a memory budget (``mem=``: what the
-planner placed is all it may hold) runs the plain ops.
-``TESSERA_CPU_VARIANTS=0`` binds the plain ops everywhere.
+``TESSERA_CPU_VARIANTS=0`` binds the plain ops.
 """
 from __future__ import annotations
 
@@ -31,14 +28,12 @@ from typing import Any, Callable
 
 import torch
 
-_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 _DTYPES = ("float32", "bfloat16")
-_PACKED_ATTR = "_tessera_packed"   # on a weight buffer's tensor: its reordered views, by view
 
 
 def enabled() -> bool:
-    return (os.environ.get("TESSERA_CPU_VARIANTS", "1") != "0" and _REORDER is not None and _LINEAR is not None
+    return (os.environ.get("TESSERA_CPU_VARIANTS", "1") != "0" and _LINEAR is not None
             and torch.backends.mkldnn.is_available())
 
 
@@ -47,7 +42,7 @@ def cpu_variant(prog, payload: dict[str, Any], dst: torch.Tensor | None) -> Call
     :class:`~tessera_actors.execution.program.AtenProgram` on a CPU), writing
     ``dst``; None where the node has none (the plain op runs)."""
     op, args = payload["op"], payload["args"]
-    if dst is None or payload["kwargs"] or getattr(prog, "budgeted", False) or not enabled():
+    if dst is None or payload["kwargs"] or not enabled():
         return None
     if op == "aten.mm.default" and len(args) == 2:
         bias, x, w = None, args[0], args[1]
@@ -63,12 +58,12 @@ def cpu_variant(prog, payload: dict[str, Any], dst: torch.Tensor | None) -> Call
         if not (isinstance(bias, dict) and "t" in bias and len(bias["t"][2]) == 1):
             return None
         b_view = prog.shared_view(bias["t"])
-    return PackedLinear(prog.shared_view(x["t"]), weight, b_view, dst)
+    return OneDnnLinear(prog.shared_view(x["t"]), weight, b_view, dst)
 
 
-def _weight_of(prog, ref: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the buffer's tensor, ``W`` as ``[out, in]``) when ``ref`` is ``W.t()``
-    for a contiguous matrix ``W`` of a weight buffer, else None."""
+def _weight_of(prog, ref: Any) -> torch.Tensor | None:
+    """``W`` as ``[out, in]`` when ``ref`` is ``W.t()`` for a contiguous
+    matrix ``W`` of a weight buffer, else None."""
     if not (isinstance(ref, dict) and "t" in ref):
         return None
     b, _, shape, stride, dt = ref["t"]
@@ -77,47 +72,18 @@ def _weight_of(prog, ref: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     k, n = shape
     if tuple(stride) != (1, k) or k == 0 or n == 0:
         return None
-    base = prog.arena.get(b)
-    if base is None:
+    if b not in prog.arena:
         return None
-    return base, prog.shared_view(ref["t"]).t()
+    return prog.shared_view(ref["t"]).t()
 
 
-class PackedLinear:
-    """``dst = x @ W.t() (+ bias)`` by oneDNN on ``W`` reordered (module docstring)."""
+class OneDnnLinear:
+    """``dst = x @ W.t() (+ bias)`` by oneDNN (module docstring)."""
 
-    __slots__ = ("x", "base", "w", "bias", "dst", "packed", "version")
+    __slots__ = ("x", "w", "bias", "dst")
 
-    def __init__(self, x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
-                 dst: torch.Tensor) -> None:
-        self.x, (self.base, self.w), self.bias, self.dst = x, weight, bias, dst
-        self.packed: torch.Tensor | None = None
-        self.version = -1
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dst: torch.Tensor) -> None:
+        self.x, self.w, self.bias, self.dst = x, w, bias, dst
 
     def __call__(self) -> None:
-        if self.base._version != self.version:
-            self._pack()
-        self.dst.copy_(_LINEAR(self.x, self.packed, self.bias, "none", [], ""))
-
-    def _pack(self) -> None:
-        """The reordered weight: the one another kernel of this device made
-        for the same view and bytes, else a new one (kept on the buffer)."""
-        cache = getattr(self.base, _PACKED_ATTR, None)
-        if cache is None:
-            cache = {}
-            setattr(self.base, _PACKED_ATTR, cache)
-        key = (self.w.storage_offset(), tuple(self.w.shape), str(self.w.dtype))
-        version = self.base._version
-        got = cache.get(key)
-        if got is None or got[1] != version:
-            got = cache[key] = (_REORDER(self.w, None), version)
-        self.packed, self.version = got
-
-
-def packed_bytes(tensors) -> int:
-    """Bytes of the reordered weights kept on ``tensors`` (buffers' tensors)."""
-    total = 0
-    for t in tensors:
-        for packed, _ in (getattr(t, _PACKED_ATTR, None) or {}).values():
-            total += packed.numel() * packed.element_size()
-    return total
+        self.dst.copy_(_LINEAR(self.x, self.w, self.bias, "none", [], ""))
