@@ -223,6 +223,27 @@ def test_inductor_capture_refuses_cpu_inputs_instead_of_missing_cpp_kernels():
         compile_model(m, regions="layers")
 
 
+def test_a_model_compiled_in_place_for_one_bucket_is_probed_eagerly_for_the_next():
+    """A GPU deployment captures its buckets one after another on one model:
+    the next bucket's probe for host reads runs the model eagerly, not the
+    blocks compiled for the last bucket (dynamo refuses them under the
+    probe's dispatch mode), and leaves them uncompiled for the next compile."""
+    from tessera_actors import models
+    from tessera_actors.capture.inductor import choose_regions, repeated_blocks
+    m = models.get("llama", "tiny", dtype=torch.float32, seed=0)
+    first, second = m.example_inputs("decode", batch=2, pos=3), m.example_inputs("prefill", batch=1, seq=4)
+    with torch.no_grad():
+        eager = m(**second)
+    for _, block in repeated_blocks(m):
+        block.compile(backend="eager", fullgraph=True)
+    with torch.no_grad():
+        m(**first)
+    assert choose_regions(m, second) == ("auto", "")
+    assert all(getattr(b, "_compiled_call_impl", None) is None for _, b in repeated_blocks(m))
+    with torch.no_grad():
+        assert torch.equal(m(**second), eager)
+
+
 def test_a_generated_kernel_module_is_retargeted_to_another_device():
     from tessera_actors.capture.inductor_hooks import HookError, retarget_source
     g = KernelGraph.load(sorted((Path(__file__).parent / "data" / "graphs").glob("*.tgraph"))[0])

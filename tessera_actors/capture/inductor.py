@@ -236,9 +236,11 @@ def choose_regions(model: torch.nn.Module, inputs: dict[str, Any], regions: str 
     repeated blocks and its eager forward reads tensor values on the host
     (code between compiled blocks runs eagerly; compiled as one graph it is
     traced instead); otherwise ``regions`` is kept.  Runs ``model(**inputs)``
-    once eagerly when it has to look (the caller restores any state)."""
+    once eagerly when it has to look (the caller restores any state), after
+    dropping earlier in-place compiles (:func:`drop_compiled`)."""
     if regions != "auto" or not repeated_blocks(model):
         return regions, ""
+    drop_compiled(model)   # the probe runs the eager model
     with torch.no_grad():
         sites = host_read_sites(model, inputs)
     if not sites:
@@ -266,6 +268,7 @@ def compile_model(model: torch.nn.Module, *, reset: bool = True, regions: str = 
         raise ValueError(f"regions must be 'auto', 'whole' or 'blocks', not {regions!r}")
     if reset:
         torch._dynamo.reset()
+        drop_compiled(model)
     try:
         icfg.triton.cudagraphs = False
     except AttributeError:
@@ -282,6 +285,18 @@ def compile_model(model: torch.nn.Module, *, reset: bool = True, regions: str = 
         block.compile(backend="inductor", fullgraph=True, dynamic=False)
     log.info("compiling %d repeated blocks of %s in place", len(blocks), type(model).__name__)
     return model
+
+
+def drop_compiled(model: torch.nn.Module) -> None:
+    """Undo earlier in-place compiles (``Module.compile``) of ``model``'s
+    modules.  One model captured bucket after bucket keeps its blocks
+    compiled for the last bucket's shapes; the next bucket's eager probe
+    (:func:`choose_regions`) would run them compiled under its dispatch mode,
+    which dynamo skips or refuses, and the warm-up and the recorded run
+    would not agree on which frames are compiled."""
+    for m in model.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None
 
 
 def _between_blocks(model: torch.nn.Module, blocks) -> list[tuple[str, torch.nn.Module]]:
@@ -462,4 +477,4 @@ def capture_inductor(model: torch.nn.Module, inputs: dict[str, torch.Tensor],
         restore()
 
 
-__all__ = ["capture_inductor", "choose_regions", "compile_model", "repeated_blocks", "dense", "ptx_text", "triton_source", "unpack_text"]
+__all__ = ["capture_inductor", "choose_regions", "compile_model", "drop_compiled", "repeated_blocks", "dense", "ptx_text", "triton_source", "unpack_text"]
