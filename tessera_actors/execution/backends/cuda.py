@@ -3,9 +3,14 @@
 Streams: a partition's streams come from its green context, and segments
 are captured as CUDA graphs *on those streams* - a graph keeps the SM limit
 of the context it was captured in (see DESIGN.md), so a partition's work
-really runs on its SMs.  Memory: ``mem=`` caps the caching allocator of the
-process on that GPU (``set_per_process_memory_fraction``), so allocations
-beyond the budget fail there, as they would on a smaller GPU.
+really runs on its SMs.  Memory: the device's buffers are held to ``mem=``
+by the arena (a plan that does not fit is refused by name), and the caching
+allocator of the process on that GPU is capped
+(``set_per_process_memory_fraction``) at the budget plus what the process
+already held when the device started plus ``ALLOCATOR_SLACK`` (the
+allocator's 2 MiB segments, cuBLAS workspaces), so runaway allocations fail
+there, as they would on a smaller GPU, while a budget of a few MiB (a tiny
+model split for a test) still fits its own segments.
 
 Nothing here blocks the host except ``synchronize`` and ``time_kernel``.
 
@@ -59,6 +64,9 @@ def current_green():
     return _GREEN.get()
 
 
+ALLOCATOR_SLACK = 64 << 20
+
+
 class CudaBackend:
     def __init__(self, spec: DeviceSpec) -> None:
         if spec.kind != "cuda":
@@ -77,10 +85,10 @@ class CudaBackend:
                 raise ValueError(f"{spec.name}: asks for {spec.sms} SMs, the GPU has {self.sm_count}")
             self.green = green_context(spec.index, spec.sms)
         if spec.mem is not None:
-            frac = spec.mem / props.total_memory
-            if frac > 1:
+            if spec.mem > props.total_memory:
                 raise ValueError(f"{spec.name}: budget {spec.mem} bytes exceeds the GPU's {props.total_memory}")
-            torch.cuda.set_per_process_memory_fraction(frac, self.device)
+            cap = torch.cuda.memory_allocated(self.device) + spec.mem + ALLOCATOR_SLACK
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / props.total_memory), self.device)
         self._streams: list[torch.cuda.Stream] = []
         self._anchor: tuple | None = None   # (host time, its event) that stamps are measured from
         self._anchor_stream: torch.cuda.Stream | None = None
