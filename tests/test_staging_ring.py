@@ -14,7 +14,7 @@ import torch
 
 from tessera_actors.execution.backends.cpu import CpuBackend
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.planning.offload.staging import ALIGN, ring_layout
+from tessera_actors.planning.offload.staging import ALIGN, lookahead, ring_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_offload_exec import _step, _streaming_pair, tiny_model  # noqa: E402
@@ -43,6 +43,28 @@ def test_a_copy_waits_for_every_earlier_copy_whose_bytes_it_overwrites(mode):
         assert list(lay.after) == [i - 3 if i >= 3 else -1 for i in range(len(sizes))]
     else:   # small weights share a slot's bytes: more of them go out at the step's start
         assert len(first) > 3 and all(o % ALIGN == 0 for o in lay.offsets)
+
+
+def test_the_packed_ring_runs_ahead_across_the_steps_end():
+    """Llama-8B's streamed weights at b8 on an H200 (112 and 32 MiB, here in
+    KiB) in a ring of three big ones: copied one after the other, every lap
+    left its tail unused and the next step's first copy waited for the read
+    of this step's last (no copy could run ahead at the step's end); each
+    copy now goes where the bytes were read the longest ago."""
+    big, small = 112 << 10, 32 << 10
+    sizes = [big if c == "B" else small for c in "BBBBsBBssBBsBBssBBsBBsBBssBBsBBssBBsBBssBBsBBsBBssBBsBBssBBsBB"]
+    m, cap = len(sizes), 3 * big
+    lay = ring_layout(sizes, 3, big, "bytes")
+    for i, n in enumerate(sizes):   # the layout's waits hold whatever the placement
+        assert lay.offsets[i] % ALIGN == 0 and lay.offsets[i] + n <= cap
+        for j in range(i):
+            if overlaps(lay, sizes, i, j):
+                assert lay.after[i] >= j, (i, j)
+    for i in range(len(lay.wrap)):
+        assert lay.wrap[i] >= max(j for j in range(m) if overlaps(lay, sizes, i, j))
+    assert lay.wrap == (m - 3, m - 2, m - 1)   # the next step's first copies go as the last three are read
+    total, least = lookahead(sizes, lay, cap)
+    assert least >= big and total > 1.15 * lookahead(sizes, ring_layout(sizes, 3, big, "slots"), cap)[0]
 
 
 def test_a_weight_the_ring_cannot_hold_is_refused():
