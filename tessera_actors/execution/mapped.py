@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 log = logging.getLogger("tessera_actors.device")
+_WARNED = False
 ALIASES = 4   # host addresses whose device views a writer keeps (a sender's ring of two, reallocated now and then)
 
 
@@ -46,7 +47,10 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
     try:
         view = torch.as_tensor(_HostBytes(host.data_ptr(), n), device=device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        log.debug("%s: no device view of pinned host memory (%s)", device, exc)
+        global _WARNED
+        if not _WARNED:   # once a process: hand-offs are then copied, behind the weight copies queued before them
+            log.warning("%s: no device view of pinned host memory, hand-offs are copied (%s)", device, exc)
+            _WARNED = True
         return None
     return view if view.device == device and view.data_ptr() == host.data_ptr() else None
 
