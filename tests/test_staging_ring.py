@@ -148,3 +148,39 @@ def test_copies_never_overwrite_bytes_still_to_be_read_across_steps_and_programs
     assert sum(op == "copy" for op, *_ in be.log) == a.copies + b.copies > 0
     assert a.ahead_used > 0 and b.ahead_used > 0
     check_queue(be.log)
+
+
+def test_the_next_steps_first_copy_goes_out_before_the_steps_last_read():
+    """The tiny model's 23 streamed weights in a packed ring of three of the
+    biggest: the next step's first copy overwrites bytes read two copies
+    before the step's end, so the copy stream queues it before the last read
+    (wrapping onto the last copy's bytes it waited for that read); the same
+    tokens as every weight resident, every copy behind the reads of its bytes."""
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.execution.streaming import StreamingProgram
+    be = QueueBackend()
+    cap, _, _ = tiny_model(torch.float32)
+    g = cap.graph
+    readers = {}
+    for k in g.kernels:
+        for a in k.accesses:
+            if g.buffers[a.buffer].role == "weight":
+                readers.setdefault(a.buffer, set()).add(k.id)
+    order = sorted((b for b, ks in readers.items() if len(ks) == 1), key=lambda b: min(readers[b]))
+    slot = max(g.buffers[b].nbytes for b in order)
+    everything = sorted(g.buffers)
+    ref = AtenProgram(g, be.device, everything)
+    prog = StreamingProgram(g, be.device, everything, order, 3, slot, be, mode="bytes")
+    for p in (ref, prog):
+        p.load(cap.values)
+        for k in range(len(g.kernels)):
+            p.bind(k)
+    m = len(order)
+    for step in range(3):
+        want, got = _step(g, [ref, prog], step)
+        assert torch.equal(want, got)
+    check_queue(be.log)
+    copies = [pos for pos, (op, *_) in enumerate(be.log) if op == "copy"]
+    reads = [pos for pos, (op, stream, _) in enumerate(be.log) if op == "wait" and stream == "compute"]
+    assert len(reads) == 3 * m and prog.ahead_used == 2 * len(prog.layout.wrap)
+    assert copies[2 * m] < reads[2 * m - 1]   # step 2's copy 0 queued before step 1's last read
