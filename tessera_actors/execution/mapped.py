@@ -43,11 +43,11 @@ class _HostBytes:
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """A uint8 tensor on ``device`` over the bytes of pinned ``host`` (no
     copy), or None where this torch or GPU gives none."""
+    global _WARNED
     n = host.numel() * host.element_size()
     try:
         view = torch.as_tensor(_HostBytes(host.data_ptr(), n), device=device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        global _WARNED
         if not _WARNED:   # once a process: hand-offs are then copied, behind the weight copies queued before them
             log.warning("%s: no device view of pinned host memory, hand-offs are copied (%s)", device, exc)
             _WARNED = True

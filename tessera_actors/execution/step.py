@@ -26,9 +26,9 @@ through pinned memory made once per plan (:mod:`.hostbuf`).
 
 A GPU that streams weights reads what a co-located CPU hands it straight
 from pinned host memory with its SMs (:mod:`.mapped`): its copy engine is
-busy with the weights.  Sends go out through callables the actor passes (``send``: a co-located
-peer's hand-off or the transfer actor), so tests drive a step with plain
-dicts.  Blocking: ``advance`` and ``landed`` run torch work on the calling
+busy with the weights.  Sends go out through callables the actor passes
+(``send``: a co-located peer's hand-off or the transfer actor), so tests
+drive a step with plain dicts.  Blocking: ``advance`` and ``landed`` run torch work on the calling
 thread (the actor's worker); nothing here is thread-safe.
 """
 from __future__ import annotations
