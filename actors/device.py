@@ -117,6 +117,9 @@ class DeviceActor(Actor):
         self.worker.shutdown()
         if self.driver is not None:
             self.driver.shutdown()
+        release = getattr(getattr(self.runner, "backend", None), "release", None)
+        if release is not None:   # a budgeted GPU's cap on the process's allocator
+            release()
         # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
         self.plans.clear()
         self.shares.clear()

@@ -28,10 +28,15 @@ class Measuring:
         graph, values = self.served.graphs[name], self.served.values[name]
         specs = [s.name for s in parse_devices(self.cfg.devices)]
         backends = [backend_for(s) for s in specs]
-        profiles = [profile_kernels(graph, values, bucket_inputs(self.served.buckets[name], be.device), be)
-                    for be in backends]
+        try:
+            profiles = [profile_kernels(graph, values, bucket_inputs(self.served.buckets[name], be.device), be)
+                        for be in backends]
+            links = measured_links(backends) if len(backends) > 1 else None
+        finally:
+            for be in backends:
+                if hasattr(be, "release"):
+                    be.release()   # a budgeted GPU's cap on the allocator: the devices set their own
         self.profiles = profiles
-        links = measured_links(backends) if len(backends) > 1 else None
         return {graph_key(graph): CostTable.from_profiles(graph, specs, profiles, links)}
 
     def _note_busy(self) -> None:

@@ -89,9 +89,18 @@ class CudaBackend:
                 raise ValueError(f"{spec.name}: budget {spec.mem} bytes exceeds the GPU's {props.total_memory}")
             cap = torch.cuda.memory_allocated(self.device) + spec.mem + ALLOCATOR_SLACK
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / props.total_memory), self.device)
+        self.capped = spec.mem is not None
         self._streams: list[torch.cuda.Stream] = []
         self._anchor: tuple | None = None   # (host time, its event) that stamps are measured from
         self._anchor_stream: torch.cuda.Stream | None = None
+
+    def release(self) -> None:
+        """Lift this device's cap on the process's allocator (the device is
+        stopping): the cap is the process's, and would otherwise hold every
+        later engine of the process on this GPU to the stopped one's budget."""
+        if self.capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self.capped = False
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
