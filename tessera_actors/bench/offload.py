@@ -444,7 +444,7 @@ def plot(res: dict, path: Path) -> bool:
 
 
 def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict:
-    if cfg.size == "real" and not cfg.devices and not torch.cuda.is_available():
+    if cfg.size == "real" and not cfg.layers and not cfg.devices and not torch.cuda.is_available():
         raise RuntimeError("tessera bench offload --size real measures a GPU: no CUDA device is visible "
                            "(on CPU: --size tiny --gpu-budget 0.6 --devices 'cpu?threads=1,cpu' --dtype float32)")
     res = asyncio.run(bench(cfg))
