@@ -10,6 +10,7 @@ import torch
 from tessera_actors import AsyncEngine, models
 from tessera_actors.bench.offload_engine import compare, forced, scored
 from tessera_actors.capture import capture_module
+from tessera_actors.runtime.messages import GetStats
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CFG = dict(model="llama", size="tiny", max_seqs=4, max_model_len=64, decode_buckets=(1, 4), prefill_buckets=(8, 16),
@@ -37,8 +38,11 @@ async def test_a_gpu_and_cpu_split_gives_the_gpu_only_tokens_teacher_forced(dtyp
         await split.wait_placed()
         toks, tops = await forced(split, PROMPT, ref)
         placed = dict(split.deployment.placed)
+        st = (await split.deployment.system.ref("device0").ask(GetStats())).values
     choices = set(placed["decode:1@0"].plan.meta["offload"]["choices"])
     assert {"R", "C"} <= choices, choices          # kernels on the GPU and on the CPU
+    if "S" in choices:   # a GPU that streams weights reads the CPU's hand-offs with its SMs
+        assert st["mapped_reads"] > 0, st
     got = compare(toks, tops, ref, ref_tops)
     assert got["argmax_flips_beyond_ties"] == 0, got
     assert got["min_top_logprobs_cosine"] >= (0.999 if dtype == "float32" else 0.99), got

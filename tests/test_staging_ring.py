@@ -14,7 +14,7 @@ import torch
 
 from tessera_actors.execution.backends.cpu import CpuBackend
 from tessera_actors.devices import DeviceSpec
-from tessera_actors.planning.offload.staging import ALIGN, ring_layout
+from tessera_actors.planning.offload.staging import ALIGN, lookahead, ring_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_offload_exec import _step, _streaming_pair, tiny_model  # noqa: E402
@@ -43,6 +43,28 @@ def test_a_copy_waits_for_every_earlier_copy_whose_bytes_it_overwrites(mode):
         assert list(lay.after) == [i - 3 if i >= 3 else -1 for i in range(len(sizes))]
     else:   # small weights share a slot's bytes: more of them go out at the step's start
         assert len(first) > 3 and all(o % ALIGN == 0 for o in lay.offsets)
+
+
+def test_the_packed_ring_runs_ahead_across_the_steps_end():
+    """Llama-8B's streamed weights at b8 on an H200 (112 and 32 MiB, here in
+    KiB) in a ring of three big ones: copied one after the other, every lap
+    left its tail unused and the next step's first copy waited for the read
+    of this step's last (no copy could run ahead at the step's end); each
+    copy now goes where the bytes were read the longest ago."""
+    big, small = 112 << 10, 32 << 10
+    sizes = [big if c == "B" else small for c in "BBBBsBBssBBsBBssBBsBBsBBssBBsBBssBBsBBssBBsBBsBBssBBsBBssBBsBB"]
+    m, cap = len(sizes), 3 * big
+    lay = ring_layout(sizes, 3, big, "bytes")
+    for i, n in enumerate(sizes):   # the layout's waits hold whatever the placement
+        assert lay.offsets[i] % ALIGN == 0 and lay.offsets[i] + n <= cap
+        for j in range(i):
+            if overlaps(lay, sizes, i, j):
+                assert lay.after[i] >= j, (i, j)
+    for i in range(len(lay.wrap)):
+        assert lay.wrap[i] >= max(j for j in range(m) if overlaps(lay, sizes, i, j))
+    assert lay.wrap == (m - 3, m - 2, m - 1)   # the next step's first copies go as the last three are read
+    total, least = lookahead(sizes, lay, cap)
+    assert least >= big and total > 1.15 * lookahead(sizes, ring_layout(sizes, 3, big, "slots"), cap)[0]
 
 
 def test_a_weight_the_ring_cannot_hold_is_refused():
@@ -126,3 +148,39 @@ def test_copies_never_overwrite_bytes_still_to_be_read_across_steps_and_programs
     assert sum(op == "copy" for op, *_ in be.log) == a.copies + b.copies > 0
     assert a.ahead_used > 0 and b.ahead_used > 0
     check_queue(be.log)
+
+
+def test_the_next_steps_first_copy_goes_out_before_the_steps_last_read():
+    """The tiny model's 23 streamed weights in a packed ring of three of the
+    biggest: the next step's first copy overwrites bytes read two copies
+    before the step's end, so the copy stream queues it before the last read
+    (wrapping onto the last copy's bytes it waited for that read); the same
+    tokens as every weight resident, every copy behind the reads of its bytes."""
+    from tessera_actors.execution.program import AtenProgram
+    from tessera_actors.execution.streaming import StreamingProgram
+    be = QueueBackend()
+    cap, _, _ = tiny_model(torch.float32)
+    g = cap.graph
+    readers = {}
+    for k in g.kernels:
+        for a in k.accesses:
+            if g.buffers[a.buffer].role == "weight":
+                readers.setdefault(a.buffer, set()).add(k.id)
+    order = sorted((b for b, ks in readers.items() if len(ks) == 1), key=lambda b: min(readers[b]))
+    slot = max(g.buffers[b].nbytes for b in order)
+    everything = sorted(g.buffers)
+    ref = AtenProgram(g, be.device, everything)
+    prog = StreamingProgram(g, be.device, everything, order, 3, slot, be, mode="bytes")
+    for p in (ref, prog):
+        p.load(cap.values)
+        for k in range(len(g.kernels)):
+            p.bind(k)
+    m = len(order)
+    for step in range(3):
+        want, got = _step(g, [ref, prog], step)
+        assert torch.equal(want, got)
+    check_queue(be.log)
+    copies = [pos for pos, (op, *_) in enumerate(be.log) if op == "copy"]
+    reads = [pos for pos, (op, stream, _) in enumerate(be.log) if op == "wait" and stream == "compute"]
+    assert len(reads) == 3 * m and prog.ahead_used == 2 * len(prog.layout.wrap)
+    assert copies[2 * m] < reads[2 * m - 1]   # step 2's copy 0 queued before step 1's last read

@@ -30,16 +30,17 @@ def test_union_and_busy_time_count_overlaps_once():
 
 
 def test_copy_engine_gaps_are_named_by_what_held_the_next_copy_back():
-    """A copy waits for the read that frees its bytes (ring full) or for the
-    host to queue it (issued late); before the first copy and after the
-    last the engine idles at the step's start and with no copy left."""
+    """A copy waits for the read that frees its bytes (ring full), then for
+    the host to queue it (issued late: only from the read on, the time a
+    copy queued earlier would have run); before the first copy and after
+    the last the engine idles at the step's start and with no copy left."""
     recs = [rec(GPU, "step", 0, 20),
             rec(GPU, "copy", 1, 3, copy=0, bytes=1, issued=0.5, freed=None),
             rec(GPU, "copy", 5, 7, copy=1, bytes=1, issued=2.0, freed=5.0),     # freed at 5: 2 s ring full
-            rec(GPU, "copy", 10, 12, copy=2, bytes=1, issued=10.0, freed=8.0),  # issued at 10: 3 s late
+            rec(GPU, "copy", 10, 12, copy=2, bytes=1, issued=10.0, freed=8.0),  # 1 s ring full, 2 s issued late
             rec(GPU, "copy", 13, 14, copy=3, bytes=1, issued=11.0, freed=11.0)]  # 1 s nobody explains
     gaps = summarize_step(recs, GPU, 0, 20)["copy_idle_s"]
-    assert gaps == {"step_start": 1, "ring_full": 2, "issued_late": 3, "other": 1, "no_copy_left": 6}
+    assert gaps == {"step_start": 1, "ring_full": 3, "issued_late": 2, "other": 1, "no_copy_left": 6}
     s = summarize_step(recs, GPU, 0, 20)
     assert s["issued_after_freed"] == 1 and s["issue_lag_s"] == 2   # copy 2: freed at 8, issued at 10
 

@@ -33,7 +33,8 @@ TIE_NATS = 0.0625 # a flip within this many nats of the reference's best is a ti
 # the budgeted device's counters a result row carries (GetStats): how its segments and streamed pieces ran
 GPU_STATS = ("captures", "replays", "eager_runs", "capture_failures", "last_capture_error", "capture_pool_bytes",
              "step_state_bytes", "staging_bytes", "streamed_copies",
-             "streamed_copies_ahead_used", "streamed_bytes", "direct_transfers", "taken_on_worker", "taken_on_loop")
+             "streamed_copies_ahead_used", "streamed_bytes", "direct_transfers", "taken_on_worker", "taken_on_loop",
+             "mapped_reads")
 
 
 def log(msg: str) -> None:

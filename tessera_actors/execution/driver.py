@@ -132,7 +132,7 @@ class Driver:
             except asyncio.TimeoutError:
                 raise TransferFailed(f"{what} of step {msg.step}: nothing arrived within "
                                      f"{self.recv_timeout:g} s") from None
-            run.stage(t.buffer, t.ranges, data)
+            run.stage(t.buffer, t.ranges, data, inst.step.writers.get(t.tag))
             waited = time.perf_counter() - w0
             if run.probe is not None:
                 run.probe.add("wait", f"wait {t.tag}", w0, w0 + waited, tag=t.tag, src=t.src, on="loop")

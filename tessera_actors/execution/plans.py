@@ -7,8 +7,9 @@ state, the staging ring of streamed weights, the scratch of every plan's
 segment-local temporaries: :mod:`.sharing`), the program with its kernels
 pre-bound (:mod:`.streaming` picks the streaming one), and its step path
 (:class:`~.step.DeviceStep`).  :func:`device_stats` is the device's
-``GetStats``: steps, capture counters, streamed copies, hand-offs and
-every byte the device holds (:mod:`.held`).
+``GetStats``: steps, capture counters, streamed copies, hand-offs (and
+``mapped_reads``: those a GPU's SMs read from pinned host memory,
+:mod:`.mapped`) and every byte the device holds (:mod:`.held`).
 
 Blocking: the torch work of an install runs on the device's worker
 (``worker.call``); the rest reads counters and tensor metadata on the
@@ -129,6 +130,7 @@ def device_stats(runner: SegmentRunner | None, shares: Shares, plans: dict[str, 
     out.update({"streamed_copies": sum(p.copies for p in streaming),
                 "streamed_copies_ahead_used": sum(p.ahead_used for p in streaming),
                 "streamed_bytes": sum(p.copied_bytes for p in streaming), **handoffs,
+                "mapped_reads": sum(w.reads for i in plans.values() if i.step is not None for w in i.step.mapped),
                 "shared_bytes": shares.device_bytes() - shares.staging_bytes() - shares.scratch_bytes(),
                 "staging_bytes": shares.staging_bytes(), "home_bytes": sum(t.numel() for t in shares.homes.values()),
                 "scratch_bytes": shares.scratch_bytes(), "plan_bytes": sum(p.nbytes for p in progs)})

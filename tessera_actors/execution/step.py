@@ -24,9 +24,11 @@ A decode step names its rows as a change of the plan's previous step
 kept on the device (:mod:`.rows`); inputs go up and tokens come down
 through pinned memory made once per plan (:mod:`.hostbuf`).
 
-Sends go out through callables the actor passes (``send``: a co-located
-peer's hand-off or the transfer actor), so tests drive a step with plain
-dicts.  Blocking: ``advance`` and ``landed`` run torch work on the calling
+A GPU that streams weights reads what a co-located CPU hands it straight
+from pinned host memory with its SMs (:mod:`.mapped`): its copy engine is
+busy with the weights.  Sends go out through callables the actor passes
+(``send``: a co-located peer's hand-off or the transfer actor), so tests
+drive a step with plain dicts.  Blocking: ``advance`` and ``landed`` run torch work on the calling
 thread (the actor's worker); nothing here is thread-safe.
 """
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 from tessera_actors.execution.held import kept_tensors
 from tessera_actors.execution.hostbuf import Landings, Uploads
 from tessera_actors.execution.inputs import chunk_inputs, write_inputs
+from tessera_actors.execution.mapped import MappedWriter
 from tessera_actors.execution.probe import Probe
 from tessera_actors.execution.program import AtenProgram
 from tessera_actors.execution.rows import PlanRows
@@ -89,12 +92,18 @@ class DeviceStep:
         here = plan.devices[device].startswith("cuda")
         self.transfers = {t.tag: t for t in plan.transfers}
         self.readers, self.writers = {}, {}
+        self.mapped: list[MappedWriter] = []   # writers whose bytes the GPU's SMs read from pinned host memory
+        streams = bool(getattr(prog, "streamed", None))
         for t in plan.transfers:
             if t.src == device:
                 crosses = t.dst in peers and plan.devices[t.dst].startswith("cuda") != here
                 self.readers[t.tag] = prog.reader(t.buffer, t.ranges, pinned=crosses)
             if t.dst == device:
                 self.writers[t.tag] = prog.writer(t.buffer, t.ranges)
+                if here and streams and t.src in peers and not plan.devices[t.src].startswith("cuda"):
+                    # pinned bytes from a co-located CPU: read by the SMs, not queued behind weight copies
+                    self.writers[t.tag] = MappedWriter(prog.arena[t.buffer], t.ranges, self.writers[t.tag])
+                    self.mapped.append(self.writers[t.tag])
         self.blocks = program_blocks(plan, device)
         self.program = plan.programs[device]
         self.outputs = [(b, s, e, prog.reader(b, [(s, e)])) for b, s, e, dev in plan.outputs if dev == device]
@@ -170,7 +179,7 @@ class StepRun:
         self.spin = 0.0 if msg.trace else spin   # a traced step records every worker call and receive
         self.busy_elsewhere = busy_elsewhere
         self.i = 0
-        self.staged: list[tuple[int, list, Any]] = []
+        self.staged: list[tuple[int, list, Any, Callable | None]] = []
         self.prelude = self._inputs_writer()
         self.spans: list | None = [] if msg.trace else None
         self.landing: Any = None      # the event behind the step's work (None: done when queued, CPU)
@@ -184,10 +193,11 @@ class StepRun:
         self.probe = step.probe_for(msg)
         self.began: float | None = None   # probed: when the first call started
 
-    def stage(self, buffer: int, ranges: list, data: Any) -> None:
+    def stage(self, buffer: int, ranges: list, data: Any, write: Callable | None = None) -> None:
         """Received bytes (a whole transfer, or one span of it) the next
-        :meth:`advance` writes before its kernels."""
-        self.staged.append((buffer, ranges, data))
+        :meth:`advance` writes before its kernels (``write``: the
+        transfer's writer, for a whole one; else into ``ranges``)."""
+        self.staged.append((buffer, ranges, data, write))
 
     def received(self) -> None:
         """The receive :meth:`advance` stopped at has all its bytes staged."""
@@ -266,9 +276,12 @@ class StepRun:
     def _write_staged(self) -> None:
         """Write the bytes received on the loop (probed: each between two stamps)."""
         st, probe = self.step, self.probe
-        for buffer, ranges, data in self.staged:
+        for buffer, ranges, data, write in self.staged:
             s0 = probe.mark(st.runner.compute) if probe is not None else None
-            st.prog.write(buffer, ranges, data)
+            if write is not None:
+                write(data)
+            else:
+                st.prog.write(buffer, ranges, data)
             if probe is not None:
                 probe.add("recv", f"recv b{buffer}", s0, probe.mark(st.runner.compute), buffer=buffer)
         self.staged = []

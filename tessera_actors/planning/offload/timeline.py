@@ -84,10 +84,11 @@ def windows(records: Sequence[Sequence]) -> dict[int, tuple[float, float]]:
 
 def copy_gaps(copies: Sequence[Sequence], lo: float, hi: float) -> dict[str, float]:
     """The copy engine's idle seconds in ``[lo, hi]`` by cause: before the
-    first copy (``step_start``), a copy whose bytes were freed late
-    (``ring_full``: the reader of what it overwrites ran late), one the host
-    queued late (``issued_late``), one that started later than all of that
-    (``other``), and after the last copy (``no_copy_left``)."""
+    first copy (``step_start``); until the bytes of the next copy were freed
+    (``ring_full``: the reader of what it overwrites ran late); from then
+    until the host queued it (``issued_late``: only the time a copy queued
+    earlier would have run); what is left before it started (``other``);
+    and after the last copy (``no_copy_left``)."""
     gaps = dict.fromkeys(("step_start", "ring_full", "issued_late", "other", "no_copy_left"), 0.0)
     prev = None
     for c in sorted(copies, key=lambda c: c[4]):
@@ -98,12 +99,11 @@ def copy_gaps(copies: Sequence[Sequence], lo: float, hi: float) -> dict[str, flo
             gaps["step_start"] += max(start - lo, 0.0)
         elif start - prev > EPS:
             freed, issued = c[6].get("freed"), c[6].get("issued")
-            late = [(t, why) for t, why in ((freed, "ring_full"), (issued, "issued_late"))
-                    if t is not None and t > prev]
-            t, why = max(late) if late else (prev, "other")
-            t = min(t, start)
-            if late:
-                gaps[why] += t - prev
+            t = prev
+            for when, why in ((freed, "ring_full"), (issued, "issued_late")):
+                if when is not None and when > t:
+                    gaps[why] += min(when, start) - t
+                    t = min(when, start)
             gaps["other"] += start - t
         prev = end if prev is None else max(prev, end)
     gaps["no_copy_left"] += (hi - prev) if prev is not None else (hi - lo)
