@@ -330,7 +330,8 @@ class SchedulerActor(Actor):
         try:
             await asyncio.wait({task, placing.abandoned}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            task.cancel()
+            task.cancel()   # a cancelled gather ends with a CancelledError to retrieve, not as cancelled
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
             raise
         if not task.done():
             task.cancel()

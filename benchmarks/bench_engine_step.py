@@ -98,6 +98,9 @@ def main() -> int:
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     gpu = a.device.startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit(f"--device {a.device}: no CUDA device is visible (on CPU: --size tiny --device cpu "
+                         "--dtype float32 --batch 4 --cache 256 --no-compile)")
     if a.compile and not gpu:
         raise SystemExit("the torch.compile baseline (reduce-overhead: CUDA graphs) needs a GPU; use --no-compile")
     bandwidth = measured_bandwidth(torch.device(a.device)) if a.compile else None

@@ -32,11 +32,17 @@ class NullEngine:
     model_name = "null"
     max_model_len = 1 << 20
 
+    def encode_prompt(self, prompt) -> list[int]:
+        """One token id per word (the server tokenizes once and hands the engine these ids)."""
+        words = prompt.split() if isinstance(prompt, str) else [w for m in prompt for w in m["content"].split()]
+        return list(range(len(words)))
+
     def count_tokens(self, prompt) -> int:
-        return len(prompt.split()) if isinstance(prompt, str) else sum(len(m["content"].split()) for m in prompt)
+        return len(self.encode_prompt(prompt))
 
     async def generate(self, prompt, params, request_id=None):
-        n = self.count_tokens(prompt)
+        n = len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) \
+            else self.count_tokens(prompt)
         for i in range(params.max_tokens):
             await asyncio.sleep(0)             # let other requests in, as a step boundary would
             last = i == params.max_tokens - 1

@@ -34,6 +34,7 @@ from pathlib import Path
 import aiohttp
 
 from tessera_actors.models.smollm2 import gguf_path
+from tessera_actors.provenance import git_commit
 
 MODEL_NAME = "smollm2"
 LIVE: set = set()        # servers started and not yet stopped (stop_live kills them on SIGTERM)
@@ -58,18 +59,12 @@ class ServerSpec:
         return {"min_tokens": tokens} if self.min_tokens else {"ignore_eos": True}
 
 
-def _git_commit(root: Path) -> str | None:
-    done = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], check=False, capture_output=True,
-                          text=True, timeout=60)
-    return done.stdout.strip() or None
-
-
 def _tessera(name: str, a, extra: list[str]) -> ServerSpec:
     root = Path(a.tessera_root).resolve()
     argv = [sys.executable, "-m", "tessera_actors.cli", "serve", "--model", "smollm2",
             "--served-model-name", MODEL_NAME, *extra]
     version = {"tessera_actors": metadata.version("tessera-actors"), "torch": metadata.version("torch"),
-               "git_commit": _git_commit(root), "root": str(root), "python": sys.executable}
+               "git_commit": git_commit(root), "root": str(root), "python": sys.executable}
     return ServerSpec(name, argv, {"PYTHONPATH": str(root)}, placed_key=True, cwd=str(root), version=version)
 
 

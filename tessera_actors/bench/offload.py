@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
 import dataclasses
 from dataclasses import asdict, dataclass
@@ -63,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from tessera_actors.provenance import git_commit
+from tessera_actors.provenance import command_line, git_commit
 from tessera_actors.bench.offload_engine import PROMPT, TIE_NATS, RowFailed, first_difference, log, serve
 from tessera_actors.bench.offload_measure import measure_rates, measure_switch
 from tessera_actors.bench.offload_probe import row_timeline
@@ -279,7 +278,7 @@ async def bench(cfg: OffloadConfig) -> dict:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "offload.partial.json").write_text(json.dumps(
-            {"git_commit": git_commit() or "unknown", "command": " ".join(sys.argv), "config": asdict(cfg),
+            {"git_commit": git_commit() or "unknown", "command": command_line(), "config": asdict(cfg),
              "rates": rates, "expert_load": load, **results}, indent=1, default=str))
     await run_rows(cfg, rows, results, (devices, options), check, {w: ref[w].get("tokens") for w in work}, save)
     return {"rates": rates, "reference_tokens": ref["scored"][0] if b1 else [], "expert_load": load, **results}
@@ -445,10 +444,13 @@ def plot(res: dict, path: Path) -> bool:
 
 
 def run_offload_bench(cfg: OffloadConfig, argv: list[str] | None = None) -> dict:
+    if cfg.size == "real" and not cfg.layers and not cfg.devices and not torch.cuda.is_available():
+        raise RuntimeError("tessera bench offload --size real measures a GPU: no CUDA device is visible "
+                           "(on CPU: --size tiny --gpu-budget 0.6 --devices 'cpu?threads=1,cpu' --dtype float32)")
     res = asyncio.run(bench(cfg))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"git_commit": git_commit() or "unknown", "command": " ".join(argv if argv is not None else sys.argv),
+    doc = {"git_commit": git_commit() or "unknown", "command": command_line(argv),
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(cfg), "config": asdict(cfg), **res}
     (out / "offload.json").write_text(json.dumps(doc, indent=1, default=str))
     print(table(res))

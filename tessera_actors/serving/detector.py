@@ -96,7 +96,9 @@ class Suspects:
                 self.lost.add(ep)
                 task = self._reports[ep] = asyncio.get_running_loop().create_task(self._report(ep))
                 task.add_done_callback(_retrieved)
-        return asyncio.gather(*(self._reports[ep] for ep in endpoints))
+        reported = asyncio.gather(*(self._reports[ep] for ep in endpoints))
+        reported.add_done_callback(_retrieved)   # callers that do not wait (the ping loop) leave no unretrieved error
+        return reported
 
     async def _report(self, endpoint: str) -> None:
         try:
