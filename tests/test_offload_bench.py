@@ -68,6 +68,20 @@ def test_offload_bench_cpu_smoke(tmp_path):
     assert "timeline" not in doc["prefill"]["policies"]["streaming"]
 
 
+def test_offload_bench_fails_when_no_policy_ran(tmp_path):
+    """Batch 8 and a 512-token prompt fit no plan under 0.6 of the tiny
+    model's weights: every row fails, and the command says so and exits 1
+    (a table of dashes is not a result)."""
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "tessera_actors.cli", "bench", "offload", "--model", "llama", "--size", "tiny",
+           "--gpu-budget", "0.6", "--devices", "cpu?threads=1,cpu", "--dtype", "float32", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "no policy ran any workload" in done.stderr
+    doc = json.loads((out / "offload.json").read_text())
+    assert all("error" in pol for pol in doc["decode_b8"]["policies"].values())
+
+
 async def test_a_failed_row_keeps_nothing_of_its_engine():
     """A row whose engine fails is reported by its error's text alone: no
     traceback or chained error keeps the engine's frames (and through them

@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 import dataclasses
 from dataclasses import asdict, dataclass
@@ -480,7 +481,13 @@ def main(args) -> int:
                         args.reserve, args.switch_us * 1e-6, not args.no_measure, args.layers,
                         rings_of(args.ring), args.tie_nats, args.reference_capture, args.expert_parts,
                         probe=args.probe)
-    run_offload_bench(cfg)
+    doc = run_offload_bench(cfg)
+    ran = [n for n, r in doc.items() if isinstance(r, dict) and any(
+        "error" not in pol for pol in r.get("policies", {}).values())]
+    if not ran:   # the table is all dashes: say so, and fail the command
+        print("tessera bench offload: no policy ran any workload (the errors are in the log above and in "
+              f"{Path(cfg.out) / 'offload.json'})", file=sys.stderr)
+        return 1
     return 0
 
 
