@@ -65,6 +65,7 @@ from tessera_actors.runtime.messages import (Deliver, GetStats, Installed, Insta
 
 log = logging.getLogger("tessera_actors.device")
 
+STOP_WAIT_S = 10.0   # how long a stopping device waits for its worker's running call to end
 SPIN_S = 0.05   # a worker's longest wait for a co-located peer's transfer (it stops early for other work)
 
 
@@ -117,6 +118,9 @@ class DeviceActor(Actor):
         self.worker.shutdown()
         if self.driver is not None:
             self.driver.shutdown()
+        if not await asyncio.to_thread(self.worker.join, STOP_WAIT_S):
+            log.warning("%s: the device's worker is still running a call %.0f s after the stop",
+                        self.spec.name, STOP_WAIT_S)
         release = getattr(getattr(self.runner, "backend", None), "release", None)
         if release is not None:   # a budgeted GPU's cap on the process's allocator
             release()

@@ -1,6 +1,7 @@
 """The device worker thread (execution/worker.py): calls in order on its own
-thread, errors to the caller, shutdown cancels what has not started, an
-initializer's failure reported by every call."""
+thread, errors to the caller, shutdown cancels what has not started and
+join waits for the running call, an initializer's failure reported by every
+call."""
 import asyncio
 import threading
 
@@ -37,9 +38,11 @@ def test_shutdown_cancels_the_calls_not_started_and_lets_the_running_one_finish(
         await asyncio.to_thread(running.wait, 10)
         assert w.pending == 1
         w.shutdown()
+        assert not w.join(0.05)   # a stopping device waits for the running call: it is still running
         release.set()
         assert await asyncio.wait_for(first, 10) == "done"
         assert later.cancelled()
+        assert w.join(10)         # then the thread has ended: nothing of it left inside torch at exit
     asyncio.run(main())
 
 

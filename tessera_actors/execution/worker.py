@@ -81,6 +81,14 @@ class Worker:
                 item[2].cancel()
         self._queue.put(_STOP)
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end (after
+        :meth:`shutdown`); whether it did.  A stopping device waits here, so
+        that no call is still inside torch when the process exits (torch
+        aborts the process: "terminate called without an active exception")."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _run(self, initializer: Callable[[], None] | None) -> None:
         broken = None   # the initializer's error: every call fails with it
         if initializer is not None:
