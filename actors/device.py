@@ -121,9 +121,8 @@ class DeviceActor(Actor):
         if not await asyncio.to_thread(self.worker.join, STOP_WAIT_S):
             log.warning("%s: the device's worker is still running a call %.0f s after the stop",
                         self.spec.name, STOP_WAIT_S)
-        release = getattr(getattr(self.runner, "backend", None), "release", None)
-        if release is not None:   # a budgeted GPU's cap on the process's allocator
-            release()
+        if self.runner is not None:
+            self.runner.backend.release()   # a budgeted GPU's cap on the process's allocator
         # a stopped actor may still be referenced (a ref kept by a caller): keep no device memory alive
         self.plans.clear()
         self.shares.clear()

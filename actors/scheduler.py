@@ -44,7 +44,7 @@ from typing import Any, Mapping
 import msgpack
 
 from actors.lease import LEASE_SUFFIX, LeaseActor, Leases
-from tessera_actors.runtime.actor import Actor, ActorRef, LocalRef, handler
+from tessera_actors.runtime.actor import Actor, ActorRef, LocalRef, handler, retrieve_error
 from tessera_actors.runtime.errors import ActorDead, ActorError
 from tessera_actors.graph import KernelGraph, graph_from_bytes
 from tessera_actors.runtime.messages import (Placed, Describe, GetGraph, GetStats, Heartbeat, InstallPlan,
@@ -331,7 +331,7 @@ class SchedulerActor(Actor):
             await asyncio.wait({task, placing.abandoned}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             task.cancel()   # a cancelled gather ends with a CancelledError to retrieve, not as cancelled
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            task.add_done_callback(retrieve_error)
             raise
         if not task.done():
             task.cancel()

@@ -132,6 +132,14 @@ class ActorRef:
         return f"<{type(self).__name__} {self.name!r} {'alive' if self.alive else 'dead'}>"
 
 
+def retrieve_error(fut: asyncio.Future) -> None:
+    """A done callback for a future nobody awaits (a fire-and-forget report,
+    a cancelled gather): its error is retrieved, so asyncio logs no "exception
+    was never retrieved"."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _forward(src: asyncio.Future, dst: asyncio.Future) -> None:
     """Complete ``dst`` (an ask) as ``src`` (a deferred reply) completed;
     a failure reaches the asker as ``RemoteError`` like any handler error."""

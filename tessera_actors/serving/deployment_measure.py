@@ -34,8 +34,7 @@ class Measuring:
             links = measured_links(backends) if len(backends) > 1 else None
         finally:
             for be in backends:
-                if hasattr(be, "release"):
-                    be.release()   # a budgeted GPU's cap on the allocator: the devices set their own
+                be.release()   # a budgeted GPU's cap on the allocator: the devices set their own
         self.profiles = profiles
         return {graph_key(graph): CostTable.from_profiles(graph, specs, profiles, links)}
 

@@ -18,7 +18,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from tessera_actors.runtime.actor import ActorRef
+from tessera_actors.runtime.actor import ActorRef, retrieve_error
 from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import GetStats, Ping, Readmit, ReportLost
 
@@ -50,7 +50,7 @@ async def answers(system, endpoint: str, heartbeat_s: float, lost_after_s: float
     try:
         ref = await system.remote_ref(endpoint, "node")
         ask = asyncio.ensure_future(ref.ask(Ping(), timeout=lost_after_s))
-        ask.add_done_callback(_retrieved)   # a detector cancelled at shutdown leaves no unretrieved error
+        ask.add_done_callback(retrieve_error)   # a detector cancelled at shutdown leaves no unretrieved error
         done, _ = await asyncio.wait({ask}, timeout=heartbeat_s)
         if not done and await refused(endpoint):
             ask.cancel()
@@ -60,11 +60,6 @@ async def answers(system, endpoint: str, heartbeat_s: float, lost_after_s: float
         return True
     except ActorError:
         return False
-
-
-def _retrieved(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 class Suspects:
@@ -95,9 +90,9 @@ class Suspects:
             if ep not in self._reports:
                 self.lost.add(ep)
                 task = self._reports[ep] = asyncio.get_running_loop().create_task(self._report(ep))
-                task.add_done_callback(_retrieved)
+                task.add_done_callback(retrieve_error)
         reported = asyncio.gather(*(self._reports[ep] for ep in endpoints))
-        reported.add_done_callback(_retrieved)   # callers that do not wait (the ping loop) leave no unretrieved error
+        reported.add_done_callback(retrieve_error)   # callers that do not wait (the ping loop) leave no unretrieved error
         return reported
 
     async def _report(self, endpoint: str) -> None:

@@ -93,6 +93,10 @@ class CpuBackend:
     def synchronize(self) -> None:
         return None
 
+    def release(self) -> None:
+        """Nothing to lift: a CPU device puts no cap on the process."""
+        return None
+
     def time_kernel(self, fn: Callable[[], None], reps: int) -> float:
         fn()
         t0 = time.perf_counter()
