@@ -360,6 +360,31 @@ async def test_decode_steps_sent_ahead_of_their_tokens_stream_what_waiting_for_t
     assert st1["generated_tokens"] == st0["generated_tokens"]
 
 
+async def test_a_split_plan_hands_its_sampled_tokens_to_the_device_that_embeds_them():
+    """cpu,cpu: one device reads input_ids, the other samples. The sampler
+    hands each step's tokens to the reader thread to thread, so decode steps
+    go ahead of their tokens as on one device, and the streams are the
+    single-device engine's (fp32, one thread each: bit for bit)."""
+    cfg = dict(model="llama", size="tiny", max_model_len=128, max_seqs=4, decode_buckets=(1, 2, 4),
+               prefill_buckets=(8, 16), mode="latency")
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(4)]
+    prompts = [[i + 1] * (3 + 2 * i) for i in range(4)]
+    runs = {}
+    for devices, ahead in (("cpu", 0), ("cpu,cpu", 1)):
+        async with AsyncEngine(devices=devices, lookahead=ahead, **cfg) as eng:
+            got = await asyncio.gather(*(_tokens(eng, p, q) for p, q in zip(prompts, params)))
+            placed = next(p for n, p in sorted(eng.deployment.placed.items()) if n.startswith("decode:4"))
+            runs[devices] = (got, eng.stats(), placed)
+    (one, st1, _), (split, st2, placed) = runs["cpu"], runs["cpu,cpu"]
+    graph_ids = [d for d, bufs in enumerate(placed.plan.inputs) if bufs]
+    samplers = {dev for _, _, _, dev in placed.plan.outputs}
+    assert len(placed.plan.devices) == 2 and placed.feeds is not None
+    assert samplers and placed.feeds not in samplers and placed.feeds in graph_ids   # reads ids here, samples there
+    assert [(t, x) for t, x, _ in split] == [(t, x) for t, x, _ in one]
+    assert st1["lookahead_steps"] == 0 and st2["lookahead_steps"] >= 10
+
+
 async def test_a_decode_step_continuing_a_step_its_device_did_not_run_fails_by_name():
     import torch
 

@@ -83,6 +83,7 @@ class Driver:
                     async with inst.ring_lock or contextlib.nullcontext():   # its copies are queued in the step
                         run = await self._drive(plan_id, inst, msg)
                 except Exception as exc:  # the asker gets the error; the device keeps serving
+                    inst.step.failed(msg, exc)
                     if not fut.done():
                         fut.set_exception(exc)
                     continue

@@ -120,6 +120,13 @@ class Handoff:
             for key in [k for k in self._data if k[0] == plan_id and k[1] == step]:
                 del self._data[key]
 
+    def prune(self, plan_id: str, tag: str, below: int) -> None:
+        """Drop what is held as ``(plan_id, tag, n)`` for every ``n < below``
+        (per-step hand-offs that live outside a step's keys, never taken)."""
+        with self._lock:
+            for key in [k for k in self._data if k[0] == plan_id and k[1] == tag and k[2] < below]:
+                del self._data[key]
+
     def drop(self, plan_id: str) -> None:
         """Drop everything held for ``plan_id`` (uninstalled)."""
         with self._lock:

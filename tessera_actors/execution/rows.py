@@ -13,7 +13,9 @@ device between steps:
 * the ``input_ids`` input (where read): a row of the previous step takes
   the token this device sampled for it there (no host round trip), a row
   that starts takes the engine's; a device that reads ``input_ids`` but
-  does not sample takes every entry's token from the engine (``tokens``);
+  does not sample takes the tokens from the device that does when that
+  one is a co-located peer (handed over thread to thread, :mod:`.step`),
+  else every entry's token from the engine (``tokens``);
 * the sampled entries (where the logits end): a :class:`.sampling.SampleBatch`
   made when the rows change, moved on one token otherwise.
 
@@ -75,9 +77,11 @@ class PlanRows:
         self.order_t: torch.Tensor | None = None
         self.active: torch.Tensor | None = None   # 1 at the rows of ``order``, 0 at padding
 
-    def apply(self, step: int, rows: StepRows, sampled: tuple[int, torch.Tensor] | None) -> None:
+    def apply(self, step: int, rows: StepRows, sampled) -> None:
         """Write step ``step``'s inputs from ``rows`` and the rows kept;
-        ``sampled``: (step, token ids) this device sampled last."""
+        ``sampled``: (step, token ids) this device sampled last, or where
+        another device samples them a callable ``base -> (base, ids)`` that
+        waits for that device's tokens (called only when rows continue)."""
         if rows.base >= 0 and rows.base != self.last:
             raise BackendError(f"step {step}: its rows continue step {rows.base} of the plan, but the last step "
                                f"of it on this device is {self.last}")
@@ -99,13 +103,18 @@ class PlanRows:
             dst.copy_(src)
         self.last = step
 
-    def _tokens(self, rows: StepRows, sampled: tuple[int, torch.Tensor] | None) -> torch.Tensor:
+    def _tokens(self, rows: StepRows, sampled) -> torch.Tensor:
+        """The tokens step ``rows.base`` sampled: ``sampled`` is (step, ids)
+        or a callable giving them for a step (another device sampled them)."""
+        if callable(sampled):
+            sampled = sampled(rows.base)
         if sampled is None or sampled[0] != rows.base:
             raise BackendError(f"the rows continue step {rows.base}, whose tokens this device did not sample")
         ids = sampled[1]
-        return ids if ids.dtype == self.ids.dtype else ids.to(self.ids.dtype)
+        return ids if ids.dtype == self.ids.dtype and ids.device == self.ids.device else \
+            ids.to(device=self.ids.device, dtype=self.ids.dtype)
 
-    def _change(self, rows: StepRows, sampled: tuple[int, torch.Tensor] | None) -> None:
+    def _change(self, rows: StepRows, sampled) -> None:
         """Rows start, leave or are all given (``base`` -1): rebuild what is kept."""
         order = list(rows.order) if rows.order is not None else self.order
         new = {int(e.row): e for e in rows.new}

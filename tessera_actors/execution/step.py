@@ -15,6 +15,12 @@ its outputs, the inputs it reads.  :meth:`DeviceStep.begin` starts a step
   the received bytes for the next ``advance``;
 * :meth:`StepRun.landed` (after ``landing`` completed) gives the answer.
 
+Where the device that samples a decode step is not the one that reads
+``input_ids`` (a split plan: the embedding on one device, the LM head on
+another), the sampler hands the step's tokens to the reader thread to
+thread (``TOKENS``), so the next step needs no host round trip and the
+engine can send it before this one lands.
+
 A step without transfers or outputs is one ``advance`` call that is done at
 once: the device actor may then *launch* the next step behind it before this
 one has landed (decode lookahead) - the same code, not a second path.
@@ -44,7 +50,7 @@ from tessera_actors.execution.hostbuf import Landings, Uploads
 from tessera_actors.execution.inputs import chunk_inputs, write_inputs
 from tessera_actors.execution.mapped import MappedWriter
 from tessera_actors.execution.probe import Probe
-from tessera_actors.execution.program import AtenProgram
+from tessera_actors.execution.program import AtenProgram, BackendError
 from tessera_actors.execution.rows import PlanRows
 from tessera_actors.execution.sampling import SampleBatch, as_sample_row
 from tessera_actors.execution.sampling_extras import pack, unpack
@@ -53,6 +59,31 @@ from tessera_actors.graph import KernelGraph
 from tessera_actors.plan import Plan, program_blocks
 
 AHEAD = 2   # steps of one plan launched and not yet answered, at most (the device actor's launch-ahead)
+TOKENS = "tokens"   # the hand-off tag of a decode step's sampled tokens, between co-located devices
+TOKENS_WAIT_S = 30.0   # how long a device's next step waits for them (the device sampling them failed: an error)
+
+
+class SampledTokens:
+    """A step's sampled token ids handed to the co-located device that
+    reads ``input_ids``: ``host`` (:func:`~.sampling_extras.pack`'s tensor,
+    ids in its first row) is settled once ``event`` of ``backend`` is."""
+
+    def __init__(self, backend, event, host: torch.Tensor) -> None:
+        self.backend, self.event, self.host = backend, event, host
+
+    def ids(self) -> torch.Tensor:
+        self.backend.host_wait(self.event)
+        return self.host[0].to(torch.int64)
+
+
+class NoTokens:
+    """In place of :class:`SampledTokens`: the sampling device's step failed."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def ids(self) -> torch.Tensor:
+        raise BackendError(self.why)
 
 
 @dataclass
@@ -113,6 +144,15 @@ class DeviceStep:
         self.holds_logits = logits is not None and any(b == logits[0] and dev == device
                                                        for b, _, _, dev in plan.outputs)
         self.sampled: tuple[int, torch.Tensor] | None = None   # (step, its token ids on the device)
+        # a decode step's tokens between co-located devices: where another device reads input_ids, the one
+        # that samples hands it each step's tokens (``tokens_to``: that reader's hand-off), and the reader's
+        # rows take them from its own (``tokens_from``), so the engine may launch the next step ahead
+        ids_ref = graph.meta.get("input_views", {}).get("input_ids")
+        reader = [d for d, bufs in enumerate(plan.inputs) if ids_ref is not None and ids_ref[0] in bufs]
+        holder = {dev for b, _, _, dev in plan.outputs if logits is not None and b == logits[0]}
+        apart = len(reader) == 1 and len(holder) == 1 and reader != list(holder)
+        self.tokens_to = peers.get(reader[0]) if apart and device in holder else None
+        self.tokens_from = apart and device == reader[0] and next(iter(holder)) in peers
         self.only_kernels = all(st.op == "run" for st in self.program)
         # made once: the pinned memory inputs go up and tokens come down through, the decode rows kept here
         self.uploads = Uploads(runner.device, runner.backend, runner.compute)
@@ -149,6 +189,12 @@ class DeviceStep:
         """Whether this device samples ``msg``: it asks for tokens and the
         logits (the graph's first output) end here."""
         return (bool(msg.sample) or msg.rows is not None) and self.holds_logits
+
+    def failed(self, msg, err: Exception) -> None:
+        """Step ``msg`` failed here: a device waiting for its tokens learns so at once."""
+        if self.tokens_to is not None and msg.rows is not None:
+            self.tokens_to.put((self.plan_id, TOKENS, msg.step),
+                               NoTokens(f"the tokens of step {msg.step} were not sampled: {type(err).__name__}: {err}"))
 
     def plan_rows(self) -> PlanRows:
         """The decode rows kept on this device (made at the first step that names them)."""
@@ -336,12 +382,30 @@ class StepRun:
         if msg.outputs and st.outputs:
             self.data = runner.read([r for *_, r in st.outputs])
         self.landing = runner.backend.record(runner.compute)
+        if st.tokens_to is not None and msg.rows is not None and self.host is not None:
+            st.tokens_to.put((st.plan_id, TOKENS, msg.step), SampledTokens(runner.backend, self.landing, self.host))
 
     def landed(self) -> Landed:
         """The answer, once ``landing`` completed (the host copy is settled)."""
         tokens, logprobs, top = unpack(self.host) if self.host is not None else ([], [], [])
         outs = [[b, s, e] for b, s, e, _ in self.step.outputs] if self.msg.outputs else []
         return Landed(tokens, logprobs, outs, self.data, self.spans or [], top)
+
+    def _peer_tokens(self, base: int) -> tuple[int, torch.Tensor]:
+        """(``base``, the token ids step ``base`` sampled on the co-located
+        device that samples this plan), waited for on the worker: that
+        device's share of step ``base`` runs after this one's, and sampling
+        ends it."""
+        st = self.step
+        w0 = time.perf_counter()
+        got = self.handoff.take((st.plan_id, TOKENS, base), TOKENS_WAIT_S)
+        if got is None:
+            raise BackendError(f"step {self.msg.step} of plan {st.plan_id!r}: the tokens of step {base} did not come "
+                               f"from the device that samples them within {TOKENS_WAIT_S:g} s")
+        ids = got.ids()
+        if self.probe is not None:
+            self.probe.add("wait", f"wait tokens {base}", w0, time.perf_counter(), tag=TOKENS, on="worker")
+        return base, ids
 
     def _inputs_writer(self) -> Callable[[], None] | None:
         """The worker-side writing of the step's inputs (None: this device
@@ -352,7 +416,10 @@ class StepRun:
             def write() -> None:
                 if msg.inputs:
                     write_inputs(st.prog, st.graph, msg.inputs, st.feed, st.uploads, partial=True)
-                st.plan_rows().apply(msg.step, msg.rows, st.sampled)
+                st.plan_rows().apply(msg.step, msg.rows, self._peer_tokens if st.tokens_from else st.sampled)
+                if st.tokens_from:   # tokens of earlier steps that no step took (their rows ended or were given)
+                    base = msg.rows.base
+                    self.handoff.prune(st.plan_id, TOKENS, base if base >= 0 else msg.step - 1)
             return write
         if st.feed and msg.chunk is not None:
             return lambda: write_inputs(st.prog, st.graph, {**msg.inputs, **chunk_inputs(msg.chunk)}, st.feed,

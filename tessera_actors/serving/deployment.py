@@ -67,10 +67,12 @@ log = logging.getLogger("tessera_actors.serving")
 MEMORY_STATS = ("allocated_bytes", "shared_bytes", "scratch_bytes", "plan_bytes")
 
 
-def _feeding_device(graph, plan: Plan) -> int | None:
-    """The plan device that reads ``input_ids`` and holds the logits (the
-    first output), if one does both: it can feed a step's sampled tokens to
-    the next step without the host."""
+def _feeding_device(graph, plan: Plan, routes: list) -> int | None:
+    """The plan device that reads ``input_ids``, when a step's sampled
+    tokens can feed the next step without the host: it holds the logits
+    (the first output) too, or the one device that does runs in the same
+    process (``routes``: each plan device's ``(device, endpoint, actor)``),
+    and hands it the tokens thread to thread (``execution/step.py``)."""
     views = graph.meta.get("input_views", {})
     outs = graph.meta.get("output_views") or []
     if "input_ids" not in views or not outs:
@@ -78,7 +80,10 @@ def _feeding_device(graph, plan: Plan) -> int | None:
     ids_buf, logits_buf = views["input_ids"][0], outs[0][0]
     readers = [d for d, bufs in enumerate(plan.inputs) if ids_buf in bufs]
     holders = {dev for b, _, _, dev in plan.outputs if b == logits_buf}
-    return readers[0] if len(readers) == 1 and holders == {readers[0]} else None
+    if len(readers) != 1 or len(holders) != 1:
+        return None
+    reader, holder = readers[0], next(iter(holders))
+    return reader if reader == holder or routes[reader][1] == routes[holder][1] else None
 
 
 def _background_order(b: Bucket) -> tuple:
@@ -221,7 +226,7 @@ class Deployment(Measuring, Stepping):
         graph = self.served.graph(bucket)
         graph.forget_edges()   # placed: the next bucket's planning reuses that memory (a re-placement derives them again)
         await self._note_memory(dep.routes, refs)
-        return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(graph, plan))
+        return PlacedBucket(plan_id, plan, refs, dep.routes, feeds=_feeding_device(graph, plan, dep.routes))
 
     async def _note_memory(self, routes: list, refs: list) -> None:
         """What the plan's devices hold now (:attr:`device_memory`): an
