@@ -27,8 +27,9 @@ critical path - beside the planner's step model in the same terms (row
 row and workload in ``--out``).
 
 Correctness at batch 1, from the engines' outputs: a reference engine on the
-GPU alone without a budget (same weights) gives greedy tokens and their top
-log probabilities; every row's engine is checked teacher-forced against them
+GPU alone without a budget (same weights; by default with the aten capture
+the rows' GPU pieces run, ``--reference-capture``) gives greedy tokens and
+their top log probabilities; every row's engine is checked teacher-forced against them
 (:func:`~tessera_actors.bench.offload_engine.forced`): argmax flips beyond a
 tie (``--tie-nats``), the largest log-probability error and the least cosine
 over the top ids.  Rates are measured first: one activation hand-off between
@@ -96,7 +97,7 @@ class OffloadConfig:
     layers: int = 0                   # > 0: the model with this many layers (a quick check of a real-size run)
     rings: tuple[str, ...] = ("bytes",)   # staging ring modes: the first for every policy, others Tessera again
     tie_nats: float = TIE_NATS
-    reference_capture: str = "auto"   # the GPU-only reference's capture: auto (what a GPU-only user gets) or aten
+    reference_capture: str = "aten"   # the GPU-only reference's capture: aten (the rows' GPU kernels) or auto
     expert_parts: int = 4             # moe: each layer's routed experts as this many tensors, placed apart
     warmup_tokens: int = 128          # moe: tokens per row of the 4-row warm-up batch whose routing is the load
     probe: int = 0                    # > 0: this many decode steps of each batch probed after its timed window
