@@ -385,6 +385,31 @@ async def test_a_split_plan_hands_its_sampled_tokens_to_the_device_that_embeds_t
     assert st1["lookahead_steps"] == 0 and st2["lookahead_steps"] >= 10
 
 
+async def test_on_a_split_a_step_whose_tokens_were_never_sampled_fails_at_once_by_name():
+    """cpu,cpu: the device that samples fails a step (a record naming a
+    token outside the vocabulary); the next step, whose rows continue it,
+    fails on the device that embeds them, saying which tokens it missed -
+    at once, not after a receive timeout - and the rows given again go on."""
+    from tessera_actors.runtime.messages import SampleRow, StepRows
+    from tessera_actors.serving.deployment import StepFailed
+    async with AsyncEngine(model="llama", size="tiny", devices="cpu,cpu", max_seqs=2, max_model_len=64,
+                           decode_buckets=(2,), prefill_buckets=(8,)) as eng:
+        dep = eng.deployment
+        bucket = dep.reference_bucket()
+        rows = [SampleRow(r, position=0, token=t) for r, t in enumerate((5, 9))]
+        first = dep.reserve(bucket)
+        await dep.step(bucket, {}, [], ["a", "b"], first, decode=StepRows(-1, [0, 1], rows, 63))
+        bad = dep.reserve(bucket)
+        with pytest.raises(StepFailed, match="token ids must be in"):
+            await dep.step(bucket, {}, [], ["a", "b"], bad,
+                           decode=StepRows(first, pad=63, records=[[0, {"bias": [[10 ** 9, 1.0]]}]]))
+        with pytest.raises(StepFailed, match=f"the tokens of step {bad} were not sampled: ValueError"):
+            await asyncio.wait_for(dep.step(bucket, {}, [], ["a", "b"], dep.reserve(bucket),
+                                            decode=StepRows(bad, pad=63)), timeout=60)
+        again = await dep.step(bucket, {}, [], ["a", "b"], dep.reserve(bucket), decode=StepRows(-1, [0, 1], rows, 63))
+    assert len(again.tokens) == 2
+
+
 async def test_a_decode_step_continuing_a_step_its_device_did_not_run_fails_by_name():
     import torch
 

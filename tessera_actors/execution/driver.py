@@ -33,7 +33,7 @@ from tessera_actors.execution.inbox import TransferFailed
 from tessera_actors.execution.plans import DevicePlan
 from tessera_actors.execution.program import BackendError
 from tessera_actors.execution.spans import sub_ranges
-from tessera_actors.execution.step import AHEAD, StepRun
+from tessera_actors.execution.step import AHEAD, TOKENS, StepRun, TokensWanted, received
 from tessera_actors.execution.worker import Worker
 from tessera_actors.runtime.messages import RunStep, Ship, StepDone
 
@@ -93,6 +93,7 @@ class Driver:
                     launched.append((msg, fut, landed, run))
                     continue
                 await asyncio.wait({landed})
+                inst.step.hand_tokens(msg, run, landed.exception())
                 self._answer(inst, msg, fut, landed, run)
         except asyncio.CancelledError:
             for waiting in [f for _, f, *_ in launched] + [fut]:
@@ -123,7 +124,10 @@ class Driver:
 
     async def _receive(self, plan_id: str, inst: DevicePlan, msg: RunStep, t, run: StepRun) -> float:
         """Wait on the loop for transfer ``t`` of ``msg`` and stage its bytes
-        (whole, or span by span as they arrive); seconds waited."""
+        (whole, or span by span as they arrive), or for the tokens another
+        device sampled (``t`` a :class:`~.step.TokensWanted`); seconds waited."""
+        if isinstance(t, TokensWanted):
+            return await self._tokens(msg, t, run)
         what = f"{self.name}: transfer {t.tag} from device {t.src} ({inst.plan.devices[t.src]})"
         started = time.time()
         w0 = time.perf_counter()
@@ -133,7 +137,7 @@ class Driver:
             except asyncio.TimeoutError:
                 raise TransferFailed(f"{what} of step {msg.step}: nothing arrived within "
                                      f"{self.recv_timeout:g} s") from None
-            run.stage(t.buffer, t.ranges, data, inst.step.writers.get(t.tag))
+            run.stage(t.buffer, t.ranges, received(data), inst.step.writers.get(t.tag))
             waited = time.perf_counter() - w0
             if run.probe is not None:
                 run.probe.add("wait", f"wait {t.tag}", w0, w0 + waited, tag=t.tag, src=t.src, on="loop")
@@ -146,6 +150,20 @@ class Driver:
         run.received()
         if run.spans is not None:
             run.spans.append([f"recv {t.tag} ({t.nbytes} B from device {t.src})", started, time.time()])
+        return waited
+
+    async def _tokens(self, msg: RunStep, want: TokensWanted, run: StepRun) -> float:
+        w0 = time.perf_counter()
+        try:
+            got = await self.handoff.wait(want.key, self.recv_timeout)
+        except asyncio.TimeoutError:
+            raise TransferFailed(f"{self.name}: step {msg.step} continues the rows of step {want.base}, whose tokens "
+                                 f"did not come from the device that samples them within {self.recv_timeout:g} s"
+                                 ) from None
+        run.got_tokens(want, got)
+        waited = time.perf_counter() - w0
+        if run.probe is not None:
+            run.probe.add("wait", f"wait tokens {want.base}", w0, w0 + waited, tag=TOKENS, on="loop")
         return waited
 
     def _landing(self, run: StepRun) -> asyncio.Future:

@@ -77,11 +77,10 @@ class PlanRows:
         self.order_t: torch.Tensor | None = None
         self.active: torch.Tensor | None = None   # 1 at the rows of ``order``, 0 at padding
 
-    def apply(self, step: int, rows: StepRows, sampled) -> None:
+    def apply(self, step: int, rows: StepRows, sampled: tuple[int, torch.Tensor] | None) -> None:
         """Write step ``step``'s inputs from ``rows`` and the rows kept;
-        ``sampled``: (step, token ids) this device sampled last, or where
-        another device samples them a callable ``base -> (base, ids)`` that
-        waits for that device's tokens (called only when rows continue)."""
+        ``sampled``: (step, token ids) this device sampled last, or that
+        the device sampling them handed it (another device samples)."""
         if rows.base >= 0 and rows.base != self.last:
             raise BackendError(f"step {step}: its rows continue step {rows.base} of the plan, but the last step "
                                f"of it on this device is {self.last}")
@@ -103,18 +102,14 @@ class PlanRows:
             dst.copy_(src)
         self.last = step
 
-    def _tokens(self, rows: StepRows, sampled) -> torch.Tensor:
-        """The tokens step ``rows.base`` sampled: ``sampled`` is (step, ids)
-        or a callable giving them for a step (another device sampled them)."""
-        if callable(sampled):
-            sampled = sampled(rows.base)
+    def _tokens(self, rows: StepRows, sampled: tuple[int, torch.Tensor] | None) -> torch.Tensor:
         if sampled is None or sampled[0] != rows.base:
             raise BackendError(f"the rows continue step {rows.base}, whose tokens this device did not sample")
         ids = sampled[1]
         return ids if ids.dtype == self.ids.dtype and ids.device == self.ids.device else \
             ids.to(device=self.ids.device, dtype=self.ids.dtype)
 
-    def _change(self, rows: StepRows, sampled) -> None:
+    def _change(self, rows: StepRows, sampled: tuple[int, torch.Tensor] | None) -> None:
         """Rows start, leave or are all given (``base`` -1): rebuild what is kept."""
         order = list(rows.order) if rows.order is not None else self.order
         new = {int(e.row): e for e in rows.new}

@@ -17,9 +17,12 @@ its outputs, the inputs it reads.  :meth:`DeviceStep.begin` starts a step
 
 Where the device that samples a decode step is not the one that reads
 ``input_ids`` (a split plan: the embedding on one device, the LM head on
-another), the sampler hands the step's tokens to the reader thread to
-thread (``TOKENS``), so the next step needs no host round trip and the
-engine can send it before this one lands.
+another), the sampler hands the landed step's tokens (or its failure) to
+the reader thread to thread (``TOKENS``, :meth:`DeviceStep.hand_tokens`),
+so the next step needs no host round trip and the engine can send it
+before this one lands.  The reader waits for them as for a hand-off: on
+its worker while nothing else wants it, then on its loop (``Progress``
+waiting on a :class:`TokensWanted`).
 
 A step without transfers or outputs is one ``advance`` call that is done at
 once: the device actor may then *launch* the next step behind it before this
@@ -60,30 +63,42 @@ from tessera_actors.plan import Plan, program_blocks
 
 AHEAD = 2   # steps of one plan launched and not yet answered, at most (the device actor's launch-ahead)
 TOKENS = "tokens"   # the hand-off tag of a decode step's sampled tokens, between co-located devices
-TOKENS_WAIT_S = 30.0   # how long a device's next step waits for them (the device sampling them failed: an error)
 
 
+@dataclass
 class SampledTokens:
-    """A step's sampled token ids handed to the co-located device that
-    reads ``input_ids``: ``host`` (:func:`~.sampling_extras.pack`'s tensor,
-    ids in its first row) is settled once ``event`` of ``backend`` is."""
-
-    def __init__(self, backend, event, host: torch.Tensor) -> None:
-        self.backend, self.event, self.host = backend, event, host
+    """A landed step's sampled token ids, handed to the co-located device
+    that reads ``input_ids``: ``host`` is :func:`~.sampling_extras.pack`'s
+    tensor in host memory (ids in its first row); ``why``: instead, why
+    there are none (the sampling device's step failed)."""
+    host: torch.Tensor | None = None
+    why: str = ""
 
     def ids(self) -> torch.Tensor:
-        self.backend.host_wait(self.event)
+        if self.host is None:
+            raise BackendError(self.why)
         return self.host[0].to(torch.int64)
 
 
-class NoTokens:
-    """In place of :class:`SampledTokens`: the sampling device's step failed."""
+@dataclass
+class PeerFailed:
+    """In place of a hand-off's bytes: the co-located device sending them failed the step."""
+    why: str
 
-    def __init__(self, why: str) -> None:
-        self.why = why
 
-    def ids(self) -> torch.Tensor:
-        raise BackendError(self.why)
+def received(data):
+    """A hand-off's bytes as taken; ``BackendError`` when the sender failed instead."""
+    if isinstance(data, PeerFailed):
+        raise BackendError(data.why)
+    return data
+
+
+@dataclass
+class TokensWanted:
+    """What :meth:`StepRun.advance` waits for on the event loop when the
+    tokens its rows continue from have not come: hand-off ``key``."""
+    key: tuple
+    base: int
 
 
 @dataclass
@@ -190,11 +205,28 @@ class DeviceStep:
         logits (the graph's first output) end here."""
         return (bool(msg.sample) or msg.rows is not None) and self.holds_logits
 
-    def failed(self, msg, err: Exception) -> None:
-        """Step ``msg`` failed here: a device waiting for its tokens learns so at once."""
-        if self.tokens_to is not None and msg.rows is not None:
-            self.tokens_to.put((self.plan_id, TOKENS, msg.step),
-                               NoTokens(f"the tokens of step {msg.step} were not sampled: {type(err).__name__}: {err}"))
+    def hand_tokens(self, msg, run: "StepRun | None", err: BaseException | None = None) -> None:
+        """Step ``msg`` landed here (``run``) or failed (``err``): hand its
+        tokens, or the failure, to the co-located device that reads
+        ``input_ids`` (none: this device does, or samples nothing)."""
+        if self.tokens_to is None or msg.rows is None:
+            return
+        got = SampledTokens(run.host) if err is None and run is not None and run.host is not None else \
+            SampledTokens(why=f"the tokens of step {msg.step} were not sampled: "
+                              f"{type(err).__name__ if err else 'no sampling'}: {err or ''}")
+        self.tokens_to.put((self.plan_id, TOKENS, msg.step), got)
+
+    def failed(self, msg, err: BaseException) -> None:
+        """Step ``msg`` failed here: the co-located devices waiting for its
+        hand-offs or its tokens learn so at once (else they would wait out
+        their receive timeout)."""
+        why = f"device {self.device} ({self.plan.devices[self.device]}) failed step {msg.step}: " \
+              f"{type(err).__name__}: {err}"
+        for t in self.plan.transfers:
+            peer = self.peers.get(t.dst) if t.src == self.device else None
+            if peer is not None:
+                peer.put((self.plan_id, msg.step, t.tag), PeerFailed(why))
+        self.hand_tokens(msg, None, err)
 
     def plan_rows(self) -> PlanRows:
         """The decode rows kept on this device (made at the first step that names them)."""
@@ -238,6 +270,7 @@ class StepRun:
         self.counts = {"replays": 0, "eager_runs": 0, "capture_failures": 0}   # of this step's runs here
         self.probe = step.probe_for(msg)
         self.began: float | None = None   # probed: when the first call started
+        self.tokens: tuple[int, torch.Tensor] | None = None   # (step, ids) another device sampled (``wanted``)
 
     def stage(self, buffer: int, ranges: list, data: Any, write: Callable | None = None) -> None:
         """Received bytes (a whole transfer, or one span of it) the next
@@ -266,6 +299,11 @@ class StepRun:
             if hasattr(st.prog, "probe"):   # a streaming program records its copies in this step's probe
                 st.prog.probe = probe
         if self.prelude is not None:
+            want = self._take_tokens()
+            if want is not None:   # the sampling device has not landed them: wait on the loop
+                busy = time.perf_counter() - t0
+                self.busy += busy
+                return Progress(False, want, [], busy, 0.0)
             self.prelude()
             self.prelude = None
         if self.staged:
@@ -314,7 +352,7 @@ class StepRun:
         if data is None:
             return False
         s0 = probe.mark(st.runner.compute) if probe is not None else None
-        st.writers[t.tag](data)
+        st.writers[t.tag](received(data))
         if probe is not None:
             probe.add("recv", f"recv {t.tag}", s0, probe.mark(st.runner.compute), tag=t.tag, bytes=t.nbytes)
         return True
@@ -382,8 +420,6 @@ class StepRun:
         if msg.outputs and st.outputs:
             self.data = runner.read([r for *_, r in st.outputs])
         self.landing = runner.backend.record(runner.compute)
-        if st.tokens_to is not None and msg.rows is not None and self.host is not None:
-            st.tokens_to.put((st.plan_id, TOKENS, msg.step), SampledTokens(runner.backend, self.landing, self.host))
 
     def landed(self) -> Landed:
         """The answer, once ``landing`` completed (the host copy is settled)."""
@@ -391,21 +427,38 @@ class StepRun:
         outs = [[b, s, e] for b, s, e, _ in self.step.outputs] if self.msg.outputs else []
         return Landed(tokens, logprobs, outs, self.data, self.spans or [], top)
 
-    def _peer_tokens(self, base: int) -> tuple[int, torch.Tensor]:
-        """(``base``, the token ids step ``base`` sampled on the co-located
-        device that samples this plan), waited for on the worker: that
-        device's share of step ``base`` runs after this one's, and sampling
-        ends it."""
-        st = self.step
+    def wanted(self) -> TokensWanted | None:
+        """The tokens this step's rows continue from, when another device
+        samples them and they have not been taken yet (None: none needed)."""
+        st, rows = self.step, self.msg.rows
+        if not st.tokens_from or rows is None or self.tokens is not None or rows.base < 0 or rows.tokens:
+            return None
+        new = {int(e.row) for e in rows.new}
+        order = rows.order if rows.order is not None else st.plan_rows().order
+        if all(r in new for r in order):
+            return None   # every row starts here: the engine gave their tokens
+        return TokensWanted((st.plan_id, TOKENS, rows.base), rows.base)
+
+    def got_tokens(self, want: TokensWanted, got: SampledTokens) -> None:
+        """The tokens ``want`` named arrived (taken on the worker, or on the loop)."""
+        self.tokens = (want.base, got.ids())
+
+    def _take_tokens(self) -> TokensWanted | None:
+        """On the worker, before the inputs are written: the tokens the rows
+        continue from, waited for as a hand-off is (up to ``spin`` while no
+        other work wants the thread); what is still wanted (None: nothing)."""
+        want = self.wanted()
+        if want is None:
+            return None
         w0 = time.perf_counter()
-        got = self.handoff.take((st.plan_id, TOKENS, base), TOKENS_WAIT_S)
-        if got is None:
-            raise BackendError(f"step {self.msg.step} of plan {st.plan_id!r}: the tokens of step {base} did not come "
-                               f"from the device that samples them within {TOKENS_WAIT_S:g} s")
-        ids = got.ids()
+        got = self.handoff.take(want.key, self.spin, self.busy_elsewhere) if self.spin > 0 else None
         if self.probe is not None:
-            self.probe.add("wait", f"wait tokens {base}", w0, time.perf_counter(), tag=TOKENS, on="worker")
-        return base, ids
+            self.probe.add("wait", f"wait tokens {want.base}", w0, time.perf_counter(), tag=TOKENS, on="worker",
+                           got=got is not None)
+        if got is None:
+            return want
+        self.got_tokens(want, got)
+        return None
 
     def _inputs_writer(self) -> Callable[[], None] | None:
         """The worker-side writing of the step's inputs (None: this device
@@ -416,7 +469,7 @@ class StepRun:
             def write() -> None:
                 if msg.inputs:
                     write_inputs(st.prog, st.graph, msg.inputs, st.feed, st.uploads, partial=True)
-                st.plan_rows().apply(msg.step, msg.rows, self._peer_tokens if st.tokens_from else st.sampled)
+                st.plan_rows().apply(msg.step, msg.rows, self.tokens if st.tokens_from else st.sampled)
                 if st.tokens_from:   # tokens of earlier steps that no step took (their rows ended or were given)
                     base = msg.rows.base
                     self.handoff.prune(st.plan_id, TOKENS, base if base >= 0 else msg.step - 1)
