@@ -383,6 +383,8 @@ async def test_a_split_plan_hands_its_sampled_tokens_to_the_device_that_embeds_t
     assert samplers and placed.feeds not in samplers and placed.feeds in graph_ids   # reads ids here, samples there
     assert [(t, x) for t, x, _ in split] == [(t, x) for t, x, _ in one]
     assert st1["lookahead_steps"] == 0 and st2["lookahead_steps"] >= 10
+    unrun = [s for s in st2["bucket_stats"].values() if not s["replays"] + s["eager_runs"]]
+    assert unrun and all(s["capture_failures"] == 0 for s in unrun)   # every bucket reports its counts
 
 
 async def test_on_a_split_a_step_whose_tokens_were_never_sampled_fails_at_once_by_name():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+from tessera_actors.serving.deployment_steps import RUN_COUNTS
 from tessera_actors.serving.memory import memory_report
 
 
@@ -70,11 +71,13 @@ class Reporting:
     def _bucket_stats(self) -> dict[str, dict]:
         """Per bucket: how it was captured (``inductor`` | ``aten``, or why
         inductor was not used), and over the steps served so far its runs of
-        kernels replayed as CUDA graphs, run eagerly, and captures that failed."""
+        kernels replayed as CUDA graphs, run eagerly, and captures that failed
+        (zeros for a bucket no step ran yet)."""
         rt = self.deployment
         if rt is None:
             return {}
-        return {name: {"capture": rt.served.captures.get(name, ""), **rt.bucket_counts.get(name, {})}
+        return {name: {"capture": rt.served.captures.get(name, ""), **dict.fromkeys(RUN_COUNTS, 0),
+                       **rt.bucket_counts.get(name, {})}
                 for name in rt.served.graphs}
 
     async def wait_placed(self) -> None:
