@@ -302,6 +302,20 @@ def plan_from_dict(d: dict[str, Any]) -> Plan:
         d["mode"], d["microbatches"], d["predicted_step_s"], dict(d["meta"]))
 
 
+def token_devices(graph: KernelGraph, plan: Plan) -> tuple[int, int] | None:
+    """(the plan device that reads ``input_ids``, the one that holds the
+    logits - the graph's first output) when one device each does (they may
+    be the same), else None: who feeds a decode step's sampled tokens to
+    the next step."""
+    ids = graph.meta.get("input_views", {}).get("input_ids")
+    outs = graph.meta.get("output_views") or []
+    if ids is None or not outs:
+        return None
+    readers = [d for d, bufs in enumerate(plan.inputs) if ids[0] in bufs]
+    holders = {dev for b, _, _, dev in plan.outputs if b == outs[0][0]}
+    return (readers[0], next(iter(holders))) if len(readers) == 1 and len(holders) == 1 else None
+
+
 def program_blocks(plan: Plan, d: int) -> dict[int, tuple[int, list[int], list[int]]]:
     """Per step ``i`` of device ``d``'s program that is not a receive:
     ``(end, kernels, sends)`` - the kernels of the runs from ``i`` on and the

@@ -59,7 +59,7 @@ from tessera_actors.execution.sampling import SampleBatch, as_sample_row
 from tessera_actors.execution.sampling_extras import pack, unpack
 from tessera_actors.execution.segments import SegmentRunner
 from tessera_actors.graph import KernelGraph
-from tessera_actors.plan import Plan, program_blocks
+from tessera_actors.plan import Plan, program_blocks, token_devices
 
 AHEAD = 2   # steps of one plan launched and not yet answered, at most (the device actor's launch-ahead)
 TOKENS = "tokens"   # the hand-off tag of a decode step's sampled tokens, between co-located devices
@@ -162,12 +162,10 @@ class DeviceStep:
         # a decode step's tokens between co-located devices: where another device reads input_ids, the one
         # that samples hands it each step's tokens (``tokens_to``: that reader's hand-off), and the reader's
         # rows take them from its own (``tokens_from``), so the engine may launch the next step ahead
-        ids_ref = graph.meta.get("input_views", {}).get("input_ids")
-        reader = [d for d, bufs in enumerate(plan.inputs) if ids_ref is not None and ids_ref[0] in bufs]
-        holder = {dev for b, _, _, dev in plan.outputs if logits is not None and b == logits[0]}
-        apart = len(reader) == 1 and len(holder) == 1 and reader != list(holder)
-        self.tokens_to = peers.get(reader[0]) if apart and device in holder else None
-        self.tokens_from = apart and device == reader[0] and next(iter(holder)) in peers
+        pair = token_devices(graph, plan)
+        reader, holder = pair if pair is not None and pair[0] != pair[1] else (None, None)
+        self.tokens_to = peers.get(reader) if device == holder else None
+        self.tokens_from = device == reader and holder in peers
         self.only_kernels = all(st.op == "run" for st in self.program)
         # made once: the pinned memory inputs go up and tokens come down through, the decode rows kept here
         self.uploads = Uploads(runner.device, runner.backend, runner.compute)

@@ -46,7 +46,7 @@ from tessera_actors.devices import parse_devices
 from tessera_actors.launch import registry
 from tessera_actors.runtime.errors import ActorError
 from tessera_actors.runtime.messages import GetStats, Place, Register, Uninstall
-from tessera_actors.plan import Plan, plan_from_dict
+from tessera_actors.plan import Plan, plan_from_dict, token_devices
 from tessera_actors.planning.registry import get_planner
 from tessera_actors.planning.pinning import state_homes, weight_homes
 from transport.system import ActorSystem
@@ -73,16 +73,10 @@ def _feeding_device(graph, plan: Plan, routes: list) -> int | None:
     (the first output) too, or the one device that does runs in the same
     process (``routes``: each plan device's ``(device, endpoint, actor)``),
     and hands it the tokens thread to thread (``execution/step.py``)."""
-    views = graph.meta.get("input_views", {})
-    outs = graph.meta.get("output_views") or []
-    if "input_ids" not in views or not outs:
+    pair = token_devices(graph, plan)
+    if pair is None:
         return None
-    ids_buf, logits_buf = views["input_ids"][0], outs[0][0]
-    readers = [d for d, bufs in enumerate(plan.inputs) if ids_buf in bufs]
-    holders = {dev for b, _, _, dev in plan.outputs if b == logits_buf}
-    if len(readers) != 1 or len(holders) != 1:
-        return None
-    reader, holder = readers[0], next(iter(holders))
+    reader, holder = pair
     return reader if reader == holder or routes[reader][1] == routes[holder][1] else None
 
 
